@@ -1,0 +1,50 @@
+"""Packaging for megatron_hybrid (tool configuration lives in pyproject.toml)."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_ROOT = Path(__file__).parent
+_VERSION = re.search(
+    r'__version__ = "([^"]+)"', (_ROOT / "megatron_hybrid" / "package_info.py").read_text()
+).group(1)
+
+setup(
+    name="megatron_hybrid",
+    version=_VERSION,
+    description=(
+        "Hybrid (Mamba / GatedDeltaNet / attention / MoE) layer stacks for Megatron-Core: grouped "
+        "layer patterns, GPTModel-compatible checkpoints, combined-1F1B EP overlap, HybridEP padding"
+    ),
+    long_description=(_ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_hybrid", "megatron_hybrid.*"]),
+    install_requires=[
+        # Installed beforehand by scripts/setup.sh with --no-deps (its wheel claims >=3.12 only).
+        "megatron-core==0.19.2",
+        # Install torch before this package; a bare requirement would pull CUDA wheels.
+        "torch>=2.6",
+        # megatron-core imports triton and its torch_dist save needs psutil; it declares neither.
+        "triton",
+        "psutil",
+        "einops",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "viz": ["matplotlib>=3.7"],
+        # GatedDeltaNet ('G') layers; pure-Python wheels.
+        "gdn": ["fla-core==0.6.0", "flash-linear-attention==0.6.0"],
+    },
+    entry_points={"console_scripts": ["megatron-hybrid=megatron_hybrid.__main__:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "License :: OSI Approved :: Apache Software License",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
