@@ -1,0 +1,1 @@
+"""Checkpoint keys of hybrid stacks (pure key rules; sharded-state-dict wiring in ``sharded``)."""

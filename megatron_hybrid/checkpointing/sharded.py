@@ -1,0 +1,134 @@
+"""Sharded state dicts of hybrid stacks: module paths to checkpoint keys.
+
+Local (``state_dict``) keys always follow module paths (``decoder.layers.2.layers.1.mlp...``);
+only the *sharded* keys, the ones stored in a ``torch_dist`` checkpoint, are rewritten:
+
+* a pattern without groups keeps megatron-core's keys: ``decoder.layers.<physical index>.`` and
+  ``decoder.final_norm.`` — existing hybrid checkpoints keep loading;
+* a grouped pattern uses logical, Transformer-style keys: every physical layer of logical layer
+  ``L`` lands under ``decoder.layers.<L>.`` and the final norm under ``decoder.final_layernorm.``;
+* when every logical layer is the same GPT-equivalent group (``[*E]{L}``, ``[*-]{L}``), the keys
+  take TransformerBlock's homogeneous form (``decoder.layers.<suffix>`` with a leading layer
+  axis of global size L), unless ``metadata`` or the config ask for the indexed form — the rules
+  TransformerBlock applies, so the result *is* GPTModel's sharded state dict.
+
+Keys never depend on the pipeline split: indices are global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group
+
+__all__ = ["CheckpointKeyLayout", "stack_sharded_state_dict"]
+
+
+@dataclass(frozen=True)
+class CheckpointKeyLayout:
+    """How a grouped pattern's layers map to checkpoint keys (None for ungrouped patterns).
+
+    Attributes:
+        num_logical_layers: logical layers of the whole main pattern (all stages).
+        uniform_gpt_layers: every logical layer is the same GPT-equivalent group, so the
+            homogeneous (stacked) form is possible.
+    """
+
+    num_logical_layers: int
+    uniform_gpt_layers: bool
+
+    @classmethod
+    def for_pattern(cls, pattern) -> CheckpointKeyLayout | None:
+        """Layout of a parsed pattern; None when its main part has no group."""
+        if not pattern.has_groups:
+            return None
+        members = {layer.members for layer in pattern.logical_layers}
+        uniform = (
+            len(members) == 1
+            and all(layer.is_group for layer in pattern.logical_layers)
+            and is_gpt_equivalent_group(next(iter(members)))
+        )
+        return cls(num_logical_layers=pattern.logical_layer_count, uniform_gpt_layers=uniform)
+
+    def stacked(self, config, metadata: dict | None) -> bool:
+        """Whether to use the homogeneous form, by TransformerBlock's rules."""
+        if not self.uniform_gpt_layers:
+            return False
+        metadata = metadata or {}
+        if metadata.get("non_homogeneous_layers", False):
+            return False
+        if metadata.get("singleton_local_shards", False):
+            return False
+        if getattr(config, "hetereogenous_dist_checkpoint", False):
+            return False
+        if getattr(config, "heterogeneous_block_specs", False):
+            return False
+        for freq_name in ("moe_layer_freq", "linear_attention_freq"):
+            freq = getattr(config, freq_name, None)
+            if isinstance(freq, list) or (isinstance(freq, int) and freq > 1):
+                return False
+        return True
+
+
+def _member_sharded_state_dict(member, local_prefix, target_prefix, offsets, metadata):
+    sharded = member.sharded_state_dict(local_prefix, offsets, metadata)
+    replace_prefix_for_sharding(sharded, local_prefix, target_prefix)
+    return sharded
+
+
+def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadata: dict | None):
+    """Sharded state dict of a top-level :class:`~megatron_hybrid.HybridStack`.
+
+    Args:
+        stack: the stack (its ``checkpoint_keys`` decides the key layout).
+        prefix: module prefix, e.g. ``"decoder."``.
+        sharded_offsets: offsets from the parent (empty for a decoder).
+        metadata: dist-checkpointing metadata (``non_homogeneous_layers``, ...).
+
+    Returns:
+        The sharded state dict.
+    """
+    layout = stack.checkpoint_keys
+    layer_prefix = f"{prefix}layers."
+    sharded = {}
+    if layout is None:
+        for index, layer in enumerate(stack.layers):
+            local = f"{layer_prefix}{index}."
+            target = f"{layer_prefix}{layer.layer_number - 1}."
+            sharded.update(_member_sharded_state_dict(layer, local, target, [], metadata))
+        final_norm_key = "final_norm"
+    else:
+        stacked = layout.stacked(stack.config, metadata)
+        for index, (item, layer) in enumerate(zip(stack.layer_type_list, stack.layers)):
+            logical = stack.logical_layer_offset + index
+            if stacked:
+                target, offsets = layer_prefix, [(0, logical, layout.num_logical_layers)]
+            else:
+                target, offsets = f"{layer_prefix}{logical}.", []
+            if isinstance(item, tuple):
+                members = [
+                    (f"{layer_prefix}{index}.layers.{j}.", member)
+                    for j, member in enumerate(layer.layers)
+                ]
+            else:
+                members = [(f"{layer_prefix}{index}.", layer)]
+            for local, member in members:
+                sharded.update(
+                    _member_sharded_state_dict(member, local, target, offsets, metadata)
+                )
+        final_norm_key = "final_layernorm"
+
+    for name, module in stack.named_children():
+        if module is stack.layers:
+            continue
+        local = f"{prefix}{name}."
+        child = sharded_state_dict_default(
+            module, local, sharded_offsets, metadata, tp_group=stack.tp_group
+        )
+        if name == "final_norm":
+            replace_prefix_for_sharding(child, local, f"{prefix}{final_norm_key}.")
+        sharded.update(child)
+    return sharded

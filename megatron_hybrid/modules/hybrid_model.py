@@ -1,0 +1,451 @@
+"""HybridModel: megatron-core's HybridModel constructor, the full pattern grammar.
+
+The model's embedding, rotary embedding, MTP block and output layer are megatron-core's; the
+decoder is :class:`~megatron_hybrid.HybridStack`. The forward pass is GPTModel's
+``_preprocess`` / decoder / ``_postprocess`` split — GPTModel's own methods, so a grouped model
+computes what GPTModel computes (sequence-parallel ``padding_mask`` scatter included) and the
+combined-1F1B schedule plan can call the two halves as nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.quantization.utils import get_quant_config_or_none
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.utils import deprecate_inference_params
+from torch import Tensor
+
+from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout
+from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment
+
+__all__ = ["HybridModel", "set_schedule_plan_builder"]
+
+logger = logging.getLogger(__name__)
+
+# megatron_hybrid.schedule registers the combined-1F1B plan builder here, so that this module
+# does not depend on the schedule package (the dependency points the other way).
+_SCHEDULE_PLAN_BUILDER: Callable[..., Any] | None = None
+
+
+def set_schedule_plan_builder(builder: Callable[..., Any]) -> None:
+    """Register the function behind :meth:`HybridModel.build_schedule_plan`."""
+    global _SCHEDULE_PLAN_BUILDER
+    _SCHEDULE_PLAN_BUILDER = builder
+
+
+def _resolve_pattern(config, hybrid_layer_pattern, attention_ratio, mlp_ratio, override_pattern):
+    """megatron-core's deprecated ways of giving a pattern, resolved to one string."""
+    if override_pattern is not None:
+        if hybrid_layer_pattern is not None:
+            raise ValueError(
+                "hybrid_override_pattern and hybrid_layer_pattern cannot both be set; "
+                "hybrid_override_pattern is deprecated, pass hybrid_layer_pattern only"
+            )
+        logger.warning("hybrid_override_pattern is deprecated; use hybrid_layer_pattern")
+        hybrid_layer_pattern = override_pattern
+    if (attention_ratio or 0.0) > 0.0 or (mlp_ratio or 0.0) > 0.0:
+        if hybrid_layer_pattern is not None:
+            raise ValueError(
+                "hybrid_layer_pattern cannot be combined with the deprecated "
+                "hybrid_attention_ratio / hybrid_mlp_ratio; pass hybrid_layer_pattern only"
+            )
+        from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
+
+        logger.warning("hybrid_attention_ratio/hybrid_mlp_ratio are deprecated")
+        hybrid_layer_pattern = pattern_from_ratios(
+            config.num_layers, attention_ratio or 0.0, mlp_ratio or 0.0
+        )
+    if hybrid_layer_pattern is None:
+        raise ValueError(
+            "HybridModel needs hybrid_layer_pattern, e.g. '[*E]{4}' (see docs/pattern_grammar.md)"
+        )
+    return hybrid_layer_pattern
+
+
+def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
+    if config.num_layers != parsed.physical_layer_count:
+        raise ValueError(
+            f"TransformerConfig.num_layers={config.num_layers}, but the pattern "
+            f"{parsed.pattern!r} has {parsed.physical_layer_count} physical layers (a group "
+            f"like '[*E]' counts 2). Set num_layers={parsed.physical_layer_count}."
+        )
+    if parsed.mtp_num_depths and config.mtp_num_layers != parsed.mtp_num_depths:
+        raise ValueError(
+            f"the pattern {parsed.pattern!r} has {parsed.mtp_num_depths} MTP depth(s) but "
+            f"TransformerConfig.mtp_num_layers={config.mtp_num_layers}; set "
+            f"mtp_num_layers={parsed.mtp_num_depths}"
+        )
+    if not parsed.mtp_num_depths and config.mtp_num_layers:
+        raise ValueError(
+            f"TransformerConfig.mtp_num_layers={config.mtp_num_layers}, but the pattern "
+            f"{parsed.pattern!r} has no MTP part; add one ('<main>/<mtp>') or unset "
+            "mtp_num_layers"
+        )
+    if config.pipeline_model_parallel_layout is not None:
+        raise ValueError(
+            "pipeline_model_parallel_layout is not used by HybridModel: the pattern's '|' "
+            "separators define the pipeline stages; unset the layout"
+        )
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    if parsed.num_segments > 1 and parsed.num_segments != pp_size * vpp:
+        raise ValueError(
+            f"the pattern {parsed.pattern!r} has {parsed.num_segments} '|'-separated segments, "
+            f"but pipeline size {pp_size} x virtual pipeline size {vpp} = {pp_size * vpp}; "
+            "use as many segments as pipeline stages times virtual stages"
+        )
+    if (vp_stage is not None) != (config.virtual_pipeline_model_parallel_size is not None):
+        raise ValueError(
+            "vp_stage must be given exactly when virtual_pipeline_model_parallel_size is set "
+            f"(vp_stage={vp_stage}, virtual_pipeline_model_parallel_size="
+            f"{config.virtual_pipeline_model_parallel_size})"
+        )
+    spec_grouped = (spec.metainfo or {}).get("moe_grouped_gemm")
+    if spec_grouped is not None and bool(spec_grouped) != bool(config.moe_grouped_gemm):
+        raise ValueError(
+            f"the spec was built with moe_grouped_gemm={spec_grouped} but the config has "
+            f"moe_grouped_gemm={config.moe_grouped_gemm}; build it with "
+            "hybrid_stack_spec(backend, config=config)"
+        )
+
+
+class HybridModel(LanguageModule):
+    """Hybrid language model; a drop-in for megatron-core 0.19.2's ``HybridModel``.
+
+    Args:
+        config: model config; ``num_layers`` = physical layers of the main pattern,
+            ``mtp_num_layers`` = MTP depths.
+        hybrid_stack_spec: from :func:`~megatron_hybrid.hybrid_stack_spec`.
+        vocab_size: vocabulary size.
+        max_sequence_length: maximum sequence length (positional embeddings).
+        hybrid_layer_pattern: the pattern, e.g. ``"[*-]{3}[*E]{58}/*E"``.
+        hybrid_attention_ratio: deprecated (megatron-core); builds a pattern from ratios.
+        hybrid_mlp_ratio: deprecated (megatron-core); builds a pattern from ratios.
+        hybrid_override_pattern: deprecated alias of ``hybrid_layer_pattern``.
+        pre_process: build the embedding (first pipeline stage).
+        post_process: build the output layer (last pipeline stage).
+        fp16_lm_cross_entropy: compute the LM loss in fp16.
+        parallel_output: keep logits split over tensor-parallel ranks.
+        share_embeddings_and_output_weights: tie embedding and output weights.
+        position_embedding_type: ``learned_absolute``, ``rope``, ``yarn`` or ``none``.
+        rotary_percent: fraction of the head dimension that gets rotary embeddings.
+        rotary_base: rotary base period.
+        scatter_embedding_sequence_parallel: scatter embeddings for sequence parallelism.
+        seq_len_interpolation_factor: linear RoPE interpolation factor.
+        pg_collection: process groups (megatron's ``ProcessGroupCollection``).
+        vp_stage: virtual pipeline stage of this model chunk.
+    """
+
+    def __init__(
+        self,
+        config,
+        hybrid_stack_spec: ModuleSpec,
+        vocab_size: int,
+        max_sequence_length: int,
+        hybrid_layer_pattern: str | None = None,
+        hybrid_attention_ratio: float | None = None,
+        hybrid_mlp_ratio: float | None = None,
+        hybrid_override_pattern: str | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "none",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: float | None = None,
+        pg_collection=None,
+        vp_stage: int | None = None,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        pattern = _resolve_pattern(
+            config,
+            hybrid_layer_pattern,
+            hybrid_attention_ratio,
+            hybrid_mlp_ratio,
+            hybrid_override_pattern,
+        )
+        parsed = parse_pattern(pattern)
+        pp_group = self.pg_collection.pp
+        pp_size, pp_rank = pp_group.size(), pp_group.rank()
+        _check_config(config, parsed, hybrid_stack_spec, pp_size, vp_stage)
+
+        self.hybrid_stack_spec = hybrid_stack_spec
+        self.hybrid_layer_pattern = pattern
+        self.parsed_pattern = parsed
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+        self.vp_stage = vp_stage
+        self.disable_param_offloading = True
+        self.model_type = ModelType.encoder_or_decoder
+        self.rotary_pos_emb_cache = {}
+        self.mtp_pattern = parsed.mtp_pattern
+        self.mtp_num_depths = parsed.mtp_num_depths
+
+        selection = select_pipeline_segment(
+            parsed,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            vp_stage=vp_stage,
+            first_stage_layers=config.num_layers_in_first_pipeline_stage,
+            last_stage_layers=config.num_layers_in_last_pipeline_stage,
+        )
+        self.pipeline_selection = selection
+        vpp = config.virtual_pipeline_model_parallel_size or 1
+        is_last_chunk = pp_rank == pp_size - 1 and (vp_stage is None or vp_stage == vpp - 1)
+        # MTP lives on the last pipeline stage, as in megatron-core's HybridModel.
+        self.mtp_process = parsed.mtp_num_depths > 0 and is_last_chunk
+
+        if self.pre_process or self.mtp_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config,
+                vocab_size=vocab_size,
+                max_sequence_length=max_sequence_length,
+                position_embedding_type=position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
+                tp_group=self.pg_collection.tp,
+            )
+        self._build_rotary(rotary_percent, rotary_base, seq_len_interpolation_factor)
+
+        self.decoder = build_module(
+            hybrid_stack_spec,
+            config,
+            pre_process=pre_process,
+            layer_type_list=selection.items,
+            pp_layer_offset=selection.physical_offset,
+            post_process=post_process,
+            dtype=config.params_dtype,
+            pg_collection=self.pg_collection,
+            name="decoder",
+            logical_layer_offset=selection.logical_offset,
+            checkpoint_keys=CheckpointKeyLayout.for_pattern(parsed),
+        )
+
+        if self.mtp_process:
+            from megatron.core.transformer.multi_token_prediction import (
+                MultiTokenPredictionBlock,
+            )
+
+            submodules = hybrid_stack_spec.submodules
+            self.mtp = MultiTokenPredictionBlock(
+                config=config,
+                spec=submodules.mtp_block_spec,
+                pg_collection=self.pg_collection,
+                vp_stage=vp_stage,
+                mtp_layer_pattern=parsed.mtp_pattern,
+                mtp_num_depths=parsed.mtp_num_depths,
+                hybrid_submodules=submodules,
+                name="mtp",
+            )
+
+        if post_process or self.mtp_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=(
+                    config.embedding_init_method
+                    if config.use_mup and not share_embeddings_and_output_weights
+                    else config.init_method
+                ),
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.pg_collection.tp,
+            )
+        if pre_process or post_process or self.mtp_process:
+            self.setup_embeddings_and_output_layer()
+        for name, module in self.named_modules():
+            if hasattr(module, "finish_init"):
+                module.finish_init(get_quant_config_or_none(name, config.quant_recipe))
+
+    def _build_rotary(self, rotary_percent, rotary_base, seq_len_interpolation_factor) -> None:
+        config = self.config
+        common = dict(
+            kv_channels=config.kv_channels,
+            rotary_percent=rotary_percent,
+            rotary_interleaved=config.rotary_interleaved,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            rotary_base=rotary_base,
+            use_cpu_initialization=config.use_cpu_initialization,
+            cp_group=self.pg_collection.cp,
+        )
+        # MLA and DSA carry their own decoupled RoPE.
+        if self.position_embedding_type == "rope" and not config.multi_latent_attention:
+            self.rotary_pos_emb = RotaryEmbedding(**common)
+        elif self.position_embedding_type == "yarn":
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                **common,
+                scaling_factor=config.yarn_rotary_scaling_factor,
+                original_max_position_embeddings=config.yarn_original_max_position_embeddings,
+                beta_fast=config.yarn_beta_fast,
+                beta_slow=config.yarn_beta_slow,
+                mscale=config.yarn_mscale,
+                mscale_all_dim=config.yarn_mscale_all_dim,
+                correction_range_round_to_int=config.yarn_correction_range_round_to_int,
+            )
+
+    # GPTModel's halves of the forward pass; they only use attributes this model has too.
+    _preprocess = GPTModel._preprocess
+    _postprocess = GPTModel._postprocess
+    preprocess_for_fine_grained_offloading = GPTModel.preprocess_for_fine_grained_offloading
+    preprocess_for_paged_stash = GPTModel.preprocess_for_paged_stash
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Input from the previous pipeline stage (a list of one tensor, as in GPTModel)."""
+        if not isinstance(input_tensor, list):
+            input_tensor = [input_tensor]
+        if len(input_tensor) != 1:
+            raise ValueError(f"expected one input tensor, got {len(input_tensor)}")
+        self.decoder.set_input_tensor(input_tensor[0])
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor,
+        decoder_input: Tensor | None = None,
+        labels: Tensor | None = None,
+        inference_context=None,
+        runtime_gather_output: bool | None = None,
+        *,
+        inference_params=None,
+        loss_mask: Tensor | None = None,
+        packed_seq_params=None,
+        padding_mask: Tensor | None = None,
+        extra_block_kwargs: dict | None = None,
+        output_processor: Callable[..., Tensor] | None = None,
+        output_processor_context: Any = None,
+    ) -> Tensor:
+        """Embedding, decoder, output layer; the loss when ``labels`` are given.
+
+        Same arguments as megatron-core's ``HybridModel.forward`` (``padding_mask``: ``[b, s]``,
+        True = padding), plus GPTModel's ``extra_block_kwargs`` and ``output_processor``.
+        """
+        if self.config.fine_grained_activation_offloading:
+            self.preprocess_for_fine_grained_offloading()
+        if self.config.moe_paged_stash:
+            self.preprocess_for_paged_stash()
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        preprocessed = self._preprocess(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            decoder_input=decoder_input,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+        (decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset) = (
+            preprocessed[:5]
+        )
+        padding_mask = preprocessed[5]
+        rotary_pos_cos_sin = preprocessed[6] if len(preprocessed) == 7 else None
+        hidden_states = self.decoder(
+            hidden_states=decoder_input,
+            attention_mask=attention_mask,
+            inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            padding_mask=padding_mask,
+            **(extra_block_kwargs or {}),
+        )
+        return self._postprocess(
+            hidden_states=hidden_states,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            mtp_in_postprocess=self.mtp_process,
+            loss_mask=loss_mask,
+            decoder_input=decoder_input,
+            attention_mask=attention_mask,
+            padding_mask=padding_mask,
+            inference_params=inference_params,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            runtime_gather_output=runtime_gather_output,
+            extra_block_kwargs=extra_block_kwargs,
+            inference_context=inference_context,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+        )
+
+    def build_schedule_plan(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor,
+        decoder_input: Tensor | None = None,
+        labels: Tensor | None = None,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs: dict | None = None,
+        runtime_gather_output: bool | None = None,
+        inference_params=None,
+        loss_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        *,
+        output_processor: Callable[..., Tensor] | None = None,
+        output_processor_context: Any = None,
+    ):
+        """Combined-1F1B schedule plan of this model chunk (GPTModel's signature).
+
+        Used by megatron-core's schedules when ``overlap_moe_expert_parallel_comm`` is set; see
+        ``docs/ep_overlap.md``.
+        """
+        if _SCHEDULE_PLAN_BUILDER is None:
+            raise RuntimeError(
+                "EP-overlap schedule plans come from megatron_hybrid.schedule; import "
+                "megatron_hybrid.schedule (or use megatron_hybrid.HybridModel) first"
+            )
+        if self.config.fine_grained_activation_offloading:
+            self.preprocess_for_fine_grained_offloading()
+        if self.config.moe_paged_stash:
+            self.preprocess_for_paged_stash()
+        return _SCHEDULE_PLAN_BUILDER(
+            self,
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs,
+            runtime_gather_output=runtime_gather_output,
+            loss_mask=loss_mask,
+            padding_mask=padding_mask,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Sharded state dict; like GPTModel, without ``output_layer._extra_state``."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        extra = sharded.pop(f"{prefix}output_layer._extra_state", None)
+        if extra is not None and extra.data:
+            raise RuntimeError(f"expected the output layer's extra state to be empty: {extra}")
+        return sharded

@@ -1,0 +1,320 @@
+"""Layer specs of a hybrid stack, derived from GPTModel's own layer specs.
+
+A GPT layer is an attention half (input norm, self-attention, residual add) followed by an MLP
+half (pre-MLP norm, dense MLP or MoE, residual add). The ``*``/``+``/``D`` and ``-``/``E``
+layers of a hybrid stack are exactly those halves, so their specs are cut out of the GPT layer
+spec of the same backend rather than written again: module classes, fused norms and the
+``sharded_state_dict_keys_map`` renames (the local GPT spec stores ``input_layernorm`` as
+``self_attention.linear_qkv.layer_norm_*``) then match GPTModel by construction, and a group
+``[*E]`` checkpoints under the very keys of a GPT MoE layer.
+
+Backends are a registry (``"local"``: Megatron-Core modules only; ``"te"``: TransformerEngine,
+like GPT's TE spec with fused layer norms).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.hybrid.hybrid_block import (
+    HybridStackSubmodules as _MCoreHybridStackSubmodules,
+)
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+__all__ = [
+    "BACKENDS",
+    "HybridStackSubmodules",
+    "UnavailableLayer",
+    "hybrid_stack_spec",
+    "register_backend",
+]
+
+# The number of experts is fixed by the config at build time; GPT's MoE spec only checks that
+# one is given.
+_ANY_NUM_EXPERTS = 1
+
+
+@dataclass
+class HybridStackSubmodules(_MCoreHybridStackSubmodules):
+    """Specs of every layer type of a hybrid stack, plus the stack's final norm.
+
+    A subclass of megatron-core's ``HybridStackSubmodules`` so that megatron-core's MTP block,
+    which builds its inner stack from these fields, accepts it unchanged.
+    """
+
+    final_norm: Any = None
+
+
+@dataclass(frozen=True)
+class _SpecOptions:
+    moe_grouped_gemm: bool
+    qk_layernorm: bool
+    qk_l2_norm: bool
+    normalization: str
+
+
+def _halves(gpt: TransformerLayerSubmodules) -> tuple[dict, dict]:
+    """Split a GPT layer's submodules into its attention half and its MLP half."""
+    keys_map = gpt.sharded_state_dict_keys_map or {}
+
+    def keys_for(*roots: str) -> dict:
+        return {k: v for k, v in keys_map.items() if k.startswith(roots)}
+
+    attention = dict(
+        input_layernorm=gpt.input_layernorm,
+        self_attention=gpt.self_attention,
+        self_attn_bda=gpt.self_attn_bda,
+        sharded_state_dict_keys_map=keys_for("input_layernorm", "self_attention"),
+    )
+    mlp = dict(
+        pre_mlp_layernorm=gpt.pre_mlp_layernorm,
+        mlp=gpt.mlp,
+        mlp_bda=gpt.mlp_bda,
+        sharded_state_dict_keys_map=keys_for("pre_mlp_layernorm", "mlp"),
+    )
+    return attention, mlp
+
+
+def _layer(module: type, **submodules) -> ModuleSpec:
+    return ModuleSpec(module=module, submodules=TransformerLayerSubmodules(**submodules))
+
+
+def _gpt_derived_layers(gpt_submodules: Callable[..., TransformerLayerSubmodules], opts) -> dict:
+    """Specs of ``*``, ``+``, ``-`` and ``E`` cut from the GPT layer spec of one backend."""
+    common = dict(qk_layernorm=opts.qk_layernorm)
+    attention, _ = _halves(gpt_submodules(qk_l2_norm=opts.qk_l2_norm, **common))
+    mla, _ = _halves(gpt_submodules(multi_latent_attention=True, **common))
+    _, dense = _halves(gpt_submodules(**common))
+    _, moe = _halves(
+        gpt_submodules(
+            num_experts=_ANY_NUM_EXPERTS, moe_grouped_gemm=opts.moe_grouped_gemm, **common
+        )
+    )
+    return dict(
+        attention_layer=_layer(TransformerLayer, **attention),
+        mla_layer=_layer(TransformerLayer, **mla),
+        mlp_layer=_layer(TransformerLayer, **dense),
+        moe_layer=_layer(MoETransformerLayer, **moe),
+    )
+
+
+def _dsa_layer(backend, norm, opts: _SpecOptions) -> ModuleSpec:
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_dsa_module_spec_for_backend,
+    )
+
+    # The DSA spec reads only these options; a full MLA config is not needed to build the spec.
+    spec_config = types.SimpleNamespace(
+        multi_latent_attention=True,
+        qk_l2_norm=False,
+        qk_layernorm=opts.qk_layernorm,
+        normalization=opts.normalization,
+    )
+    return _layer(
+        TransformerLayer,
+        input_layernorm=norm,
+        self_attention=get_dsa_module_spec_for_backend(spec_config, backend=backend),
+        self_attn_bda=get_bias_dropout_add,
+    )
+
+
+class UnavailableLayer:
+    """Placeholder spec for a layer type a backend cannot build; building it raises."""
+
+    def __init__(self, *args, reason: str, **kwargs):
+        raise ValueError(reason)
+
+
+def _unavailable(reason: str) -> ModuleSpec:
+    return ModuleSpec(module=UnavailableLayer, params={"reason": reason})
+
+
+def _local_layers(opts: _SpecOptions) -> dict:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_hybrid.modules.norms import local_norm_impl
+
+    norm = local_norm_impl()
+
+    def gpt_submodules(**kwargs):
+        sub = get_gpt_layer_local_submodules(normalization=opts.normalization, **kwargs)
+        # GPT's local spec takes its norm from megatron's LNImpl; use the SP-capable one.
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if getattr(sub, name) is not IdentityOp:
+                setattr(sub, name, norm)
+        return sub
+
+    layers = _gpt_derived_layers(gpt_submodules, opts)
+    # megatron-core's DSA indexer needs a plain (non-parallel) linear layer that only the
+    # TransformerEngine backend provides.
+    layers["dsa_layer"] = _unavailable(
+        "'D' (DeepSeek sparse attention) layers need the 'te' backend in megatron-core 0.19.2: "
+        "build the spec with hybrid_stack_spec('te')"
+    )
+    layers["gdn_layer"] = _layer(
+        TransformerLayer,
+        # Without TE the input norm cannot be fused into in_proj, so it is a separate module.
+        input_layernorm=norm,
+        self_attention=ModuleSpec(
+            module=GatedDeltaNet,
+            submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear
+            ),
+        ),
+        self_attn_bda=get_bias_dropout_add,
+    )
+    layers["mamba_layer"] = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=norm,
+            mixer=ModuleSpec(
+                module=MambaMixer,
+                submodules=MambaMixerSubmodules(
+                    in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+                ),
+            ),
+            mamba_bda=get_bias_dropout_add,
+        ),
+    )
+    layers["final_norm"] = norm
+    layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
+    return layers
+
+
+def _te_layers(opts: _SpecOptions) -> dict:
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    if not HAVE_TE:
+        raise ImportError(
+            "hybrid_stack_spec(backend='te') needs TransformerEngine, which is not importable "
+            "here. Install transformer-engine, or use backend='local' (Megatron-Core modules "
+            "only; every feature of megatron_hybrid works with it)."
+        )
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_submodules,
+    )
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as mcore_spec
+
+    layers = _gpt_derived_layers(get_gpt_layer_with_transformer_engine_submodules, opts)
+    layers["dsa_layer"] = _dsa_layer(TESpecProvider(), TENorm, opts)
+    # Mamba and GatedDeltaNet have no GPT counterpart: megatron-core's hybrid TE specs.
+    layers["mamba_layer"] = mcore_spec.submodules.mamba_layer
+    layers["gdn_layer"] = mcore_spec.submodules.gdn_layer
+    layers["final_norm"] = TENorm
+    layers["mtp_block_spec"] = _mtp_block_spec(TENorm, TEColumnParallelLinear)
+    return layers
+
+
+#: Backend name -> function building the layer specs (a dict of HybridStackSubmodules fields).
+BACKENDS: dict[str, Callable[[_SpecOptions], dict]] = {"local": _local_layers, "te": _te_layers}
+
+
+def register_backend(name: str, build_layers: Callable[[_SpecOptions], dict]) -> None:
+    """Add a spec backend (for example a Kitchen or inference variant)."""
+    if name in BACKENDS:
+        raise ValueError(f"spec backend {name!r} is already registered")
+    BACKENDS[name] = build_layers
+
+
+def _mtp_block_spec(norm, eh_proj) -> ModuleSpec:
+    """MTP block spec: norms and projection; the MTP layer builds its inner stack itself."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+
+    return ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[
+                ModuleSpec(
+                    module=MultiTokenPredictionLayer,
+                    submodules=MultiTokenPredictionLayerSubmodules(
+                        enorm=norm,
+                        hnorm=norm,
+                        eh_proj=eh_proj,
+                        mtp_model_layer=None,  # built by the MTP layer from the MTP pattern
+                        layer_norm=norm,
+                    ),
+                )
+            ]
+        ),
+    )
+
+
+def hybrid_stack_spec(
+    backend: str = "local",
+    *,
+    config=None,
+    moe_grouped_gemm: bool | None = None,
+    qk_layernorm: bool | None = None,
+    qk_l2_norm: bool | None = None,
+    normalization: str | None = None,
+) -> ModuleSpec:
+    """Spec of a :class:`~megatron_hybrid.HybridStack` whose layers mirror GPTModel's.
+
+    Args:
+        backend: ``"local"`` (Megatron-Core modules; mirrors ``get_gpt_layer_local_spec``) or
+            ``"te"`` (TransformerEngine; mirrors ``get_gpt_layer_with_transformer_engine_spec``).
+        config: a ``TransformerConfig`` to take the options below from, as GPTModel's
+            ``get_gpt_decoder_block_spec`` does. Explicit keyword arguments win over it.
+        moe_grouped_gemm: grouped-GEMM experts (changes expert checkpoint keys, as in GPT).
+        qk_layernorm: layer norm on queries and keys.
+        qk_l2_norm: L2 norm on queries and keys.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+
+    Returns:
+        A ``ModuleSpec`` for ``HybridStack`` with :class:`HybridStackSubmodules`; its
+        ``metainfo`` records the backend and options, which ``HybridModel`` checks against its
+        config.
+
+    Raises:
+        ValueError: unknown backend.
+        ImportError: backend ``"te"`` without TransformerEngine.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown spec backend {backend!r}; choose one of {sorted(BACKENDS)} "
+            "(register more with megatron_hybrid.modules.specs.register_backend)"
+        )
+
+    def pick(value, attr, default):
+        if value is not None:
+            return value
+        return getattr(config, attr, default) if config is not None else default
+
+    opts = _SpecOptions(
+        moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
+        qk_layernorm=bool(pick(qk_layernorm, "qk_layernorm", False)),
+        qk_l2_norm=bool(pick(qk_l2_norm, "qk_l2_norm", False)),
+        normalization=pick(normalization, "normalization", "LayerNorm"),
+    )
+    from megatron_hybrid.modules.hybrid_stack import HybridStack
+
+    layers = BACKENDS[backend](opts)
+    missing = {f.name for f in fields(HybridStackSubmodules)} - set(layers)
+    if missing:
+        raise ValueError(f"spec backend {backend!r} did not define {sorted(missing)}")
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(**layers),
+        metainfo={"backend": backend, **opts.__dict__},
+    )

@@ -1,0 +1,236 @@
+"""Opt-in emulation of megatron-core's CUDA-only calls on a CPU-only torch build.
+
+megatron-core 0.19.2 hard-codes CUDA in places that have nothing to do with the math: the RNG
+tracker, ``torch.cuda.current_device()`` as an allocation device, side streams and events in the
+MoE dispatcher and the combined-1F1B schedule, ``device="cuda"`` token counters in the pipeline
+schedules, and CUDA-only split-size conversion in the all-to-all dispatcher. With the patches in
+this module the same code runs on CPU with gloo, so the package's behaviour can be tested (and
+the ``train`` command demonstrated) on machines without a GPU.
+
+Nothing here is applied on import. :func:`enable_cpu_emulation` patches the process once and is
+idempotent; it refuses to run where CUDA is available, because these patches would silently
+turn real streams into no-ops there. Streams are dummies, so the emulation reproduces numerics,
+never overlap or timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+
+__all__ = ["CPUEmulationError", "cpu_emulation_enabled", "enable_cpu_emulation"]
+
+_LOCK = threading.Lock()
+_ENABLED = False
+
+
+class CPUEmulationError(RuntimeError):
+    """CPU emulation was requested where it must not run."""
+
+
+def cpu_emulation_enabled() -> bool:
+    """Whether :func:`enable_cpu_emulation` has patched this process."""
+    return _ENABLED
+
+
+class _DummyEvent:
+    """Stands in for ``torch.cuda.Event``: on one CPU stream every event is already complete."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def wait(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+class _DummyStream(_DummyEvent):
+    """Stands in for ``torch.cuda.Stream``; all work runs in program order on the CPU."""
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def record_event(self, event=None):
+        return event or _DummyEvent()
+
+    @staticmethod
+    def priority_range():
+        return (0, 0)
+
+    def __eq__(self, other):
+        return isinstance(other, _DummyStream)
+
+    def __hash__(self):
+        return 0
+
+
+def _patch_torch_cuda(torch) -> None:
+    stream = _DummyStream()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.Stream = _DummyStream
+    torch.cuda.Event = _DummyEvent
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.default_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+    # The combined-1F1B nodes call record_stream on every freed input; on CPU it is meaningless.
+    torch.Tensor.record_stream = lambda self, s=None: None
+
+
+def _patch_rng(torch) -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    base = mrandom.CudaRNGStatesTracker
+
+    class CPURNGStatesTracker(base):
+        """megatron's RNG tracker over the CPU generator (the 'device' generator here)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise RuntimeError(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise RuntimeError(f"rng state {name} already exists")
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise RuntimeError(f"rng state {name} is not added")
+            orig_state = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    mrandom.CudaRNGStatesTracker = CPURNGStatesTracker
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def _patch_moe_split_sizes(torch) -> None:
+    # The all-to-all dispatcher converts split sizes with maybe_move_tensor_to_cpu(as_numpy=True),
+    # which only converts CUDA tensors; gloo's all_to_all_single then rejects torch tensors.
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_schedules(torch) -> None:
+    # schedules.py allocates its token counters with device="cuda" (also at PP=1).
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    class _CPUTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    proxy = _CPUTorch("torch")
+
+    def _on_cpu(factory):
+        def wrapper(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("zeros", "ones", "tensor", "empty", "full"):
+        setattr(proxy, name, _on_cpu(getattr(torch, name)))
+    schedules.torch = proxy
+
+
+def _patch_torch_norm() -> None:
+    # WrappedTorchNorm (megatron's local norm without apex) refuses sequence parallelism although a
+    # torch norm is correct under SP once its parameters are marked for the TP grad all-reduce.
+    # The package's own local spec uses TorchNorm for that reason; GPTModel reference models
+    # in tests need the same tolerance.
+    from megatron.core.transformer import torch_norm
+
+    from megatron_hybrid.modules.norms import TorchNorm
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        return TorchNorm(config, hidden_size, eps=eps)
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _patch_gated_delta_net(torch) -> None:
+    # fla's l2norm is a Triton kernel (no CPU driver); megatron's deterministic GDN path is torch
+    # apart from it.
+    try:
+        import megatron.core.ssm.gated_delta_net.common as gdn_common
+    except ImportError:  # pragma: no cover - megatron without the GDN module
+        return
+
+    def l2norm(x, eps: float = 1e-6):
+        return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+    gdn_common.l2norm = l2norm
+
+
+def enable_cpu_emulation() -> None:
+    """Patch this process so megatron-core's CUDA-only calls run on CPU (gloo).
+
+    Idempotent. Also disables TorchDynamo, because megatron's ``jit_fuser`` is ``torch.compile``,
+    which costs 10 s or more per kernel on a small CPU machine and changes no result.
+
+    Raises:
+        CPUEmulationError: CUDA is available in this process.
+    """
+    global _ENABLED
+    with _LOCK:
+        if _ENABLED:
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            raise CPUEmulationError(
+                "CPU emulation replaces CUDA streams and the CUDA RNG with dummies; it must not "
+                "run where CUDA is available. Run on the GPUs instead (no emulation needed)."
+            )
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+        _patch_torch_cuda(torch)
+        _patch_rng(torch)
+        _patch_moe_split_sizes(torch)
+        _patch_schedules(torch)
+        _patch_torch_norm()
+        _patch_gated_delta_net(torch)
+        _ENABLED = True
