@@ -174,6 +174,24 @@ def _patch_schedules(torch) -> None:
     schedules.torch = proxy
 
 
+def _patch_causal_masks(torch) -> None:
+    # The unfused softmax builds its default causal mask with device="cuda".
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    def get_default_causal_mask(sq: int):
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size):
+        ones = torch.ones(sq, skv, dtype=torch.bool)
+        upper = torch.triu(ones, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+    for module in (transformer_utils, fused_softmax):
+        module.get_default_causal_mask = get_default_causal_mask
+        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
 def _patch_torch_norm() -> None:
     # WrappedTorchNorm (megatron's local norm without apex) refuses sequence parallelism although a
     # torch norm is correct under SP once its parameters are marked for the TP grad all-reduce.
@@ -231,6 +249,7 @@ def enable_cpu_emulation() -> None:
         _patch_rng(torch)
         _patch_moe_split_sizes(torch)
         _patch_schedules(torch)
+        _patch_causal_masks(torch)
         _patch_torch_norm()
         _patch_gated_delta_net(torch)
         _ENABLED = True

@@ -1,0 +1,163 @@
+"""Small models for tests, benchmarks and the CPU demo: a grouped HybridModel and its GPT twin.
+
+:func:`build_hybrid` and :func:`build_gpt_twin` build the two models that must share
+checkpoints and numerics; :func:`small_config` is a config that runs in milliseconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatron_hybrid.pattern import parse_pattern
+
+__all__ = ["build_gpt_twin", "build_hybrid", "model_inputs", "small_config"]
+
+
+def small_config(pattern: str, **overrides: Any):
+    """A small ``TransformerConfig`` for ``pattern`` (num_layers/mtp_num_layers from it).
+
+    Fusions that need CUDA are off, dropout is 0 and initialisation happens on the CPU, so two
+    models built from the same seed are bitwise identical.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    parsed = parse_pattern(pattern)
+    symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
+    kwargs: dict[str, Any] = dict(
+        num_layers=parsed.physical_layer_count,
+        mtp_num_layers=parsed.mtp_num_depths or None,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        bf16=False,
+        params_dtype=torch.float32,
+    )
+    if "E" in symbols:
+        kwargs.update(
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.0,
+        )
+    if "G" in symbols:
+        # megatron's GatedDeltaNet accepts only SiLU; its deterministic mode is torch-only.
+        kwargs.update(
+            activation_func=torch.nn.functional.silu,
+            deterministic_mode=True,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_hybrid(
+    config,
+    pattern: str,
+    pg_collection,
+    *,
+    backend: str = "local",
+    vocab_size: int = 128,
+    max_sequence_length: int = 64,
+    vp_stage: int | None = None,
+    **kwargs: Any,
+):
+    """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage."""
+    from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
+
+    pp = pg_collection.pp
+    vpp = config.virtual_pipeline_model_parallel_size
+    first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
+    last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    kwargs.setdefault("position_embedding_type", "rope")
+    return HybridModel(
+        config,
+        hybrid_stack_spec(backend, config=config),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        hybrid_layer_pattern=pattern,
+        pre_process=first,
+        post_process=last,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+
+
+def build_gpt_twin(
+    config,
+    pattern: str,
+    pg_collection,
+    *,
+    backend: str = "local",
+    vocab_size: int = 128,
+    max_sequence_length: int = 64,
+    vp_stage: int | None = None,
+    **kwargs: Any,
+):
+    """The GPTModel that shares checkpoints (and math) with ``build_hybrid(config, pattern)``."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_hybrid.checkpointing.gpt_interop import (
+        gpt_config_for_pattern,
+        gpt_decoder_spec_for_pattern,
+    )
+
+    gpt_config = gpt_config_for_pattern(config, pattern)
+    pp = pg_collection.pp
+    vpp = gpt_config.virtual_pipeline_model_parallel_size
+    first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
+    last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    kwargs.setdefault("position_embedding_type", "rope")
+    spec = gpt_decoder_spec_for_pattern(gpt_config, pattern, backend)
+    mtp_block_spec = None
+    if gpt_config.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_block_spec = get_gpt_mtp_block_spec(
+            gpt_config, spec.layer_specs[-1], use_transformer_engine=backend == "te"
+        )
+    return GPTModel(
+        gpt_config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=first,
+        post_process=last,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+        mtp_block_spec=mtp_block_spec,
+        **kwargs,
+    )
+
+
+def model_inputs(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0) -> dict:
+    """Deterministic token inputs with labels for a causal LM forward pass."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+    return dict(
+        input_ids=tokens[:, :-1].contiguous(),
+        labels=tokens[:, 1:].contiguous(),
+        position_ids=torch.arange(seq).unsqueeze(0).expand(batch, seq).contiguous(),
+        attention_mask=None,
+    )
+
+
+def clone_config(config, **changes: Any):
+    """``dataclasses.replace`` for TransformerConfig (re-runs its validation)."""
+    return dataclasses.replace(config, **changes)

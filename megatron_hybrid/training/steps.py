@@ -1,0 +1,67 @@
+"""The forward step that megatron-core's schedules call, for language-model batches.
+
+A batch is a dict with ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids`` (``[b, s]``)
+and optionally ``attention_mask``, ``padding_mask`` (True = padding) and ``packed_seq_params``.
+The loss function returns megatron's three-tuple (sum of token losses, token count, reporting
+tensor), so the schedules average over tokens across micro-batches and data-parallel ranks
+exactly as Megatron-LM's ``pretrain_gpt`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+
+__all__ = ["lm_forward_step", "masked_token_loss"]
+
+
+def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's loss-function contract: ``(loss_sum, num_tokens, {"lm loss": ...})``.
+
+    Args:
+        loss_mask: ``[b, s]``, 1 for tokens that count.
+        output_tensor: per-token losses ``[b, s]`` from the model.
+
+    Returns:
+        The summed masked loss, the number of counted tokens, and a report tensor
+        ``[loss_sum, num_tokens]`` that megatron's logging reduces over data-parallel ranks.
+    """
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def lm_forward_step(data_iterator: Iterator, model, return_schedule_plan: bool = False):
+    """``forward_step_func`` for megatron-core's ``get_forward_backward_func()``.
+
+    Args:
+        data_iterator: yields batch dicts (None on pipeline stages that do not read data).
+        model: a model chunk (HybridModel or GPTModel, possibly wrapped).
+        return_schedule_plan: return the combined-1F1B schedule plan instead of running the
+            model (megatron calls this when ``overlap_moe_expert_parallel_comm`` is set).
+
+    Returns:
+        ``(output_tensor or schedule plan, loss function)``.
+    """
+    batch = next(data_iterator) if data_iterator is not None else None
+    batch = batch or {}
+    loss_mask = batch.get("loss_mask")
+    kwargs = dict(
+        input_ids=batch.get("input_ids"),
+        position_ids=batch.get("position_ids"),
+        attention_mask=batch.get("attention_mask"),
+        labels=batch.get("labels"),
+        loss_mask=loss_mask,
+        packed_seq_params=batch.get("packed_seq_params"),
+        padding_mask=batch.get("padding_mask"),
+    )
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(**kwargs)
+        return plan, partial(masked_token_loss, loss_mask)
+    output = model(**kwargs)
+    return output, partial(masked_token_loss, loss_mask)

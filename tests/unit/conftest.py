@@ -1,0 +1,45 @@
+"""Shared fixtures: megatron-core on CPU (gloo, CPU emulation) with its global state reset."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def megatron_cpu():
+    """A one-rank gloo world with megatron-core's CUDA-only calls emulated on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-emulation tests run on CPU-only machines; GPU tests are tests/functional")
+    import torch.distributed as dist
+
+    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.testing.spawn import free_port
+
+    enable_cpu_emulation()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    from megatron_hybrid.testing.megatron_state import reset_megatron_state
+
+    reset_megatron_state()
+
+
+@pytest.fixture
+def model_parallel(megatron_cpu):
+    """Factory: ``model_parallel(tp=1, ...)`` -> ProcessGroupCollection; state reset after."""
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel, reset_megatron_state
+
+    yield initialize_model_parallel
+    reset_megatron_state()
+
+
+@pytest.fixture
+def pg(model_parallel):
+    """Process groups of a single-rank model-parallel setup (fresh megatron state)."""
+    return model_parallel()
