@@ -1,0 +1,1 @@
+"""Training integration: forward step, arguments, config building and the CPU/GPU train loop."""
