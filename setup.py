@@ -14,8 +14,9 @@ setup(
     name="megatron_hybrid",
     version=_VERSION,
     description=(
-        "Hybrid (Mamba / GatedDeltaNet / attention / MoE) layer stacks for Megatron-Core: grouped "
-        "layer patterns, GPTModel-compatible checkpoints, combined-1F1B EP overlap, HybridEP padding"
+        "Hybrid (Mamba / GatedDeltaNet / attention / MoE) layer stacks for Megatron-Core: "
+        "grouped layer patterns, GPTModel-compatible checkpoints, combined-1F1B EP overlap, "
+        "HybridEP padding"
     ),
     long_description=(_ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

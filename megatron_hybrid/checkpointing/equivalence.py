@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from megatron_hybrid.pattern import ATTENTION, DSA, MLA, MLP, MOE, ParsedPattern, parse_pattern
 
-__all__ = ["GPT_ATTENTION_SYMBOLS", "GPT_MLP_SYMBOLS", "gpt_equivalent_layers", "is_gpt_equivalent_group"]
+__all__ = [
+    "GPT_ATTENTION_SYMBOLS",
+    "GPT_MLP_SYMBOLS",
+    "gpt_equivalent_layers",
+    "is_gpt_equivalent_group",
+]
 
 GPT_ATTENTION_SYMBOLS = frozenset({ATTENTION, MLA, DSA})
 GPT_MLP_SYMBOLS = frozenset({MLP, MOE})
@@ -29,9 +34,7 @@ def is_gpt_equivalent_group(members) -> bool:
     """Whether a group's members are exactly a GPT layer: attention then MLP/MoE."""
     members = tuple(members)
     return (
-        len(members) == 2
-        and members[0] in GPT_ATTENTION_SYMBOLS
-        and members[1] in GPT_MLP_SYMBOLS
+        len(members) == 2 and members[0] in GPT_ATTENTION_SYMBOLS and members[1] in GPT_MLP_SYMBOLS
     )
 
 
@@ -39,6 +42,5 @@ def gpt_equivalent_layers(pattern: str | ParsedPattern) -> bool:
     """Whether every logical layer of the main pattern is a GPT-equivalent group."""
     parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     return bool(parsed.logical_layers) and all(
-        layer.is_group and is_gpt_equivalent_group(layer.members)
-        for layer in parsed.logical_layers
+        layer.is_group and is_gpt_equivalent_group(layer.members) for layer in parsed.logical_layers
     )

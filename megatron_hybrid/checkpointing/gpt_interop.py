@@ -28,7 +28,9 @@ def _gpt_layers(pattern: str | ParsedPattern) -> ParsedPattern:
         if not (layer.is_group and is_gpt_equivalent_group(layer.members))
     ]
     if bad or not parsed.logical_layers:
-        where = ", ".join(f"logical layer {layer.index} {''.join(layer.members)!r}" for layer in bad[:3])
+        where = ", ".join(
+            f"logical layer {layer.index} {''.join(layer.members)!r}" for layer in bad[:3]
+        )
         raise NotGPTEquivalentError(
             f"pattern {parsed.pattern!r} is not GPT-equivalent ({where or 'no layers'}): every "
             "logical layer must be a group of one attention symbol ('*', '+' or 'D') followed "
@@ -76,13 +78,16 @@ def gpt_config_for_pattern(config, pattern: str | ParsedPattern):
     return dataclasses.replace(config, **changes)
 
 
-def gpt_decoder_spec_for_pattern(gpt_config, pattern: str | ParsedPattern, backend: str = "local"):
+def gpt_decoder_spec_for_pattern(
+    gpt_config, pattern: str | ParsedPattern, backend: str = "local", vp_stage: int | None = None
+):
     """GPTModel decoder block spec for :func:`gpt_config_for_pattern`'s config.
 
     Args:
         gpt_config: the GPT config.
         pattern: the grouped pattern (decides MLA).
         backend: ``"local"`` or ``"te"``.
+        vp_stage: virtual pipeline stage of the model chunk.
 
     Returns:
         The spec from megatron-core's ``get_gpt_decoder_block_spec``.
@@ -95,4 +100,6 @@ def gpt_decoder_spec_for_pattern(gpt_config, pattern: str | ParsedPattern, backe
             "the pattern's attention type and config.multi_latent_attention disagree: '+' "
             "layers need an MLA config, '*' layers a plain one"
         )
-    return get_gpt_decoder_block_spec(gpt_config, use_transformer_engine=backend == "te")
+    return get_gpt_decoder_block_spec(
+        gpt_config, use_transformer_engine=backend == "te", vp_stage=vp_stage
+    )

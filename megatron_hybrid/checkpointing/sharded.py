@@ -102,7 +102,9 @@ def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadat
         final_norm_key = "final_norm"
     else:
         stacked = layout.stacked(stack.config, metadata)
-        for index, (item, layer) in enumerate(zip(stack.layer_type_list, stack.layers)):
+        for index, (item, layer) in enumerate(
+            zip(stack.layer_type_list, stack.layers, strict=True)
+        ):
             logical = stack.logical_layer_offset + index
             if stacked:
                 target, offsets = layer_prefix, [(0, logical, layout.num_logical_layers)]
@@ -116,9 +118,7 @@ def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadat
             else:
                 members = [(f"{layer_prefix}{index}.", layer)]
             for local, member in members:
-                sharded.update(
-                    _member_sharded_state_dict(member, local, target, offsets, metadata)
-                )
+                sharded.update(_member_sharded_state_dict(member, local, target, offsets, metadata))
         final_norm_key = "final_layernorm"
 
     for name, module in stack.named_children():

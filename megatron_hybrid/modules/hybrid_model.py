@@ -32,15 +32,21 @@ __all__ = ["HybridModel", "set_schedule_plan_builder"]
 
 logger = logging.getLogger(__name__)
 
-# megatron_hybrid.schedule registers the combined-1F1B plan builder here, so that this module
-# does not depend on the schedule package (the dependency points the other way).
+# megatron_hybrid.schedule registers the combined-1F1B plan builder and its model check here, so
+# that this module does not depend on the schedule package (the dependency points the other way).
 _SCHEDULE_PLAN_BUILDER: Callable[..., Any] | None = None
+_SCHEDULE_CHECK: Callable[[Any], None] | None = None
+_NO_SCHEDULE = (
+    "EP-overlap schedule plans come from megatron_hybrid.schedule; import it (importing "
+    "megatron_hybrid.HybridModel does) before building the model"
+)
 
 
-def set_schedule_plan_builder(builder: Callable[..., Any]) -> None:
-    """Register the function behind :meth:`HybridModel.build_schedule_plan`."""
-    global _SCHEDULE_PLAN_BUILDER
-    _SCHEDULE_PLAN_BUILDER = builder
+def set_schedule_plan_builder(builder: Callable[..., Any], check: Callable[[Any], None]) -> None:
+    """Register the function behind :meth:`HybridModel.build_schedule_plan` and the check that
+    a model with ``overlap_moe_expert_parallel_comm`` runs at construction."""
+    global _SCHEDULE_PLAN_BUILDER, _SCHEDULE_CHECK
+    _SCHEDULE_PLAN_BUILDER, _SCHEDULE_CHECK = builder, check
 
 
 def _resolve_pattern(config, hybrid_layer_pattern, attention_ratio, mlp_ratio, override_pattern):
@@ -276,6 +282,11 @@ class HybridModel(LanguageModule):
         for name, module in self.named_modules():
             if hasattr(module, "finish_init"):
                 module.finish_init(get_quant_config_or_none(name, config.quant_recipe))
+        if config.overlap_moe_expert_parallel_comm:
+            # Refuse now what the EP-overlap schedule cannot run, not in the first step.
+            if _SCHEDULE_CHECK is None:
+                raise RuntimeError(_NO_SCHEDULE)
+            _SCHEDULE_CHECK(self)
 
     def _build_rotary(self, rotary_percent, rotary_base, seq_len_interpolation_factor) -> None:
         config = self.config
@@ -353,7 +364,7 @@ class HybridModel(LanguageModule):
             packed_seq_params=packed_seq_params,
             padding_mask=padding_mask,
         )
-        (decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset) = (
+        decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = (
             preprocessed[:5]
         )
         padding_mask = preprocessed[5]
@@ -418,10 +429,7 @@ class HybridModel(LanguageModule):
         ``docs/ep_overlap.md``.
         """
         if _SCHEDULE_PLAN_BUILDER is None:
-            raise RuntimeError(
-                "EP-overlap schedule plans come from megatron_hybrid.schedule; import "
-                "megatron_hybrid.schedule (or use megatron_hybrid.HybridModel) first"
-            )
+            raise RuntimeError(_NO_SCHEDULE)
         if self.config.fine_grained_activation_offloading:
             self.preprocess_for_fine_grained_offloading()
         if self.config.moe_paged_stash:

@@ -109,7 +109,9 @@ class HybridStack(MegatronModule):
         self.pp_group = pg_collection.pp
         self.tp_group = pg_collection.tp
         self.input_tensor = None
-        self.layer_type_list = [item if isinstance(item, str) else tuple(item) for item in layer_type_list]
+        self.layer_type_list = [
+            item if isinstance(item, str) else tuple(item) for item in layer_type_list
+        ]
         self.pp_layer_offset = pp_layer_offset
         self.logical_layer_offset = logical_layer_offset
         self.checkpoint_keys = checkpoint_keys
@@ -181,7 +183,7 @@ class HybridStack(MegatronModule):
 
     def mamba_state_shapes_per_request(self):
         """Conv and SSM state shapes of the first Mamba layer of this stack, or None."""
-        for item, layer in zip(self.layer_type_list, self.layers):
+        for item, layer in zip(self.layer_type_list, self.layers, strict=True):
             if isinstance(item, tuple) or item == "M":
                 shapes = layer.mamba_state_shapes_per_request()
                 if shapes is not None:
@@ -190,7 +192,7 @@ class HybridStack(MegatronModule):
 
     def iter_physical_layers(self):
         """Yield ``(symbol, layer)`` for every physical layer in order, groups flattened."""
-        for item, layer in zip(self.layer_type_list, self.layers):
+        for item, layer in zip(self.layer_type_list, self.layers, strict=True):
             if isinstance(item, tuple):
                 yield from layer.iter_physical_layers()
             else:

@@ -173,7 +173,9 @@ for _kind in (
     LayerKind(MAMBA, "Mamba", "mamba_layer", _build_mamba, _forward_mamba_layer),
     LayerKind(GDN, "GatedDeltaNet", "gdn_layer", _mlp, _forward_transformer_layer),
     LayerKind(ATTENTION, "attention", "attention_layer", _attention, _forward_transformer_layer),
-    LayerKind(DSA, "DeepSeek sparse attention", "dsa_layer", _attention, _forward_transformer_layer),
+    LayerKind(
+        DSA, "DeepSeek sparse attention", "dsa_layer", _attention, _forward_transformer_layer
+    ),
     LayerKind(MLA, "multi-latent attention", "mla_layer", _attention, _forward_transformer_layer),
     LayerKind(MLP, "dense MLP", "mlp_layer", _mlp, _forward_transformer_layer),
     LayerKind(MOE, "MoE", "moe_layer", _mlp, _forward_transformer_layer),

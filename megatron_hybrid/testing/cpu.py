@@ -89,6 +89,8 @@ def _patch_torch_cuda(torch) -> None:
     torch.cuda.is_current_stream_capturing = lambda: False
     # The combined-1F1B nodes call record_stream on every freed input; on CPU it is meaningless.
     torch.Tensor.record_stream = lambda self, s=None: None
+    # Tied embeddings across pipeline stages are moved with .cuda() before their all-reduce.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def _patch_rng(torch) -> None:
@@ -201,10 +203,32 @@ def _patch_torch_norm() -> None:
 
     from megatron_hybrid.modules.norms import TorchNorm
 
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+    def build_torch_norm(cls, config, hidden_size, eps=1e-5, **kwargs):
         return TorchNorm(config, hidden_size, eps=eps)
 
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(build_torch_norm)
+
+
+def _patch_te_free_recompute() -> None:
+    # CheckpointWithoutOutput (pre-MLP-norm recompute) always takes its FP8 branch, which
+    # references TransformerEngine names; without TE, give them FP8-off stand-ins.
+    import megatron.core.tensor_parallel.random as mrandom
+
+    if getattr(mrandom, "HAVE_TE", False):
+        return
+
+    class _FP8Off:
+        @staticmethod
+        def is_fp8_enabled():
+            return False
+
+        @staticmethod
+        def get_fp8_recipe():
+            return None
+
+    mrandom.FP8GlobalStateManager = _FP8Off
+    mrandom.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+    mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
 
 
 def _patch_gated_delta_net(torch) -> None:
@@ -251,5 +275,6 @@ def enable_cpu_emulation() -> None:
         _patch_schedules(torch)
         _patch_causal_masks(torch)
         _patch_torch_norm()
+        _patch_te_free_recompute()
         _patch_gated_delta_net(torch)
         _ENABLED = True

@@ -78,7 +78,7 @@ def build_hybrid(
     **kwargs: Any,
 ):
     """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage."""
-    from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
+    from megatron_hybrid import HybridModel, hybrid_stack_spec
 
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size
@@ -124,7 +124,7 @@ def build_gpt_twin(
     first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
     last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
     kwargs.setdefault("position_embedding_type", "rope")
-    spec = gpt_decoder_spec_for_pattern(gpt_config, pattern, backend)
+    spec = gpt_decoder_spec_for_pattern(gpt_config, pattern, backend, vp_stage)
     mtp_block_spec = None
     if gpt_config.mtp_num_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

@@ -33,7 +33,10 @@ def megatron_cpu():
 @pytest.fixture
 def model_parallel(megatron_cpu):
     """Factory: ``model_parallel(tp=1, ...)`` -> ProcessGroupCollection; state reset after."""
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel, reset_megatron_state
+    from megatron_hybrid.testing.megatron_state import (
+        initialize_model_parallel,
+        reset_megatron_state,
+    )
 
     yield initialize_model_parallel
     reset_megatron_state()

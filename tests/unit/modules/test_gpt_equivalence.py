@@ -135,10 +135,10 @@ def test_grouping_does_not_change_math(model_parallel):
     grouped_params = list(grouped.parameters())
     assert [p.shape for p in flat_params] == [p.shape for p in grouped_params]
     with torch.no_grad():
-        for dst, src in zip(grouped_params, flat_params):
+        for dst, src in zip(grouped_params, flat_params, strict=True):
             dst.copy_(src)
     a, b = _forward_backward(flat, inputs), _forward_backward(grouped, inputs)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert [g for g in a[2].values()] and all(
-        torch.equal(x, y) for x, y in zip(a[2].values(), b[2].values())
+        torch.equal(x, y) for x, y in zip(a[2].values(), b[2].values(), strict=True)
     )

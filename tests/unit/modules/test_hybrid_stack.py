@@ -28,7 +28,7 @@ def _forward_backward(model, inputs):
 def test_physical_layer_numbers(pg, pattern, expected):
     model = build_hybrid(small_config(pattern), pattern, pg)
     numbers = []
-    for item, layer in zip(model.decoder.layer_type_list, model.decoder.layers):
+    for item, layer in zip(model.decoder.layer_type_list, model.decoder.layers, strict=True):
         members = layer.layers if isinstance(item, tuple) else [layer]
         numbers.append([member.layer_number for member in members])
     assert numbers == expected
@@ -78,10 +78,12 @@ def test_ungrouped_pattern_builds_what_megatron_core_builds(pg):
     config = small_config("*-*E-")
     submodules = hybrid_stack_spec("local", config=config).submodules
     # megatron-core's stack hard-codes a TE final norm, so compare without the final norm.
-    ours = HybridStack(config, submodules, layer_type_list=pattern, pg_collection=pg,
-                       post_process=False)
-    theirs = MCoreHybridStack(config, submodules, layer_type_list=pattern, pg_collection=pg,
-                              post_process=False)
+    ours = HybridStack(
+        config, submodules, layer_type_list=pattern, pg_collection=pg, post_process=False
+    )
+    theirs = MCoreHybridStack(
+        config, submodules, layer_type_list=pattern, pg_collection=pg, post_process=False
+    )
     assert [type(m).__name__ for m in ours.layers] == [type(m).__name__ for m in theirs.layers]
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
     assert [layer.layer_number for layer in ours.layers] == [
@@ -102,16 +104,25 @@ def test_ungrouped_final_norm_keeps_megatron_key(pg):
 
 
 RECOMPUTE = [
-    pytest.param(dict(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=2), id="full_uniform"),
-    pytest.param(dict(recompute_granularity="full", recompute_method="block",
-                      recompute_num_layers=1), id="full_block"),
-    pytest.param(dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
-                 id="selective_core_attn"),
-    # 'layernorm' recompute needs TransformerEngine in megatron-core 0.19.2 (its
-    # CheckpointWithoutOutput references TE's FP8 state); it runs in tests/functional.
-    pytest.param(dict(recompute_granularity="selective", recompute_modules=["mlp"]),
-                 id="selective_mlp"),
+    pytest.param(
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        id="full_uniform",
+    ),
+    pytest.param(
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        id="full_block",
+    ),
+    pytest.param(
+        dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        id="selective_core_attn",
+    ),
+    pytest.param(
+        dict(recompute_granularity="selective", recompute_modules=["mlp"]), id="selective_mlp"
+    ),
+    pytest.param(
+        dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+        id="selective_layernorm",
+    ),
 ]
 
 
@@ -126,7 +137,7 @@ def test_recompute_matches_plain(model_parallel, recompute):
     actual = _forward_backward(recomputed, inputs)
     assert torch.equal(actual[0], expected[0])
     assert len(actual[1]) == len(expected[1])
-    for a, b in zip(actual[1], expected[1]):
+    for a, b in zip(actual[1], expected[1], strict=True):
         assert torch.equal(a, b)
 
 
@@ -166,8 +177,13 @@ def test_unsupported_local_dsa_is_a_clear_error(pg):
 
     config = small_config("D-")
     with pytest.raises(ValueError, match="need the 'te' backend"):
-        HybridStack(config, hybrid_stack_spec("local").submodules, layer_type_list=["D"],
-                    pg_collection=pg, post_process=False)
+        HybridStack(
+            config,
+            hybrid_stack_spec("local").submodules,
+            layer_type_list=["D"],
+            pg_collection=pg,
+            post_process=False,
+        )
 
 
 def test_te_backend_without_te_is_a_clear_error():

@@ -1,0 +1,226 @@
+"""Would a ``torch_dist`` checkpoint load into a pattern? Decided from metadata alone.
+
+:func:`expected_checkpoint_tensors` builds the model a pattern describes on the ``meta`` device
+(no parameter memory, any size) at TP=PP=EP=1 — checkpoint keys and global shapes do not depend
+on the parallel layout — and returns its checkpoint keys with global shapes.
+:func:`compare_with_checkpoint` reads only the checkpoint's metadata and lists missing,
+unexpected and shape-mismatched tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CheckpointComparison",
+    "compare_with_checkpoint",
+    "expected_checkpoint_tensors",
+    "resolve_checkpoint_dir",
+]
+
+# Checkpoint keys that belong to a language model's parameters; everything else in a training
+# checkpoint (optimizer state, RNG state, ...) is not compared.
+_MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
+_TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class CheckpointComparison:
+    """Result of comparing a pattern's model with a checkpoint.
+
+    Attributes:
+        checkpoint_dir: the dist-checkpoint folder that was read.
+        missing: model tensors the checkpoint lacks.
+        unexpected: model tensors in the checkpoint that the pattern's model does not have.
+        shape_mismatches: ``(key, expected global shape, checkpoint global shape)``.
+        matched: number of tensors present on both sides with equal shapes.
+        metadata: sharded-state-dict metadata used to build the expected keys.
+    """
+
+    checkpoint_dir: Path
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    shape_mismatches: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    matched: int
+    metadata: dict
+
+    @property
+    def loads(self) -> bool:
+        """Whether every tensor would load."""
+        return not (self.missing or self.unexpected or self.shape_mismatches)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """A dist-checkpoint folder from a Megatron save root or an iteration folder.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither.
+    """
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    tracker = path / _TRACKER_FILE
+    if tracker.is_file():
+        iteration = tracker.read_text().strip()
+        folder = path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+        if (folder / "metadata.json").is_file():
+            return folder
+        raise FileNotFoundError(
+            f"{tracker} points to {folder}, which is not a torch_dist checkpoint"
+        )
+    raise FileNotFoundError(
+        f"{path} is not a torch_dist checkpoint: expected a metadata.json in it, or a "
+        f"{_TRACKER_FILE} naming an iteration folder"
+    )
+
+
+@contextlib.contextmanager
+def _meta_device():
+    """Build modules on the meta device: megatron allocates on ``torch.cuda.current_device()``."""
+    import torch
+
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("meta")
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.cuda.current_device = original
+
+
+def _single_rank_groups():
+    """Process groups of one rank (a one-process gloo world is started if there is none)."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.spawn import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("expected_checkpoint_tensors runs in a single process")
+    return initialize_model_parallel()
+
+
+def expected_checkpoint_tensors(
+    config,
+    pattern: str,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    backend: str = "local",
+    metadata: dict | None = None,
+    **model_kwargs,
+) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> global shape of every tensor of the pattern's model.
+
+    Args:
+        config: the model config (any parallel sizes; the model is built unparallelised).
+        pattern: the hybrid layer pattern.
+        vocab_size: (padded) vocabulary size.
+        max_sequence_length: maximum sequence length.
+        backend: spec backend.
+        metadata: sharded-state-dict metadata (``non_homogeneous_layers``, ...).
+        **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
+    """
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.pattern import parse_pattern
+
+    parsed = parse_pattern(pattern)
+    # Keys and global shapes do not depend on the split, so build every layer at once.
+    single = parsed.canonical.replace("|", "")
+    config = dataclasses.replace(
+        config,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
+        overlap_moe_expert_parallel_comm=False,
+        use_cpu_initialization=False,
+        perform_initialization=False,
+        num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None,
+    )
+    if not torch.cuda.is_available():
+        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+        enable_cpu_emulation()
+    pg = _single_rank_groups()
+    with _meta_device():
+        model = HybridModel(
+            config,
+            hybrid_stack_spec(backend, config=config),
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            hybrid_layer_pattern=single,
+            pg_collection=pg,
+            **model_kwargs,
+        )
+        sharded = model.sharded_state_dict(metadata=metadata)
+    return {v.key: tuple(v.global_shape) for v in sharded.values() if isinstance(v, ShardedTensor)}
+
+
+def checkpoint_model_tensors(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Model tensors recorded in a checkpoint's metadata (optimizer state etc. left out)."""
+    from megatron.core import dist_checkpointing
+
+    tensors = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
+    return {
+        key: tuple(value.global_shape)
+        for key, value in tensors.items()
+        if key.startswith(_MODEL_KEY_ROOTS)
+    }
+
+
+def checkpoint_metadata(checkpoint_dir: Path, keys) -> dict:
+    """The sharded-state-dict metadata a checkpoint was saved with (inferred when absent)."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}
+    metadata = {
+        k: v for k, v in saved.items() if k in ("non_homogeneous_layers", "singleton_local_shards")
+    }
+    if not metadata and any(key.startswith("decoder.layers.0.") for key in keys):
+        # Indexed layer keys without recorded metadata: a non-homogeneous save.
+        metadata["non_homogeneous_layers"] = True
+    return metadata
+
+
+def compare_with_checkpoint(checkpoint_dir: str | Path, build_expected) -> CheckpointComparison:
+    """Compare a checkpoint's tensors with the model ``build_expected(metadata)`` describes.
+
+    Args:
+        checkpoint_dir: save root or iteration folder.
+        build_expected: ``metadata -> {key: global shape}`` (e.g. a partial of
+            :func:`expected_checkpoint_tensors`).
+    """
+    folder = resolve_checkpoint_dir(checkpoint_dir)
+    found = checkpoint_model_tensors(folder)
+    metadata = checkpoint_metadata(folder, found)
+    expected = build_expected(metadata)
+    mismatches = tuple(
+        (key, shape, found[key])
+        for key, shape in sorted(expected.items())
+        if key in found and found[key] != shape
+    )
+    return CheckpointComparison(
+        checkpoint_dir=folder,
+        missing=tuple(sorted(set(expected) - set(found))),
+        unexpected=tuple(sorted(set(found) - set(expected))),
+        shape_mismatches=mismatches,
+        matched=sum(1 for key, shape in expected.items() if found.get(key) == shape),
+        metadata=metadata,
+    )

@@ -1,0 +1,103 @@
+"""``check-checkpoint``: would a torch_dist checkpoint (GPT or hybrid) load into a pattern?
+
+Reads only the checkpoint's metadata, builds the pattern's model on the meta device and prints
+missing, unexpected and shape-mismatched tensors. Exit code 0 if it would load, 1 if not, 2 on
+bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+from megatron_hybrid.cli.main import Command, CommandError
+
+__all__ = ["COMMAND"]
+
+_SHOW = 20
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    from megatron_hybrid.training.arguments import MODEL_SHAPE_GROUPS, add_hybrid_args
+
+    parser.add_argument(
+        "--load",
+        required=True,
+        metavar="DIR",
+        help="checkpoint: a save root (with latest_checkpointed_iteration.txt) or an iteration "
+        "folder",
+    )
+    add_hybrid_args(parser, groups=MODEL_SHAPE_GROUPS)
+
+
+def _listing(title: str, entries: list[str]) -> list[str]:
+    lines = [f"{title} ({len(entries)}):"]
+    lines += [f"  {entry}" for entry in entries[:_SHOW]]
+    if len(entries) > _SHOW:
+        lines.append(f"  ... and {len(entries) - _SHOW} more")
+    return lines
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megatron_hybrid.checkpointing.inspect import (
+        compare_with_checkpoint,
+        expected_checkpoint_tensors,
+    )
+    from megatron_hybrid.training.arguments import hybrid_config_from_args
+
+    if not args.hybrid_layer_pattern:
+        raise CommandError("--hybrid-layer-pattern is required")
+    config = hybrid_config_from_args(args)
+    build = partial(
+        _expected,
+        expected_checkpoint_tensors,
+        config,
+        args,
+    )
+    try:
+        result = compare_with_checkpoint(args.load, build)
+    except FileNotFoundError as error:
+        raise CommandError(str(error)) from None
+    print(f"checkpoint: {result.checkpoint_dir}")
+    print(f"pattern:    {args.hybrid_layer_pattern}")
+    if result.metadata:
+        print(f"metadata:   {result.metadata}")
+    print(f"matching tensors: {result.matched}")
+    if result.loads:
+        print("OK: every tensor of the model is in the checkpoint with the same global shape")
+        return 0
+    lines = []
+    if result.missing:
+        lines += _listing("missing from the checkpoint", list(result.missing))
+    if result.unexpected:
+        lines += _listing("in the checkpoint but not in the model", list(result.unexpected))
+    if result.shape_mismatches:
+        lines += _listing(
+            "global shape differs (model vs checkpoint)",
+            [f"{key}: {exp} vs {found}" for key, exp, found in result.shape_mismatches],
+        )
+    print("\n".join(lines))
+    print("NOT LOADABLE: fix the pattern or the model-shape flags (see above)")
+    return 1
+
+
+def _expected(build, config, args, metadata):
+    return build(
+        config,
+        args.hybrid_layer_pattern,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or 4096,
+        backend="te" if args.transformer_impl == "transformer_engine" else "local",
+        metadata=metadata,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
+
+
+COMMAND = Command(
+    name="check-checkpoint",
+    help="say whether a torch_dist checkpoint (GPT or hybrid) loads into a pattern",
+    configure=_configure,
+    run=_run,
+    description=__doc__,
+)

@@ -1,0 +1,118 @@
+"""The alphabet of hybrid layer patterns: layer symbols, their slots and the separators.
+
+This module is the single source of valid characters; the parser, the error messages and the
+module registry all read it. Vocabulary used across the package:
+
+* *layer* (or *physical layer*): one symbol, one module with its own ``layer_number``;
+* *group*: ``[...]``, several physical layers that form one Transformer-equivalent layer;
+* *logical layer*: a top-level item after expansion (a plain symbol or a whole group);
+* *segment*: the layers between two ``|``, one pipeline (virtual) stage;
+* *global index*: the position in the flattened main pattern, across all segments.
+
+>>> SYMBOLS
+('M', 'G', '*', 'D', '+', '-', 'E')
+>>> SLOT_OF_SYMBOL[MOE], SYMBOL_NAMES[MOE]
+(<Slot.MLP: 'mlp'>, 'MoE')
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from types import MappingProxyType
+
+__all__ = [
+    "ATTENTION",
+    "DSA",
+    "GDN",
+    "GRAMMAR_VERSION",
+    "GROUP_CLOSE",
+    "GROUP_OPEN",
+    "MAMBA",
+    "MAX_NESTING_DEPTH",
+    "MAX_PHYSICAL_LAYERS",
+    "MLA",
+    "MLP",
+    "MOE",
+    "MTP_SEPARATOR",
+    "PIPE",
+    "REPEAT_CLOSE",
+    "REPEAT_OPEN",
+    "RUN_CLOSE",
+    "RUN_OPEN",
+    "SLOT_OF_SYMBOL",
+    "SYMBOLS",
+    "SYMBOL_NAMES",
+    "Slot",
+]
+
+# Layer symbols (the same characters megatron-core's hybrid_layer_allocation.Symbols uses).
+MAMBA = "M"
+GDN = "G"
+ATTENTION = "*"
+DSA = "D"
+MLA = "+"
+MLP = "-"
+MOE = "E"
+
+#: All layer symbols, in the order used for counts and tables.
+SYMBOLS: tuple[str, ...] = (MAMBA, GDN, ATTENTION, DSA, MLA, MLP, MOE)
+
+SYMBOL_NAMES: MappingProxyType[str, str] = MappingProxyType(
+    {
+        MAMBA: "Mamba",
+        GDN: "GatedDeltaNet",
+        ATTENTION: "attention",
+        DSA: "DeepSeek sparse attention",
+        MLA: "MLA",
+        MLP: "dense MLP",
+        MOE: "MoE",
+    }
+)
+
+# Structure characters.
+PIPE = "|"
+MTP_SEPARATOR = "/"
+GROUP_OPEN = "["
+GROUP_CLOSE = "]"
+RUN_OPEN = "("
+RUN_CLOSE = ")"
+REPEAT_OPEN = "{"
+REPEAT_CLOSE = "}"
+
+
+class Slot(StrEnum):
+    """The place a layer takes inside a Transformer-equivalent group.
+
+    A group holds at most one layer per slot, so its members map one-to-one onto the submodules
+    of a GPT layer (and onto distinct checkpoint keys).
+    """
+
+    MIXER = "mixer"
+    ATTENTION = "attention"
+    MLP = "mlp"
+
+
+#: Slot of each layer symbol. GatedDeltaNet takes the attention slot because megatron-core builds
+#: it as a TransformerLayer's ``self_attention`` (its checkpoint keys live there too).
+SLOT_OF_SYMBOL: MappingProxyType[str, Slot] = MappingProxyType(
+    {
+        MAMBA: Slot.MIXER,
+        GDN: Slot.ATTENTION,
+        ATTENTION: Slot.ATTENTION,
+        DSA: Slot.ATTENTION,
+        MLA: Slot.ATTENTION,
+        MLP: Slot.MLP,
+        MOE: Slot.MLP,
+    }
+)
+
+#: Largest number of physical layers a pattern may expand to (main plus every MTP depth). It
+#: catches typos such as ``{50000}`` for ``{50}`` before anything is expanded.
+MAX_PHYSICAL_LAYERS = 100_000
+
+#: Deepest nesting of parentheses; real patterns need two or three levels, and the bound keeps the
+#: recursive-descent parser far from Python's recursion limit.
+MAX_NESTING_DEPTH = 32
+
+#: Version of the grammar; bumped on any change to what a pattern string means.
+GRAMMAR_VERSION = 1

@@ -1,0 +1,371 @@
+"""Command-line flags (Megatron-LM's names) and the TransformerConfig they describe.
+
+:func:`add_hybrid_args` adds the flags to any ``argparse`` parser. It skips flags the parser
+already has, so it also works as Megatron-LM's ``extra_args_provider`` (Megatron-LM defines most
+of them itself). :func:`hybrid_config_from_args` turns parsed flags into a ``TransformerConfig``:
+``num_layers`` is the pattern's physical layer count, ``mtp_num_layers`` its MTP depth and the
+virtual pipeline size follows from its ``|`` segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_hybrid.pattern import GDN, MOE, parse_pattern
+
+__all__ = [
+    "FLAGS",
+    "FLAG_GROUPS",
+    "MODEL_SHAPE_GROUPS",
+    "Flag",
+    "add_hybrid_args",
+    "hybrid_config_from_args",
+    "vpp_size_from_pattern",
+]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its option string and ``add_argument`` keywords."""
+
+    option: str
+    group: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _flag(option: str, group: str, **kwargs: Any) -> Flag:
+    return Flag(option, group, kwargs)
+
+
+_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT = "model", "parallelism", "MoE", "training", "checkpointing"
+
+#: Every flag the package defines, in ``--help`` order (frozen by a snapshot test).
+FLAGS: tuple[Flag, ...] = (
+    _flag(
+        "--hybrid-layer-pattern",
+        _MODEL,
+        type=str,
+        default=None,
+        help="layer pattern, e.g. '[*E]{4}' or '[*-]{2}|[*E]{2}/*E' (docs/pattern_grammar.md)",
+    ),
+    _flag("--hidden-size", _MODEL, type=int, default=64, help="hidden size"),
+    _flag("--num-attention-heads", _MODEL, type=int, default=4, help="attention heads"),
+    _flag(
+        "--num-query-groups",
+        _MODEL,
+        type=int,
+        default=None,
+        help="query groups for grouped-query attention (default: one per head)",
+    ),
+    _flag(
+        "--kv-channels",
+        _MODEL,
+        type=int,
+        default=None,
+        help="channels per attention head (default: hidden size / heads)",
+    ),
+    _flag(
+        "--ffn-hidden-size",
+        _MODEL,
+        type=int,
+        default=None,
+        help="dense MLP hidden size (default: 4 x hidden size)",
+    ),
+    _flag(
+        "--normalization",
+        _MODEL,
+        choices=["LayerNorm", "RMSNorm"],
+        default="LayerNorm",
+        help="normalization layer",
+    ),
+    _flag("--swiglu", _MODEL, action="store_true", help="SwiGLU MLPs (needed by 'G' layers)"),
+    _flag(
+        "--disable-bias-linear",
+        _MODEL,
+        action="store_true",
+        help="no biases in linear layers (always on for MoE layers here)",
+    ),
+    _flag("--qk-layernorm", _MODEL, action="store_true", help="layer norm on queries and keys"),
+    _flag(
+        "--position-embedding-type",
+        _MODEL,
+        choices=["rope", "learned_absolute", "none"],
+        default="rope",
+        help="position embedding",
+    ),
+    _flag(
+        "--untie-embeddings-and-output-weights",
+        _MODEL,
+        action="store_true",
+        help="separate output layer weights",
+    ),
+    _flag("--vocab-size", _MODEL, type=int, default=256, help="vocabulary size"),
+    _flag(
+        "--max-position-embeddings",
+        _MODEL,
+        type=int,
+        default=None,
+        help="maximum sequence length (default: --seq-length)",
+    ),
+    _flag(
+        "--transformer-impl",
+        _MODEL,
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="module implementation: Megatron-Core modules or TransformerEngine",
+    ),
+    _flag("--tensor-model-parallel-size", _PARALLEL, type=int, default=1, help="TP size"),
+    _flag(
+        "--pipeline-model-parallel-size",
+        _PARALLEL,
+        type=int,
+        default=1,
+        help="PP size; with '|' in the pattern, VPP = segments / PP",
+    ),
+    _flag("--expert-model-parallel-size", _PARALLEL, type=int, default=1, help="EP size"),
+    _flag(
+        "--expert-tensor-parallel-size",
+        _PARALLEL,
+        type=int,
+        default=None,
+        help="expert TP size (default: TP size)",
+    ),
+    _flag("--context-parallel-size", _PARALLEL, type=int, default=1, help="CP size"),
+    _flag("--sequence-parallel", _PARALLEL, action="store_true", help="sequence parallelism"),
+    _flag(
+        "--overlap-moe-expert-parallel-comm",
+        _PARALLEL,
+        action="store_true",
+        help="overlap EP all-to-all with compute (combined-1F1B schedule; needs EP>1, bf16)",
+    ),
+    _flag(
+        "--delay-wgrad-compute",
+        _PARALLEL,
+        action="store_true",
+        help="delay weight-gradient computation (with EP overlap)",
+    ),
+    _flag("--num-experts", _MOE, type=int, default=None, help="experts per MoE layer"),
+    _flag("--moe-router-topk", _MOE, type=int, default=2, help="experts per token"),
+    _flag(
+        "--moe-ffn-hidden-size",
+        _MOE,
+        type=int,
+        default=None,
+        help="expert hidden size (default: --ffn-hidden-size)",
+    ),
+    _flag(
+        "--moe-shared-expert-intermediate-size",
+        _MOE,
+        type=int,
+        default=None,
+        help="shared-expert hidden size (no shared expert by default)",
+    ),
+    _flag("--moe-grouped-gemm", _MOE, action="store_true", help="grouped-GEMM experts"),
+    _flag(
+        "--moe-token-dispatcher-type",
+        _MOE,
+        choices=["alltoall", "allgather", "flex"],
+        default="alltoall",
+        help="token dispatcher",
+    ),
+    _flag(
+        "--moe-flex-dispatcher-backend",
+        _MOE,
+        choices=["deepep", "hybridep"],
+        default="deepep",
+        help="backend of the flex dispatcher",
+    ),
+    _flag("--moe-aux-loss-coeff", _MOE, type=float, default=0.0, help="load-balancing loss"),
+    _flag("--seq-length", _TRAIN, type=int, default=128, help="maximum sequence length"),
+    _flag("--micro-batch-size", _TRAIN, type=int, default=4, help="sequences per micro-batch"),
+    _flag(
+        "--global-batch-size",
+        _TRAIN,
+        type=int,
+        default=None,
+        help="sequences per step (default: micro-batch size x data-parallel size)",
+    ),
+    _flag("--train-iters", _TRAIN, type=int, default=30, help="training steps"),
+    _flag("--lr", _TRAIN, type=float, default=3e-3, help="learning rate"),
+    _flag("--weight-decay", _TRAIN, type=float, default=0.01, help="AdamW weight decay"),
+    _flag("--clip-grad", _TRAIN, type=float, default=1.0, help="gradient-norm clipping"),
+    _flag("--bf16", _TRAIN, action="store_true", help="bf16 parameters and compute"),
+    _flag("--seed", _TRAIN, type=int, default=1234, help="random seed"),
+    _flag(
+        "--recompute-granularity",
+        _TRAIN,
+        choices=["full", "selective"],
+        default=None,
+        help="activation recompute",
+    ),
+    _flag(
+        "--recompute-method",
+        _TRAIN,
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute over logical layers: uniform or block",
+    ),
+    _flag(
+        "--recompute-num-layers",
+        _TRAIN,
+        type=int,
+        default=None,
+        help="logical layers per recompute chunk (uniform) or recomputed (block)",
+    ),
+    _flag("--save", _CKPT, type=str, default=None, help="directory to save checkpoints to"),
+    _flag("--load", _CKPT, type=str, default=None, help="directory to resume from"),
+    _flag(
+        "--save-interval", _CKPT, type=int, default=None, help="save every N steps (and at the end)"
+    ),
+)
+
+
+#: Flag groups; ``check-checkpoint`` uses only the model-shape ones.
+FLAG_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT)
+MODEL_SHAPE_GROUPS = (_MODEL, _MOE)
+
+
+def add_hybrid_args(
+    parser: argparse.ArgumentParser, groups: tuple[str, ...] = FLAG_GROUPS
+) -> argparse.ArgumentParser:
+    """Add the package's flags to ``parser``; flags it already defines are left alone.
+
+    Usable as Megatron-LM's ``extra_args_provider``.
+
+    Args:
+        parser: the parser to extend.
+        groups: which flag groups to add (default: all).
+    """
+    existing = set(parser._option_string_actions)  # argparse keeps no public registry
+    added: dict[str, argparse._ArgumentGroup] = {}
+    for flag in FLAGS:
+        if flag.option in existing or flag.group not in groups:
+            continue
+        if flag.group not in added:
+            added[flag.group] = parser.add_argument_group(f"megatron_hybrid: {flag.group}")
+        added[flag.group].add_argument(flag.option, **flag.kwargs)
+    return parser
+
+
+def vpp_size_from_pattern(pattern, pp_size: int) -> int | None:
+    """Virtual pipeline size implied by the pattern's ``|`` segments (None without pipes).
+
+    Raises:
+        ValueError: the segment count is not a multiple of ``pp_size``.
+    """
+    parsed = parse_pattern(pattern)
+    if parsed.num_segments == 1:
+        return None
+    if parsed.num_segments % pp_size:
+        raise ValueError(
+            f"the pattern has {parsed.num_segments} '|'-separated segments, which is not a "
+            f"multiple of --pipeline-model-parallel-size {pp_size}; use a multiple of {pp_size} "
+            "segments (segments / PP = virtual stages per rank)"
+        )
+    vpp = parsed.num_segments // pp_size
+    if vpp > 1 and pp_size == 1:
+        raise ValueError(
+            f"the pattern has {parsed.num_segments} '|'-separated segments but there is no "
+            "pipeline parallelism; drop the '|' or set --pipeline-model-parallel-size"
+        )
+    return vpp if vpp > 1 else None
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` completed with the defaults of flags a parser did not define."""
+    values = {}
+    for flag in FLAGS:
+        dest = flag.option.lstrip("-").replace("-", "_")
+        values[dest] = flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
+    values.update(vars(args))
+    return argparse.Namespace(**values)
+
+
+def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
+    """The ``TransformerConfig`` described by parsed flags.
+
+    Args:
+        args: parsed flags (from a parser extended by :func:`add_hybrid_args`); flags the
+            parser did not define take their defaults.
+        **overrides: config fields to set on top (e.g. CPU-friendly fusion switches).
+
+    Raises:
+        ValueError: inconsistent flags, with what to change.
+    """
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    args = _with_defaults(args)
+    if not args.hybrid_layer_pattern:
+        raise ValueError(
+            "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
+        )
+    parsed = parse_pattern(args.hybrid_layer_pattern)
+    counts = parsed.layer_counts
+    if counts.get(MOE, 0) and not args.num_experts:
+        raise ValueError(f"the pattern {parsed.pattern!r} has MoE ('E') layers; set --num-experts")
+    if counts.get(GDN, 0) and not args.swiglu:
+        raise ValueError(
+            "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
+            "add --swiglu"
+        )
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    kwargs: dict[str, Any] = dict(
+        num_layers=parsed.physical_layer_count,
+        mtp_num_layers=parsed.mtp_num_depths or None,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=ffn,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        # megatron-core's SequentialMLP experts fail with biases (in-place add on a view).
+        add_bias_linear=not args.disable_bias_linear and not counts.get(MOE, 0),
+        qk_layernorm=args.qk_layernorm,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        transformer_impl=args.transformer_impl,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=args.delay_wgrad_compute,
+    )
+    if counts.get(MOE, 0):
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size or ffn,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        )
+    if counts.get(GDN, 0):
+        kwargs.update(
+            linear_num_key_heads=args.num_attention_heads,
+            linear_num_value_heads=args.num_attention_heads,
+            linear_key_head_dim=args.hidden_size // args.num_attention_heads,
+            linear_value_head_dim=args.hidden_size // args.num_attention_heads,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
