@@ -45,9 +45,15 @@ def _run(args: argparse.Namespace) -> int:
     )
     from megatron_hybrid.training.arguments import hybrid_config_from_args
 
+    from megatron_hybrid.pattern import parse_pattern
+
     if not args.hybrid_layer_pattern:
         raise CommandError("--hybrid-layer-pattern is required")
-    config = hybrid_config_from_args(args)
+    # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
+    unsplit = parse_pattern(args.hybrid_layer_pattern).canonical.replace("|", "")
+    config = hybrid_config_from_args(
+        argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
+    )
     build = partial(
         _expected,
         expected_checkpoint_tensors,

@@ -25,7 +25,10 @@ from megatron_hybrid.package_info import __version__
 __all__ = ["COMMAND_MODULES", "Command", "CommandError", "build_parser", "main"]
 
 #: Modules that define a ``COMMAND``, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("megatron_hybrid.cli.describe",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "megatron_hybrid.cli.describe",
+    "megatron_hybrid.cli.check_checkpoint",
+)
 
 #: Exit code for bad input, as argparse uses.
 USAGE_ERROR = 2
