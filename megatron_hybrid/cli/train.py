@@ -1,0 +1,74 @@
+"""``train``: train a small hybrid model on synthetic variable-length data.
+
+CPU by default (one process); GPUs under ``torchrun --nproc_per_node N -m megatron_hybrid train``.
+Prints loss, gradient norm and tokens/s per step and a one-line summary; ``--save``/``--load``
+write and resume ``torch_dist`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_hybrid.cli.main import Command
+
+__all__ = ["COMMAND", "add_train_only_args"]
+
+
+def add_train_only_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the ``train`` command that Megatron-LM does not have."""
+    group = parser.add_argument_group("megatron_hybrid: train command")
+    group.add_argument(
+        "--packed",
+        action="store_true",
+        help="pack sequences into THD rows (needs layers that accept packed input; otherwise the "
+        "padded layout is used and the reason is printed)",
+    )
+    group.add_argument(
+        "--round-up-seq-length",
+        action="store_true",
+        help="round a fixed --seq-length up to the alignment padding needs (once, at setup)",
+    )
+    group.add_argument(
+        "--overwrite-checkpoint",
+        action="store_true",
+        help="allow --save to replace an existing iteration folder",
+    )
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    from megatron_hybrid.training.arguments import add_hybrid_args
+
+    add_hybrid_args(parser)
+    add_train_only_args(parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_hybrid.training.run import run_training
+
+    if not args.hybrid_layer_pattern:
+        raise ValueError(
+            "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
+        )
+    summary = run_training(args)
+    if torch.distributed.get_rank() == 0:
+        losses = summary.losses
+        first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
+        saved = f" | saved {summary.saved}" if summary.saved else ""
+        print(
+            f"done: {len(losses)} steps ({summary.first_iteration}->{summary.last_iteration}) | "
+            f"loss {first:.4f} -> {last:.4f} | {summary.tokens_per_second:,.0f} tok/s{saved}",
+            flush=True,
+        )
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+COMMAND = Command(
+    name="train",
+    help="train a hybrid model on synthetic data (CPU by default, GPUs under torchrun)",
+    configure=_configure,
+    run=_run,
+    description=__doc__,
+)

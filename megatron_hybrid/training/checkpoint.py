@@ -1,0 +1,150 @@
+"""Save and resume training state as ``torch_dist`` checkpoints in Megatron-LM's layout.
+
+``<root>/iter_0000010/`` holds one dist checkpoint with the model chunks (``model`` or
+``model0``, ``model1``, ... for virtual stages, as Megatron-LM names them), the optimizer state,
+every rank's RNG state and the iteration; ``<root>/latest_checkpointed_iteration.txt`` names the
+newest. Model tensors use the package's checkpoint keys, so a grouped pattern's checkpoint is a
+GPTModel checkpoint (``check-checkpoint`` reads either).
+
+Nothing is written over an existing iteration folder unless ``overwrite`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointExistsError", "load_checkpoint", "save_checkpoint"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_FORMAT = "megatron_hybrid/1"
+
+
+class CheckpointExistsError(FileExistsError):
+    """The iteration folder already exists and overwriting was not asked for."""
+
+
+def _iteration_dir(root: Path, iteration: int) -> Path:
+    return root / f"iter_{iteration:07d}"
+
+
+def _model_state(chunks, metadata):
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {
+        f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)
+    }
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _per_rank_object(key: str, value):
+    """A value every rank keeps its own copy of (RNG state, CPU optimizer state)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardedObject(key, value, (world,), (rank,), replica_id=0)
+
+
+def _optimizer_state(optimizer, model_state, *, loading: bool):
+    from megatron_hybrid.training.loop import CPUOptimizer
+
+    if isinstance(optimizer, CPUOptimizer):
+        # Replicated over data-parallel ranks but not model-parallel shards: one copy per rank,
+        # so a CPU run resumes with the same parallel layout.
+        return _per_rank_object("optimizer.cpu_adamw", None if loading else optimizer.state_dict())
+    merged = {}
+    for value in model_state.values():
+        merged.update(value)
+    return optimizer.sharded_state_dict(merged, is_loading=loading)
+
+
+def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, overwrite=False):
+    """Save a step's state under ``root``; return the iteration folder.
+
+    Raises:
+        CheckpointExistsError: the folder exists and ``overwrite`` is False.
+    """
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    folder = _iteration_dir(root, iteration)
+    exists = torch.tensor([int(folder.exists())])
+    torch.distributed.all_reduce(exists)  # every rank must agree before anyone writes
+    if exists.item() and not overwrite:
+        raise CheckpointExistsError(
+            f"{folder} already exists; pass --overwrite-checkpoint to replace it or choose "
+            "another --save directory"
+        )
+    if torch.distributed.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    model = _model_state(chunks, metadata=None)
+    state = {
+        **model,
+        "optimizer": _optimizer_state(optimizer, model, loading=False),
+        "rng_state": _per_rank_object("rng_state", _rng_state()),
+        "iteration": iteration,
+        "megatron_hybrid": {"format": _FORMAT, "hybrid_layer_pattern": pattern},
+    }
+    dist_checkpointing.save(state, str(folder))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        tmp = root / f".{TRACKER}.tmp"
+        tmp.write_text(str(iteration))
+        os.replace(tmp, root / TRACKER)  # atomic: a crash never leaves a half-written tracker
+    torch.distributed.barrier()
+    return folder
+
+
+def load_checkpoint(root, chunks, optimizer) -> int:
+    """Restore model, optimizer and RNG state from the newest checkpoint under ``root``.
+
+    Returns:
+        The iteration the checkpoint was saved at.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+
+    folder = resolve_checkpoint_dir(root)
+    model = _model_state(chunks, metadata=None)
+    request = {
+        **model,
+        "optimizer": _optimizer_state(optimizer, model, loading=True),
+        "rng_state": _per_rank_object("rng_state", None),
+    }
+    state = dist_checkpointing.load(request, str(folder))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng_state"])
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    return int(common.get("iteration", state.get("iteration", 0)))

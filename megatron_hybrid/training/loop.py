@@ -1,0 +1,216 @@
+"""The pieces of a training step: wrapped model chunks, the optimizer and the step itself.
+
+Gradients are finalized the way megatron-core expects: the model chunks are wrapped in
+megatron's ``DistributedDataParallel``, the loss is a per-token sum and ``finalize_model_grads``
+all-reduces gradients over data-parallel ranks and divides them by the global token count. So a
+step over one global batch gives the same gradients (and gradient norm) whatever the
+data-parallel size.
+
+On GPUs the optimizer is megatron-core's distributed optimizer. Its implementation hard-codes
+CUDA, so on CPU a ``torch.optim.AdamW`` over the same main gradients stands in, with the
+gradient norm computed over model-parallel shards as megatron computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOptimizer", "StepResult", "build_model_chunks", "build_optimizer", "train_step"]
+
+
+def build_model_chunks(
+    config,
+    pattern: str,
+    pg_collection,
+    *,
+    backend: str,
+    vocab_size: int,
+    max_sequence_length: int,
+    share_embeddings_and_output_weights: bool = True,
+    position_embedding_type: str = "rope",
+) -> list:
+    """HybridModel chunks of this rank (one per virtual stage), wrapped for training."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_hybrid import HybridModel, hybrid_stack_spec
+
+    spec = hybrid_stack_spec(backend, config=config)
+    pp = pg_collection.pp
+    vpp = config.virtual_pipeline_model_parallel_size
+    on_gpu = torch.cuda.is_available()
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        last_vp = vp_stage is None or vp_stage == vpp - 1
+        model = HybridModel(
+            config,
+            spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            hybrid_layer_pattern=pattern,
+            pre_process=pp.rank() == 0 and (vp_stage is None or vp_stage == 0),
+            post_process=pp.rank() == pp.size() - 1 and last_vp,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=on_gpu
+        )
+        chunks.append(
+            DistributedDataParallel(
+                config,
+                ddp_config,
+                model,
+                disable_bucketing=vp_stage not in (None, 0),
+                pg_collection=pg_collection,
+            )
+        )
+    return chunks
+
+
+class CPUOptimizer:
+    """AdamW over megatron's ``main_grad`` buffers, with global-norm clipping (CPU runs)."""
+
+    def __init__(self, chunks, *, lr: float, weight_decay: float, clip_grad: float, pg_collection):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        self.clip_grad = clip_grad
+        self.pg_collection = pg_collection
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+
+    def _grad_norm(self) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        dense = torch.zeros(1, dtype=torch.float64)
+        expert = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None or not param_is_not_shared(p):
+                continue
+            if not param_is_not_tensor_parallel_duplicate(p):
+                continue
+            target = expert if not getattr(p, "allreduce", True) else dense
+            target += p.grad.double().pow(2).sum()
+        # Each dense shard lives once in the TP x PP group, each expert shard once in TP x EP x PP.
+        torch.distributed.all_reduce(dense, group=self.pg_collection.mp)
+        torch.distributed.all_reduce(expert, group=self.pg_collection.tp_ep_pp)
+        return math.sqrt(float(dense + expert))
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> float:
+        """Copy main grads, clip by global norm, update; return the norm before clipping."""
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else None
+        norm = self._grad_norm()
+        if self.clip_grad and norm > self.clip_grad:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
+    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU."""
+    if not torch.cuda.is_available():
+        return CPUOptimizer(
+            chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
+        )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=True,
+    )
+    return get_megatron_optimizer(optimizer_config, chunks)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step reports (the same on every rank)."""
+
+    loss: float
+    grad_norm: float
+    tokens: int
+
+
+def _configure_hooks(chunks, config, pg_collection) -> None:
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.calculate_per_token_loss = True
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.grad_sync_func = None
+    config.param_sync_func = None
+
+
+def train_step(
+    chunks, optimizer, batches, config, *, seq_length: int, micro_batch_size: int, pg_collection
+) -> StepResult:
+    """One optimizer step over ``batches`` (a list of micro-batch dicts, or one list per chunk).
+
+    Returns:
+        The step's per-token loss, the gradient norm before clipping and the real tokens of the
+        global batch.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hybrid.training.steps import lm_forward_step
+
+    _configure_hooks(chunks, config, pg_collection)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    per_chunk = batches if isinstance(batches[0], list) else [batches] * len(chunks)
+    iterators = [iter(list(b)) for b in per_chunk]
+    reports = get_forward_backward_func()(
+        forward_step_func=lm_forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(per_chunk[0]),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    step = optimizer.step()
+    grad_norm = step if isinstance(step, float) else float(step[1])
+    # The last pipeline stage holds the losses; sum over data-parallel ranks, then share.
+    totals = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        totals += report["lm loss"].double().cpu()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    totals = totals.to(device)
+    torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
+    torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
+    # Real tokens of this rank's micro-batches, summed over data-parallel ranks.
+    tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
+    token_count = torch.tensor([tokens], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(token_count, group=pg_collection.dp_cp)
+    return StepResult(
+        loss=float(totals[0] / totals[1].clamp(min=1)),
+        grad_norm=grad_norm,
+        tokens=int(token_count.item()),
+    )

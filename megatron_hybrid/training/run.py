@@ -1,0 +1,274 @@
+"""The small pretraining loop behind ``python -m megatron_hybrid train``.
+
+One process on CPU by default (megatron-core's CUDA-only calls emulated, gloo), or one process
+per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 shows a progress
+line per step (loss, gradient norm, tokens/s) and a one-line summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TrainingError", "TrainingSummary", "run_training"]
+
+
+class TrainingError(ValueError):
+    """A setting or input that prevents training; printed as one message (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What a run did, returned by :func:`run_training`."""
+
+    first_iteration: int
+    last_iteration: int
+    losses: list[float]
+    grad_norms: list[float]
+    tokens_per_second: float
+    saved: str | None
+
+
+def _init_distributed() -> tuple[int, int]:
+    """Join torchrun's process group, or start a one-process gloo world."""
+    import torch.distributed as dist
+
+    from megatron_hybrid.testing.spawn import free_port
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _cpu_overrides() -> dict:
+    # Fused kernels are CUDA-only; on CPU the unfused paths compute the same functions.
+    return dict(
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=True,  # GatedDeltaNet's torch path; fla kernels need a GPU
+    )
+
+
+def _check_resume_compatible(chunks, folder) -> None:
+    """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
+
+    local = {}
+    for chunk in chunks:
+        for value in chunk.sharded_state_dict().values():
+            if isinstance(value, ShardedTensor):
+                local[value.key] = tuple(value.global_shape)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    expected = {k: v for part in gathered for k, v in part.items()}
+    result = compare_with_checkpoint(folder, lambda metadata: expected)
+    if not result.loads:
+        lines = [f"--load {folder} does not fit --hybrid-layer-pattern:"]
+        for title, keys in (("missing", result.missing), ("unexpected", result.unexpected)):
+            if keys:
+                lines.append(f"  {title} ({len(keys)}): {', '.join(keys[:8])}")
+        for key, want, have in result.shape_mismatches[:8]:
+            lines.append(f"  shape of {key}: model {want}, checkpoint {have}")
+        lines.append("run `python -m megatron_hybrid check-checkpoint` for the full list")
+        raise TrainingError("\n".join(lines))
+
+
+class _Progress:
+    """Rank 0's per-step line: an updating bar on a terminal, plain lines in logs."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = enabled and sys.stdout.isatty()
+
+    def update(self, iteration: int, loss: float, norm: float, tok_s: float) -> None:
+        if not self.enabled:
+            return
+        done = int(20 * iteration / max(self.total, 1))
+        bar = "#" * done + "." * (20 - done)
+        line = (
+            f"[{bar}] step {iteration:>5}/{self.total} | loss {loss:.4f} | "
+            f"grad norm {norm:.3f} | {tok_s:,.0f} tok/s"
+        )
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+def run_training(args: argparse.Namespace) -> TrainingSummary:
+    """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
+    from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
+    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+    from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+
+    parsed = parse_pattern(args.hybrid_layer_pattern)
+    on_gpu = torch.cuda.is_available()
+    overrides = {} if on_gpu else _cpu_overrides()
+    config = hybrid_config_from_args(args, **overrides)  # validate flags before any process group
+    if not on_gpu:
+        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+        enable_cpu_emulation()
+    rank, world = _init_distributed()
+    model_parallel = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if world % model_parallel:
+        raise TrainingError(
+            f"{world} processes cannot hold TP x PP x CP = {model_parallel}; launch a multiple "
+            f"of {model_parallel} processes"
+        )
+    pg = initialize_model_parallel(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        vpp=config.virtual_pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        cp=args.context_parallel_size,
+        etp=args.expert_tensor_parallel_size,
+        seed=args.seed,
+    )
+    dp, dp_rank = pg.dp.size(), pg.dp.rank()
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        raise TrainingError(
+            f"--global-batch-size {global_batch} is not a multiple of micro-batch size x "
+            f"data-parallel size = {args.micro_batch_size * dp}"
+        )
+    num_microbatches = global_batch // (args.micro_batch_size * dp)
+
+    padding = padding_config_from(config, pg)
+    seq_length = args.seq_length
+    if padding.fixed_length_required:
+        seq_length = padding.align_seq_length(
+            seq_length,
+            micro_batch_size=args.micro_batch_size,
+            force_policy="round_up" if args.round_up_seq_length else "raise",
+        )
+    packed = args.packed
+    if packed:
+        symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
+        reason = thd_unsupported_reason_for(symbols, config)
+        if reason:
+            packed = False
+            if rank == 0:
+                print(f"--packed: using padded (BSHD) batches instead: {reason}", flush=True)
+    device = torch.cuda.current_device() if on_gpu else "cpu"
+    data = SyntheticTokens(vocab_size=args.vocab_size, max_length=seq_length, seed=args.seed)
+    builder = MicroBatchBuilder(
+        data,
+        padding,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=seq_length,
+        packed=packed,
+        equalize_group=pg.tp_ep,
+        device=device,
+    )
+
+    chunks = build_model_chunks(
+        config,
+        args.hybrid_layer_pattern,
+        pg,
+        backend="te" if args.transformer_impl == "transformer_engine" else "local",
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or seq_length,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
+    optimizer = build_optimizer(
+        chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
+    )
+    start = 0
+    if args.load:
+        from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+
+        try:
+            folder = resolve_checkpoint_dir(args.load)
+        except FileNotFoundError as error:
+            raise TrainingError(str(error)) from None
+        _check_resume_compatible(chunks, folder)
+        start = load_checkpoint(folder, chunks, optimizer)
+        if rank == 0:
+            print(f"resumed from {folder} at iteration {start}", flush=True)
+
+    progress = _Progress(args.train_iters, enabled=rank == 0)
+    losses, norms, saved = [], [], None
+    tokens_total, time_total = 0, 0.0
+    for iteration in range(start, args.train_iters):
+        base = iteration * global_batch + dp_rank * num_microbatches * args.micro_batch_size
+        batches = [
+            builder.build(
+                [base + m * args.micro_batch_size + b for b in range(args.micro_batch_size)]
+            )
+            for m in range(num_microbatches)
+        ]
+        began = time.perf_counter()
+        result = train_step(
+            chunks,
+            optimizer,
+            batches,
+            config,
+            seq_length=seq_length,
+            micro_batch_size=args.micro_batch_size,
+            pg_collection=pg,
+        )
+        if on_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - began
+        tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
+        done = iteration + 1
+        if args.save and (
+            done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
+        ):
+            saved = str(
+                save_checkpoint(
+                    args.save,
+                    done,
+                    chunks,
+                    optimizer,
+                    pattern=args.hybrid_layer_pattern,
+                    overwrite=args.overwrite_checkpoint,
+                )
+            )
+    progress.close()
+    return TrainingSummary(
+        first_iteration=start,
+        last_iteration=args.train_iters,
+        losses=losses,
+        grad_norms=norms,
+        tokens_per_second=tokens_total / time_total if time_total else 0.0,
+        saved=saved,
+    )
