@@ -43,9 +43,8 @@ def _run(args: argparse.Namespace) -> int:
         compare_with_checkpoint,
         expected_checkpoint_tensors,
     )
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
-
     from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.training.arguments import hybrid_config_from_args
 
     if not args.hybrid_layer_pattern:
         raise CommandError("--hybrid-layer-pattern is required")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hybrid.cli.main import Command
+from megatron_hybrid.cli.main import Command, CommandError
 
 __all__ = ["COMMAND", "add_train_only_args"]
 
@@ -45,13 +45,17 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
     if not args.hybrid_layer_pattern:
         raise ValueError(
             "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
         )
-    summary = run_training(args)
+    try:
+        summary = run_training(args)
+    except CheckpointExistsError as error:  # an OSError: main() would print a traceback
+        raise CommandError(str(error)) from None
     if torch.distributed.get_rank() == 0:
         losses = summary.losses
         first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))

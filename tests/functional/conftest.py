@@ -1,0 +1,71 @@
+"""GPU functional tests: run under torchrun, one process per GPU, NCCL.
+
+    torchrun --nproc_per_node 2 -m pytest -q tests/functional
+
+Without GPUs (or outside torchrun) every test here is skipped with the reason. For checking the
+test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
+CUDA calls emulated (numerics only; timings and NCCL are not exercised).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_CPU = os.environ.get("MH_FUNCTIONAL_ON_CPU") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    if "WORLD_SIZE" not in os.environ:
+        reason = "functional tests run under torchrun (torchrun --nproc_per_node N -m pytest ...)"
+    elif not ON_CPU and not torch.cuda.is_available():
+        reason = "functional tests need CUDA GPUs"
+    if reason:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def world():
+    """The process group of this torchrun job: ``(rank, world_size, device)``."""
+    import torch.distributed as dist
+
+    if ON_CPU:
+        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+        enable_cpu_emulation()
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", torch.cuda.current_device())
+    yield dist.get_rank(), dist.get_world_size(), device
+    from megatron_hybrid.testing.megatron_state import reset_megatron_state
+
+    reset_megatron_state()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path_factory):
+    """A directory every rank of this (single-host) job sees: rank 0's temporary folder."""
+    import torch.distributed as dist
+
+    path = [str(tmp_path_factory.mktemp("shared")) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def report(title: str, rows: list[tuple]) -> None:
+    """Print a small table on rank 0 (pytest -s shows it; logs keep it)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    print(f"\n== {title}")
+    for row in rows:
+        print("   " + " | ".join(str(c) for c in row))

@@ -1,0 +1,194 @@
+"""``add_hybrid_args`` / ``add_train_only_args`` flag snapshot and ``hybrid_config_from_args``."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+# Snapshots: adding, renaming or removing a flag must update these lists deliberately.
+HYBRID_FLAGS = [
+    "--bf16", "--clip-grad", "--context-parallel-size", "--delay-wgrad-compute",
+    "--disable-bias-linear", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-layer-pattern",
+    "--kv-channels", "--load", "--lr", "--max-position-embeddings", "--micro-batch-size",
+    "--moe-aux-loss-coeff", "--moe-ffn-hidden-size", "--moe-flex-dispatcher-backend",
+    "--moe-grouped-gemm", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
+    "--moe-token-dispatcher-type", "--normalization", "--num-attention-heads", "--num-experts",
+    "--num-query-groups", "--overlap-moe-expert-parallel-comm", "--pipeline-model-parallel-size",
+    "--position-embedding-type", "--qk-layernorm", "--recompute-granularity",
+    "--recompute-method", "--recompute-num-layers", "--save", "--save-interval", "--seed",
+    "--seq-length", "--sequence-parallel", "--swiglu", "--tensor-model-parallel-size",
+    "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "--weight-decay",
+]  # fmt: skip
+TRAIN_ONLY_FLAGS = ["--overwrite-checkpoint", "--packed", "--round-up-seq-length"]
+
+# The flags issue 6 requires by name (Megatron-LM's spelling).
+REQUIRED_BY_ISSUE = [
+    "--hybrid-layer-pattern", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+    "--expert-model-parallel-size", "--context-parallel-size", "--sequence-parallel",
+    "--overlap-moe-expert-parallel-comm", "--num-experts", "--moe-router-topk", "--hidden-size",
+    "--num-attention-heads", "--ffn-hidden-size", "--seq-length", "--micro-batch-size",
+    "--global-batch-size", "--train-iters", "--lr", "--bf16", "--seed", "--save", "--load",
+    "--save-interval", "--transformer-impl",
+]  # fmt: skip
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(o for o in parser._option_string_actions if o not in ("-h", "--help"))
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    """The real ``train`` subparser of ``python -m megatron_hybrid``."""
+    from megatron_hybrid.cli.main import build_parser, load_commands
+
+    parser = build_parser(load_commands())
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["train"]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    from megatron_hybrid.cli.main import build_parser, load_commands
+
+    return build_parser(load_commands()).parse_args(["train", *argv])
+
+
+def test_flags_snapshot():
+    from megatron_hybrid.training.arguments import FLAGS, add_hybrid_args
+
+    assert sorted(f.option for f in FLAGS) == HYBRID_FLAGS
+    assert len({f.option for f in FLAGS}) == len(FLAGS), "duplicate flag in FLAGS"
+    assert _options(add_hybrid_args(argparse.ArgumentParser())) == HYBRID_FLAGS
+
+
+def test_train_only_flags_snapshot():
+    from megatron_hybrid.cli.train import add_train_only_args
+
+    parser = argparse.ArgumentParser()
+    add_train_only_args(parser)
+    assert _options(parser) == TRAIN_ONLY_FLAGS
+
+
+def test_train_command_has_exactly_the_snapshot_flags():
+    assert _options(_train_parser()) == sorted(HYBRID_FLAGS + TRAIN_ONLY_FLAGS)
+    assert set(REQUIRED_BY_ISSUE) <= set(HYBRID_FLAGS)
+
+
+def test_every_flag_has_help():
+    from megatron_hybrid.training.arguments import FLAGS
+
+    assert [f.option for f in FLAGS if not f.kwargs.get("help")] == []
+
+
+def test_existing_flags_are_skipped():
+    """Megatron-LM's parser defines most flags itself; add_hybrid_args must leave those alone."""
+    from megatron_hybrid.training.arguments import add_hybrid_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--seq-length", type=int, default=4096)
+    hidden_action = parser._option_string_actions["--hidden-size"]
+    add_hybrid_args(parser)  # must not raise argparse.ArgumentError (conflicting option)
+    assert parser._option_string_actions["--hidden-size"] is hidden_action
+    assert _options(parser) == HYBRID_FLAGS
+    args = parser.parse_args(["--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4"])
+    assert (args.hidden_size, args.seq_length, args.bf16) == (1024, 4096, False)
+    assert args.num_experts == 4
+    # Adding twice (e.g. two extra_args_providers) is also harmless.
+    add_hybrid_args(parser)
+    assert _options(parser) == HYBRID_FLAGS
+
+
+def test_model_shape_groups_only():
+    from megatron_hybrid.training.arguments import MODEL_SHAPE_GROUPS, add_hybrid_args
+
+    options = _options(add_hybrid_args(argparse.ArgumentParser(), groups=MODEL_SHAPE_GROUPS))
+    assert "--hybrid-layer-pattern" in options and "--num-experts" in options
+    assert "--train-iters" not in options and "--tensor-model-parallel-size" not in options
+
+
+def _config(*argv: str, namespace: argparse.Namespace | None = None):
+    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.training.run import _cpu_overrides
+
+    return hybrid_config_from_args(namespace or _parse(*argv), **_cpu_overrides())
+
+
+@pytest.mark.parametrize(
+    ("argv", "num_layers", "mtp", "vpp"),
+    [
+        pytest.param(["[*E]{2}", "--num-experts", "4"], 4, None, None, id="grouped"),
+        pytest.param(["*E*E", "--num-experts", "4"], 4, None, None, id="ungrouped"),
+        pytest.param(["[*-]{3}"], 6, None, None, id="dense_repeated"),
+        pytest.param(["[*E]{2}/*E", "--num-experts", "4"], 4, 1, None, id="mtp_one_depth"),
+        pytest.param(["[*-]{2}/*-/*-"], 4, 2, None, id="mtp_two_depths"),
+        pytest.param(
+            ["[*E]|[*E]|[*E]|[*E]", "--num-experts", "4", "--pipeline-model-parallel-size", "2"],
+            8, None, 2, id="pipes_pp2_vpp2",
+        ),
+        pytest.param(
+            ["[*E]|[*E]|[*E]|[*E]", "--num-experts", "4", "--pipeline-model-parallel-size", "4"],
+            8, None, None, id="pipes_pp4_no_vpp",
+        ),
+        pytest.param(
+            ["[*E]{4}", "--num-experts", "4", "--pipeline-model-parallel-size", "2"],
+            8, None, None, id="no_pipes_pp2",
+        ),
+        pytest.param(["[G-]{2}", "--swiglu"], 4, None, None, id="gdn_with_swiglu"),
+    ],
+)  # fmt: skip
+def test_config_from_args(argv, num_layers, mtp, vpp):
+    config = _config("--hybrid-layer-pattern", *argv)
+    assert config.num_layers == num_layers
+    assert config.mtp_num_layers == mtp
+    assert config.virtual_pipeline_model_parallel_size == vpp
+
+
+def test_config_carries_model_flags():
+    config = _config(
+        "--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "8", "--moe-router-topk", "3",
+        "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "48",
+        "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel", "--bf16",
+    )  # fmt: skip
+    import torch
+
+    assert (config.num_moe_experts, config.moe_router_topk) == (8, 3)
+    assert (config.hidden_size, config.num_attention_heads, config.ffn_hidden_size) == (32, 2, 48)
+    assert config.moe_ffn_hidden_size == 48  # defaults to --ffn-hidden-size
+    assert (config.expert_model_parallel_size, config.tensor_model_parallel_size) == (2, 2)
+    assert config.sequence_parallel and config.bf16 and config.params_dtype == torch.bfloat16
+
+
+def test_config_from_partial_namespace():
+    """Flags a foreign parser did not define take this package's defaults."""
+    namespace = argparse.Namespace(hybrid_layer_pattern="[*-]{2}", hidden_size=32)
+    config = _config(namespace=namespace)
+    assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (4, 32, 128)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        pytest.param(["--hybrid-layer-pattern", "[*E]{2}"],
+                     r"has MoE \('E'\) layers; set --num-experts", id="moe_without_num_experts"),
+        pytest.param(["--hybrid-layer-pattern", "[G-]{2}"], r"must be SiLU: add --swiglu",
+                     id="gdn_without_swiglu"),
+        pytest.param(["--hybrid-layer-pattern", "[*-]|[*-]|[*-]",
+                      "--pipeline-model-parallel-size", "2"],
+                     r"3 '\|'-separated segments, which is not a multiple of "
+                     r"--pipeline-model-parallel-size 2", id="segments_not_multiple_of_pp"),
+        pytest.param(["--hybrid-layer-pattern", "[*-]|[*-]"],
+                     r"2 '\|'-separated segments but there is no pipeline parallelism",
+                     id="pipes_without_pp"),
+        pytest.param(["--hybrid-layer-pattern", "[*-]{2}", "--sequence-parallel"],
+                     r"--sequence-parallel needs --tensor-model-parallel-size > 1",
+                     id="sequence_parallel_with_tp1"),
+        pytest.param([], r"--hybrid-layer-pattern is required", id="no_pattern"),
+    ],
+)  # fmt: skip
+def test_config_errors(argv, match):
+    with pytest.raises(ValueError, match=match):
+        _config(*argv)

@@ -1,0 +1,164 @@
+"""Training runs on CPU, each in fresh processes (megatron-core keeps process-global state).
+
+The loss falls on the default config; a run stopped after a save and resumed gives exactly the
+losses of an uninterrupted run; ``--save`` never overwrites unless asked; ``--load`` of a
+checkpoint that does not fit fails before training; DP=2 gives DP=1's loss and grad norm.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEFAULT = ["--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4"]
+
+
+def train_worker(rank: int, world_size: int, argv: list[str]):
+    """``run_training`` on the real ``train`` parser's namespace (runs in a spawned rank)."""
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.run import run_training
+
+    return run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+
+
+def train(*argv: str, world_size: int = 1):
+    """Per-rank ``TrainingSummary`` of a run in ``world_size`` fresh gloo processes."""
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    return run_distributed(train_worker, world_size, list(argv), timeout=400)
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_hybrid", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.mark.slow
+def test_loss_falls_on_default_config():
+    (summary,) = train(*DEFAULT, "--train-iters", "30")
+    losses = summary.losses
+    assert (summary.first_iteration, summary.last_iteration, len(losses)) == (0, 30, 30)
+    assert all(0 < loss < 10 for loss in losses), losses
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 1.0, f"loss did not fall: first-5 mean {first:.3f}, last-5 {last:.3f}"
+    assert all(0 < norm < 100 for norm in summary.grad_norms), summary.grad_norms
+    assert summary.tokens_per_second > 0 and summary.saved is None
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """An uninterrupted 12-step run, a 6-step run that saves, and a resume of it to step 12."""
+    root = tmp_path_factory.mktemp("resume")
+    saved, resumed_save = root / "b", root / "c"
+    (full,) = train(*DEFAULT, "--train-iters", "12")
+    (first,) = train(*DEFAULT, "--train-iters", "6", "--save", str(saved), "--save-interval", "3")
+    tracker = (saved / "latest_checkpointed_iteration.txt").read_text()
+    (second,) = train(
+        *DEFAULT, "--train-iters", "12", "--load", str(saved), "--save", str(resumed_save)
+    )
+    return dict(
+        full=full, first=first, second=second, saved=saved, tracker=tracker, resumed=resumed_save
+    )
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted_run(resumed):
+    full, first, second = resumed["full"], resumed["first"], resumed["second"]
+    assert len(full.losses) == 12
+    assert first.losses == full.losses[:6]  # same start: deterministic
+    assert (second.first_iteration, second.last_iteration) == (6, 12)
+    assert second.losses == full.losses[6:]  # exactly the same floats
+    assert second.grad_norms == full.grad_norms[6:]
+
+
+@pytest.mark.slow
+def test_save_layout(resumed):
+    saved = resumed["saved"]
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"
+    ]  # fmt: skip
+    assert resumed["tracker"] == "6"  # the newest, which --load resumed from (not iter 3)
+    assert resumed["first"].saved == str(saved / "iter_0000006")
+    assert resumed["second"].saved == str(resumed["resumed"] / "iter_0000012")
+    assert (resumed["resumed"] / "latest_checkpointed_iteration.txt").read_text() == "12"
+
+
+@pytest.mark.slow
+def test_load_of_mismatched_pattern_fails_before_training(resumed):
+    result = run_cli(
+        "--hybrid-layer-pattern", "[*E]{3}", "--num-experts", "4", "--train-iters", "8",
+        "--load", str(resumed["saved"]),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"--load {resumed['saved'] / 'iter_0000006'} does not fit" in result.stderr
+    assert "missing (" in result.stderr
+    # '[*E]{3}' has physical layers 0..5; the checkpoint of '[*E]{2}' only 0..3.
+    assert "decoder.layers.4." in result.stderr and "decoder.layers.5." in result.stderr
+    assert "decoder.layers.3." not in result.stderr
+    assert "step" not in result.stdout and "resumed" not in result.stdout  # nothing trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overwrite", "code"),
+    [pytest.param(False, 2, id="refused"), pytest.param(True, 0, id="overwrite_checkpoint")],
+)
+def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
+    folder = tmp_path / "iter_0000001"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("old")
+    flags = ["--overwrite-checkpoint"] if overwrite else []
+    result = run_cli(*DEFAULT, "--train-iters", "1", "--save", str(tmp_path), *flags)
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    if overwrite:
+        assert (folder / "metadata.json").exists() and tracker.read_text() == "1"
+        assert f"saved {folder}" in result.stdout.splitlines()[-1]
+        assert result.stdout.splitlines()[-1].startswith("done: 1 steps (0->1) | loss ")
+    else:
+        message = f"{folder} already exists; pass --overwrite-checkpoint to replace it"
+        assert message in result.stderr
+        assert sum("error:" in line for line in result.stderr.splitlines()) == 1
+        assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+        assert not tracker.exists()
+
+
+@pytest.mark.slow
+def test_checkpoint_exists_error_from_run_training(tmp_path: Path):
+    """The library API raises the typed error (the CLI turns it into exit code 2)."""
+    from megatron_hybrid.testing.spawn import DistributedRunError
+
+    (tmp_path / "iter_0000001").mkdir()
+    with pytest.raises(DistributedRunError, match=r"CheckpointExistsError: .*iter_0000001"):
+        train(*DEFAULT, "--train-iters", "1", "--save", str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_data_parallel_matches_single_rank():
+    """DP=2 x 1 micro-batch and DP=1 x 2 micro-batches see one global batch: same loss, norm.
+
+    Megatron's per-token loss with ``finalize_model_grads`` must not scale gradients by the
+    data-parallel size (an RL framework once reported a 2x grad norm at DP>1).
+    """
+    flags = [*DEFAULT, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3"]
+    dp2 = train(*flags, world_size=2)
+    (dp1,) = train(*flags)
+    assert dp2[0].losses == dp2[1].losses and dp2[0].grad_norms == dp2[1].grad_norms
+    assert len(dp1.losses) == 3
+    assert dp2[0].losses == pytest.approx(dp1.losses, rel=1e-5)
+    assert dp2[0].grad_norms == pytest.approx(dp1.grad_norms, rel=1e-5)
