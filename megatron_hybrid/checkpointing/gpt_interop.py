@@ -100,6 +100,27 @@ def gpt_decoder_spec_for_pattern(
             "the pattern's attention type and config.multi_latent_attention disagree: '+' "
             "layers need an MLA config, '*' layers a plain one"
         )
-    return get_gpt_decoder_block_spec(
+    spec = get_gpt_decoder_block_spec(
         gpt_config, use_transformer_engine=backend == "te", vp_stage=vp_stage
     )
+    if backend == "local":
+        _use_sequence_parallel_norms(spec)
+    return spec
+
+
+def _use_sequence_parallel_norms(block_spec) -> None:
+    """Swap megatron's ``WrappedTorchNorm`` (no sequence parallelism) for :class:`TorchNorm`.
+
+    Same modules, parameter names and initialisation, so checkpoints are unchanged; without apex,
+    megatron-core's local GPT spec otherwise cannot run with sequence parallelism at all.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_hybrid.modules.norms import TorchNorm
+
+    for layer_spec in block_spec.layer_specs:
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if getattr(layer_spec.submodules, name, None) is WrappedTorchNorm:
+                setattr(layer_spec.submodules, name, TorchNorm)
+    if getattr(block_spec, "layer_norm", None) is WrappedTorchNorm:
+        block_spec.layer_norm = TorchNorm

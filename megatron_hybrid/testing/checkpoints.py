@@ -28,7 +28,7 @@ def assemble_global_tensors(sharded_state_dict) -> dict[str, torch.Tensor]:
             raise ValueError(f"{st.key}: flattened shards are not supported here")
         buf = buffers.setdefault(st.key, torch.zeros(st.global_shape, dtype=st.dtype))
         mask = filled.setdefault(st.key, torch.zeros(st.global_shape, dtype=torch.bool))
-        buf[st.global_slice()] = st.data.detach().reshape(buf[st.global_slice()].shape)
+        buf[st.global_slice()] = st.data.detach().cpu().reshape(buf[st.global_slice()].shape)
         mask[st.global_slice()] = True
     missing = [key for key, mask in filled.items() if not bool(mask.all())]
     if missing:
@@ -41,6 +41,6 @@ def local_shard_mismatches(sharded_state_dict, reference: dict[str, torch.Tensor
     bad = []
     for st in _sharded_tensors(sharded_state_dict):
         expected = reference[st.key][st.global_slice()]
-        if not torch.equal(st.data.detach().reshape(expected.shape), expected):
+        if not torch.equal(st.data.detach().cpu().reshape(expected.shape), expected):
             bad.append(f"{st.key}{tuple(st.global_offset)}")
     return bad

@@ -32,7 +32,17 @@ def _iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
 
 
+def _unwrapped(chunks) -> list:
+    # DistributedDataParallel has no sharded_state_dict of its own: megatron's default one would
+    # prefix every key with "module." (not Megatron-LM's layout, invisible to check-checkpoint),
+    # and its load_state_dict hands the module keys it does not have. Megatron-LM unwraps too.
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(chunks))
+
+
 def _model_state(chunks, metadata):
+    chunks = _unwrapped(chunks)
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
     return {
@@ -142,8 +152,8 @@ def load_checkpoint(root, chunks, optimizer) -> int:
         "rng_state": _per_rank_object("rng_state", None),
     }
     state = dist_checkpointing.load(request, str(folder))
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=False)
+    for i, chunk in enumerate(_unwrapped(chunks)):
+        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng_state"])
     common = dist_checkpointing.load_common_state_dict(str(folder))

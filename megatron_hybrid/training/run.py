@@ -74,11 +74,12 @@ def _cpu_overrides() -> dict:
 def _check_resume_compatible(chunks, folder) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.utils import unwrap_model
 
     from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
 
     local = {}
-    for chunk in chunks:
+    for chunk in unwrap_model(list(chunks)):  # checkpoint keys of the model, not its DDP wrapper
         for value in chunk.sharded_state_dict().values():
             if isinstance(value, ShardedTensor):
                 local[value.key] = tuple(value.global_shape)

@@ -136,31 +136,35 @@ def test_grouped_pp2_vpp2_checkpoint_loads_into_gpt_tp2(world, shared_dir):
 
 
 def test_gated_delta_net_group_forward_backward(world):
+    """[GE]{2}: megatron's torch GDN path trains; fla's kernels give the same forward.
+
+    fla 0.6.0 refuses its gated backward kernel on Hopper with Triton < 3.7.1 (it computes
+    wrong results there, fla issue #640), so only the forward pass is compared with fla.
+    """
     pytest.importorskip("fla")
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, model_inputs
 
     rank, world_size, device = world
     pattern = "[GE]{2}"
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in model_inputs(batch=2, seq=64, seed=5).items()}  # fmt: skip
     losses = {}
-    # fla's Triton kernels vs megatron's torch path (Triton has no CPU driver).
-    for deterministic in (True,) if ON_CPU else (False, True):
+    # Triton has no CPU driver, so the fla path runs on GPUs only.
+    for deterministic in (True,) if ON_CPU else (True, False):
         pg = initialize_model_parallel(seed=4)
-        config = _config(pattern, deterministic_mode=deterministic)
-        model = _chunks(build_hybrid, config, pattern, pg, device)[0]
-        inputs = {k: v.to(device) if torch.is_tensor(v) else v
-                  for k, v in model_inputs(batch=2, seq=64, seed=5).items()}  # fmt: skip
+        model = _chunks(build_hybrid, _config(pattern, deterministic_mode=deterministic), pattern,
+                        pg, device)[0]  # fmt: skip
         loss = model(**inputs).float().mean()
-        loss.backward()
-        gdn = [p for n, p in model.named_parameters() if ".self_attention." in n]
-        assert gdn and all(p.grad is not None and torch.isfinite(p.grad).all() for p in gdn)
-        losses[deterministic] = loss.item()
-    report(
-        "[GE]{2} forward/backward", [("fla kernels", losses.get(False)), ("torch", losses[True])]
-    )
-    assert torch.isfinite(torch.tensor(list(losses.values()))).all()
-    if False in losses:
-        assert losses[False] == pytest.approx(losses[True], rel=2e-2)
+        losses["torch" if deterministic else "fla"] = loss.item()
+        if deterministic:
+            loss.backward()
+            gdn = [p for n, p in model.named_parameters() if ".self_attention." in n]
+            assert gdn and all(p.grad is not None and torch.isfinite(p.grad).all() for p in gdn)
+    report("[GE]{2} forward (and torch-path backward)", list(losses.items()))
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    if "fla" in losses:
+        assert losses["fla"] == pytest.approx(losses["torch"], rel=2e-2)
 
 
 def test_gpt_and_grouped_train_the_same_from_one_checkpoint(world, shared_dir):
