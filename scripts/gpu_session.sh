@@ -4,7 +4,7 @@
 #   functional   torchrun -m pytest tests/functional (all GPUs of the machine)
 #   bench        benchmarks/ep_overlap.py with NVLink
 #   bench-nop2p  benchmarks/ep_overlap.py with NCCL_P2P_DISABLE=1
-#   train        tests/functional/test_train_gpu.py only
+#   launcher     tests/functional tests that start their own torchrun jobs (train, pretrain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,10 +21,9 @@ for part in "$@"; do
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/functional.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
-    train)
-      torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional/test_train_gpu.py 2>&1 | grep -v "Warning\|warnings.warn" \
-        | tee "$OUT/train.log"
+    launcher)
+      python3 -m pytest -q -s -p no:cacheprovider -W ignore -m launcher tests/functional 2>&1 \
+        | grep -v "Warning\|warnings.warn" | tee "$OUT/launcher.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
       torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \

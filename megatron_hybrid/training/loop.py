@@ -38,6 +38,9 @@ def build_model_chunks(
 
     from megatron_hybrid import HybridModel, hybrid_stack_spec
 
+    # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
+    # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
+    config.calculate_per_token_loss = True
     spec = hybrid_stack_spec(backend, config=config)
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size

@@ -1,6 +1,7 @@
 """GPU functional tests: run under torchrun, one process per GPU, NCCL.
 
-    torchrun --nproc_per_node 2 -m pytest -q tests/functional
+    torchrun --nproc_per_node 2 -m pytest -q tests/functional     # in-process tests
+    pytest -q -m launcher tests/functional                          # tests that start torchrun
 
 Without GPUs (or outside torchrun) every test here is skipped with the reason. For checking the
 test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
@@ -17,15 +18,26 @@ import torch
 ON_CPU = os.environ.get("MH_FUNCTIONAL_ON_CPU") == "1"
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "launcher: starts its own torchrun jobs; run with plain pytest, not torchrun"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    reason = None
-    if "WORLD_SIZE" not in os.environ:
-        reason = "functional tests run under torchrun (torchrun --nproc_per_node N -m pytest ...)"
-    elif not ON_CPU and not torch.cuda.is_available():
-        reason = "functional tests need CUDA GPUs"
-    if reason:
-        for item in items:
-            item.add_marker(pytest.mark.skip(reason=reason))
+    under_torchrun = "WORLD_SIZE" in os.environ
+    no_gpu = not ON_CPU and not torch.cuda.is_available()
+    for item in items:
+        launcher = item.get_closest_marker("launcher") is not None
+        if no_gpu:
+            reason = "functional tests need CUDA GPUs"
+        elif launcher and under_torchrun:
+            reason = "launches its own torchrun jobs: run it with plain pytest"
+        elif not launcher and not under_torchrun:
+            reason = "runs under torchrun (torchrun --nproc_per_node N -m pytest ...)"
+        else:
+            continue
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

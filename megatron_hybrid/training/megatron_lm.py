@@ -1,0 +1,197 @@
+"""Megatron-LM integration: grouped and repeated patterns in a ``megatron.training`` script.
+
+megatron-core 0.19.2's ``megatron.training`` validates ``--hybrid-layer-pattern`` with its own
+grammar, which knows no ``[...]`` groups, ``{N}`` repetition or ``(...)`` runs, and it would
+translate GPT checkpoint keys for a HybridModel — keys a grouped model already shares with GPT.
+:func:`parse_and_validate_args` therefore hands megatron's validation the *flattened* pattern
+(same physical layers, ``|`` stages and ``/`` MTP depths, so ``num_layers``, the virtual
+pipeline size and ``mtp_num_layers`` come out right), keeps the real pattern in
+``args.megatron_hybrid_layer_pattern`` and then clears ``args.hybrid_layer_pattern`` so that no
+GPT-to-hybrid key translation runs. Nothing in megatron-core is edited.
+
+A pretraining script needs these lines (this module's :func:`main` is such a script)::
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron_hybrid.training import megatron_lm
+
+    args = megatron_lm.parse_and_validate_args()
+    pretrain(pretrain_cfg_container_from_args(args), megatron_lm.datasets_provider,
+             ModelType.encoder_or_decoder, megatron_lm.forward_step,
+             model_provider=megatron_lm.model_provider)
+
+Run it like any Megatron-LM script, e.g. ``torchrun --nproc_per_node 2 -m
+megatron_hybrid.training.megatron_lm --hybrid-layer-pattern '[*E]{4}' --num-experts 8 ...``.
+Requires Python >= 3.12 (``megatron.training`` 0.19.2 does not import on 3.11).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.training.arguments import add_hybrid_args
+from megatron_hybrid.training.steps import lm_forward_step
+
+__all__ = [
+    "SyntheticLMDataset",
+    "datasets_provider",
+    "flatten_for_megatron",
+    "forward_step",
+    "main",
+    "model_provider",
+    "parse_and_validate_args",
+]
+
+
+def flatten_for_megatron(pattern: str) -> str:
+    """The pattern in megatron-core's own grammar: groups dissolved, repetition expanded.
+
+    >>> flatten_for_megatron("[*-]{2}|[*E]{2}/*E")
+    '*-*-|*E*E/*E'
+    """
+    return parse_pattern(pattern).canonical.replace("[", "").replace("]", "")
+
+
+def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
+    """Megatron-LM's ``parse_and_validate_args``, accepting the package's pattern grammar.
+
+    Args:
+        extra_args_provider: more ``parser -> parser`` flags of the script.
+        args_defaults: defaults as for megatron's ``validate_args``.
+
+    Returns:
+        The validated args, also installed as megatron's global args.
+    """
+    from megatron.training import arguments as megatron_args
+    from megatron.training.global_vars import set_global_variables
+
+    def provider(parser):
+        parser = add_hybrid_args(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    args = megatron_args.parse_args(provider)
+    if not args.hybrid_layer_pattern:
+        raise ValueError("--hybrid-layer-pattern is required, e.g. '[*E]{4}'")
+    args.megatron_hybrid_layer_pattern = parse_pattern(args.hybrid_layer_pattern).canonical
+    args.hybrid_layer_pattern = flatten_for_megatron(args.hybrid_layer_pattern)
+    megatron_args.validate_args(args, args_defaults or {})
+    # Keys of this package's models are already GPT's (grouped) or megatron-core's (ungrouped):
+    # megatron.training must neither translate GPT checkpoints nor reject them as non-hybrid.
+    args.hybrid_layer_pattern = None
+    set_global_variables(args)
+    return args
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):  # fmt: skip
+    """Build this rank's :class:`~megatron_hybrid.HybridModel` chunk (megatron's callback)."""
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_hybrid import HybridModel, hybrid_stack_spec
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
+    return HybridModel(
+        config,
+        hybrid_stack_spec(backend, config=config),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        hybrid_layer_pattern=args.megatron_hybrid_layer_pattern,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+class SyntheticLMDataset(torch.utils.data.Dataset):
+    """The package's synthetic variable-length data as fixed-length samples (pads masked)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        from megatron_hybrid.training.data import SyntheticTokens
+
+        self.num_samples = num_samples
+        self.seq_length = seq_length
+        self.tokens = SyntheticTokens(vocab_size=vocab_size, max_length=seq_length, seed=seed)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict:
+        sequence = self.tokens.sequence(int(index))
+        length = len(sequence) - 1
+        tokens = torch.zeros(self.seq_length + 1, dtype=torch.long)
+        tokens[: length + 1] = sequence
+        real = torch.arange(self.seq_length) < length
+        return dict(
+            input_ids=tokens[:-1],
+            labels=tokens[1:],
+            loss_mask=real.float(),
+            padding_mask=~real,
+            position_ids=torch.arange(self.seq_length),
+        )
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Train/valid/test datasets of synthetic tokens (megatron's data-provider callback)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    vocab = args.padded_vocab_size
+    return tuple(
+        SyntheticLMDataset(max(int(n), 1), args.seq_length, vocab, args.seed + split)
+        for split, n in enumerate(train_val_test_num_samples)
+    )
+
+
+# Every rank builds the (deterministic) data itself: no broadcast from TP rank 0 needed.
+datasets_provider.is_distributed = True
+
+
+class _OnDevice:
+    def __init__(self, iterator):
+        self.iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        device = torch.cuda.current_device()
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """megatron's forward-step callback (``return_schedule_plan`` for EP overlap)."""
+    iterator = _OnDevice(data_iterator) if data_iterator is not None else None
+    return lm_forward_step(iterator, model, return_schedule_plan=return_schedule_plan)
+
+
+def main() -> None:
+    """Pretrain with Megatron-LM's loop on synthetic data."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    args = parse_and_validate_args()
+    pretrain(
+        pretrain_cfg_container_from_args(args),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+
+
+if __name__ == "__main__":
+    main()
