@@ -106,7 +106,8 @@ def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, ov
 
     root = Path(root)
     folder = _iteration_dir(root, iteration)
-    exists = torch.tensor([int(folder.exists())])
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    exists = torch.tensor([int(folder.exists())], device=device)
     torch.distributed.all_reduce(exists)  # every rank must agree before anyone writes
     if exists.item() and not overwrite:
         raise CheckpointExistsError(

@@ -177,12 +177,29 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     return lm_forward_step(iterator, model, return_schedule_plan=return_schedule_plan)
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """Skip megatron.training's ``make`` of the dataset helpers when the wheel's build is there.
+
+    ``initialize_megatron`` always runs ``make`` in ``megatron/core/datasets``; the megatron-core
+    wheel ships the compiled helper but not the Makefile, so that step fails outside a
+    Megatron-LM checkout although nothing needs compiling.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     """Pretrain with Megatron-LM's loop on synthetic data."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    _use_prebuilt_dataset_helpers()
     args = parse_and_validate_args()
     pretrain(
         pretrain_cfg_container_from_args(args),
