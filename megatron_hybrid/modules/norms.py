@@ -28,15 +28,12 @@ class TorchNorm:
     def __new__(
         cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs
     ) -> torch.nn.Module:
-        unsupported = [
-            name
-            for name in ("layernorm_zero_centered_gamma", "persist_layer_norm")
-            if getattr(config, name, False)
-        ]
-        if unsupported:
+        # persist_layer_norm only selects apex's persistent kernel (Megatron-LM turns it on by
+        # default); it does not change the math, so a torch norm can ignore it.
+        if getattr(config, "layernorm_zero_centered_gamma", False):
             raise ValueError(
-                f"TransformerConfig sets {', '.join(unsupported)}, which torch norms cannot "
-                "provide; use the 'te' backend or turn these options off."
+                "TransformerConfig sets layernorm_zero_centered_gamma, which torch norms do not "
+                "implement; use the 'te' backend or turn it off"
             )
         if config.normalization not in _NORMS:
             raise ValueError(

@@ -93,7 +93,9 @@ def _optimizer_state(optimizer, model_state, *, loading: bool):
     merged = {}
     for value in model_state.values():
         merged.update(value)
-    return optimizer.sharded_state_dict(merged, is_loading=loading)
+    # Megatron-LM's default layout for the distributed optimizer's state (reshardable over DP).
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
+    return optimizer.sharded_state_dict(merged, is_loading=loading, metadata=metadata)
 
 
 def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, overwrite=False):
