@@ -35,7 +35,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # fla-core: GatedDeltaNet ('G') layers run in the CPU tests (megatron's torch path).
+        "test": ["pytest>=8", "hypothesis>=6", "fla-core==0.6.0"],
         "viz": ["matplotlib>=3.7"],
         # GatedDeltaNet ('G') layers; pure-Python wheels.
         "gdn": ["fla-core==0.6.0", "flash-linear-attention==0.6.0"],

@@ -26,7 +26,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -232,7 +231,6 @@ def _write(args, ep: int, results: dict) -> None:
         gpus=ep,
         gpu=torch.cuda.get_device_name() if CUDA else "CPU",
         date=datetime.date.today().isoformat(),
-        host=platform.node(),
         command=f"torchrun --nproc_per_node {ep} benchmarks/ep_overlap.py --label {args.label}",
         setup=(
             f"hidden {args.hidden}, {args.experts} experts top-{args.topk} (expert hidden "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command that sets up a fresh machine: creates .venv and installs megatron_hybrid with its
-# test extra, in the order megatron-core 0.19.2 needs (see docs/installation.md).
+# test extra, in the order megatron-core 0.19.2 needs (see README.md).
 #
 #   bash scripts/setup.sh            # uses python3.11 if present, else python3
 #   PYTHON=python3.12 bash scripts/setup.sh

@@ -137,6 +137,21 @@ def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, ov
     return folder
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give megatron's distributed optimizer state before the first step, so it can be loaded.
+
+    Without apex or TransformerEngine, ``DistributedOptimizer.state_dict`` reads the Adam step
+    from the torch optimizer's state, which is empty until the first update; megatron's own
+    dummy-state initialisation fills it (the values are then replaced by the loaded ones).
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is not None and not inner.state and hasattr(
+            sub, "_init_optimizer_states_with_dummy_values"
+        ):
+            sub._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(root, chunks, optimizer) -> int:
     """Restore model, optimizer and RNG state from the newest checkpoint under ``root``.
 
@@ -148,6 +163,7 @@ def load_checkpoint(root, chunks, optimizer) -> int:
     from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
 
     folder = resolve_checkpoint_dir(root)
+    _materialize_optimizer_state(optimizer)
     model = _model_state(chunks, metadata=None)
     request = {
         **model,

@@ -46,6 +46,7 @@ def _pretrain(*extra) -> list[float]:
         "--expert-model-parallel-size", str(_gpus()), "--global-batch-size", str(4 * _gpus()),
         "--train-iters", "20", "--lr", "3e-3", "--lr-decay-style", "constant",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--eval-iters", "0",
+        "--eval-interval", "1000",
         "--log-interval", "1", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
         "--use-distributed-optimizer", "--position-embedding-type", "rope", *extra,
     ])  # fmt: skip
