@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command that sets up a fresh machine: creates .venv and installs megatron_hybrid with its
-# test extra, in the order megatron-core 0.19.2 needs (see README.md).
+# test and viz extras, in the order megatron-core 0.19.2 needs (see README.md).
 #
 #   bash scripts/setup.sh            # uses python3.11 if present, else python3
 #   PYTHON=python3.12 bash scripts/setup.sh
@@ -45,7 +45,7 @@ if (( py_minor < 12 )); then
 else
   "${PIP[@]}" --no-deps "megatron-core==0.19.2"
 fi
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,viz]"
 "$VENV/bin/python" -c "import torch, megatron.core, megatron_hybrid; \
 print('setup: torch', torch.__version__, '| megatron-core', megatron.core.__version__, \
 '| megatron_hybrid', megatron_hybrid.__version__)"

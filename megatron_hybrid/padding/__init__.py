@@ -27,17 +27,15 @@ from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     FORCE_POLICIES,
     QUANT_ALIGN,
-    THD_MODES,
     BshdPlan,
     Constraint,
-    ThdPlan,
     bshd_pad,
     group_equalize,
     hybridep_chunk,
     quant_align,
     seq_divisible_by,
-    thd_pack,
 )
+from megatron_hybrid.padding.thd import THD_MODES, ThdPlan, thd_pack
 
 # Torch-backed names, loaded lazily so that planning stays import-light.
 _LAZY = {

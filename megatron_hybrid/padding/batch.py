@@ -1,9 +1,10 @@
 """Apply padding plans to tensors: BSHD pad/unpad and THD pack/unpack (spec §4.3, §5.3).
 
-The planners in :mod:`~megatron_hybrid.padding.multiples` decide lengths; this module only moves
-tensors. Both directions are exact: padding then unpadding (or packing then unpacking) returns
-the caller's tensors bit for bit, because pads only ever go *after* real tokens and the real
-tokens are copied, never recomputed.
+The planners in :mod:`~megatron_hybrid.padding.multiples` (BSHD) and
+:mod:`~megatron_hybrid.padding.thd` (THD) decide lengths; this module only moves tensors. Both
+directions are exact: padding then unpadding (or packing then unpacking) returns the caller's
+tensors bit for bit, because pads only ever go *after* real tokens and the real tokens are
+copied, never recomputed.
 
 Pad values (spec §4.3, S1/S7/S17): tokens the pad id, ``labels`` -100, ``loss_mask`` 0,
 ``padding_mask`` True (True = pad, as megatron-core's MoE code reads it), ``position_ids``
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_hybrid.padding.multiples import BshdPlan, ThdPlan
+from megatron_hybrid.padding.multiples import BshdPlan
+from megatron_hybrid.padding.thd import ThdPlan
 
 __all__ = [
     "IGNORE_INDEX",

@@ -15,13 +15,12 @@ from typing import Any
 from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     BshdPlan,
-    ThdPlan,
     bshd_pad,
     hybridep_chunk,
     quant_align,
     seq_divisible_by,
-    thd_pack,
 )
+from megatron_hybrid.padding.thd import ThdPlan, thd_pack
 
 __all__ = ["PaddingConfig", "padding_config_from"]
 

@@ -25,7 +25,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron_hybrid.padding.multiples import BshdPlan, Constraint, ThdPlan, group_equalize
+from megatron_hybrid.padding.multiples import BshdPlan, Constraint, group_equalize
+from megatron_hybrid.padding.thd import ThdPlan
 
 __all__ = ["equalize_bshd", "equalize_thd", "extend_bshd", "extend_thd"]
 

@@ -1,10 +1,11 @@
 """Least sequence multiples for TP/SP, CP, FP8/FP4 and HybridEP (pure Python, no torch).
 
-Implements ``research/padding-spec.md`` §4-§6. Every requirement has the form "x divides the
-padded length", so the least valid length is a round-up to the lcm of the terms. Each term is a
-:class:`Constraint` with its name, its multiple and a sentence saying which setting forced it, so
-an error reads "HybridEP combine chunk 128 with D=2 and micro-batch 4 requires a multiple of 64"
-rather than only "must be divisible by 64".
+Implements ``research/padding-spec.md`` §4 and §6 (the THD planner of §5 is in
+:mod:`~megatron_hybrid.padding.thd` and builds on the terms here). Every requirement has the form
+"x divides the padded length", so the least valid length is a round-up to the lcm of the terms.
+Each term is a :class:`Constraint` with its name, its multiple and a sentence saying which setting
+forced it, so an error reads "HybridEP combine chunk 128 with D=2 and micro-batch 4 requires a
+multiple of 64" rather than only "must be divisible by 64".
 
 Vocabulary: ``S`` is a BSHD row length, ``B`` the micro-batch size, ``T`` the packed (THD) token
 count, ``D = cp * (tp if sp else 1)`` how often a row is split before MoE dispatch, ``q`` the
@@ -27,16 +28,13 @@ __all__ = [
     "DEFAULT_HYBRIDEP_CHUNK",
     "FORCE_POLICIES",
     "QUANT_ALIGN",
-    "THD_MODES",
     "BshdPlan",
     "Constraint",
-    "ThdPlan",
     "bshd_pad",
     "group_equalize",
     "hybridep_chunk",
     "quant_align",
     "seq_divisible_by",
-    "thd_pack",
 ]
 
 # 128 is safe for both historical DeepEP defaults (128 until a0d27f1, 64 after), spec §4.0.
@@ -50,7 +48,6 @@ QUANT_ALIGN: Mapping[str | None, int] = MappingProxyType(
     | dict.fromkeys(("delayed", "tensorwise", "blockwise", "custom", "fp8_legacy16"), 16)
 )
 FORCE_POLICIES = ("raise", "round_up")
-THD_MODES = ("minimal", "upstream", "bridge_vlm")
 
 
 def _count(name: str, value: Any, where: str, minimum: int = 1) -> int:
@@ -202,35 +199,6 @@ class BshdPlan(_Result):
     batch_size: int
     cp: int
     gemm_rows: int
-    forced: bool = False
-    rounded_up: bool = False
-    constraints: tuple[Constraint, ...] = field(default=(), repr=False)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ThdPlan(_Result):
-    """How to pack sequences into one ``[1, T]`` row (spec §5); returned by :func:`thd_pack`.
-
-    The spec's fields: ``seq_multiple`` (s), ``total_multiple`` (t), ``padded_seqlens`` (P_i; the
-    last absorbs the tail), ``cu_seqlens`` (real boundaries), ``cu_seqlens_padded`` (physical
-    offsets, ending at T), ``max_seqlen`` (max P_i), ``total_tokens`` (T), ``per_rank_tokens``
-    (T/D) and ``effective_seq_length`` (T). Also: ``seqlens`` (L_i), ``local_token_divisor`` (D),
-    ``cp``, ``tokens_per_cp_rank`` (T/cp), ``forced``, ``rounded_up`` and ``constraints``.
-    """
-
-    seq_multiple: int
-    total_multiple: int
-    padded_seqlens: tuple[int, ...]
-    cu_seqlens: tuple[int, ...]
-    cu_seqlens_padded: tuple[int, ...]
-    max_seqlen: int
-    total_tokens: int
-    per_rank_tokens: int
-    effective_seq_length: int
-    seqlens: tuple[int, ...]
-    local_token_divisor: int
-    cp: int
-    tokens_per_cp_rank: int
     forced: bool = False
     rounded_up: bool = False
     constraints: tuple[Constraint, ...] = field(default=(), repr=False)
@@ -398,123 +366,6 @@ pipeline shapes are computed.
         rounded_up=rounded,
         constraints=terms,
     )
-
-
-def _thd_terms(
-    tp: Any, cp: Any, sp: Any, quant: Any, hybridep: Any, chunk: Any, mode: str
-) -> tuple[Constraint, ...]:
-    """The THD terms (spec §5.1-§5.2); the first is the per-sequence multiple ``s``."""
-    where = "thd_pack"
-    tp, cp, sp, chunk, hybridep = _parallel(tp, cp, sp, chunk, hybridep, where)
-    q = quant_align(quant)
-    zigzag = 2 * cp if cp > 1 else 1
-    if mode == "minimal":
-        # The only per-document requirement: each document is cut into 2*cp chunks (S13).
-        s, why = zigzag, f"CP load balancing over cp={cp} cuts each sequence into {zigzag} chunks"
-    elif mode == "upstream":
-        s, why = (2 * tp * cp if cp > 1 else tp), f"upstream (verl/AReaL) rule for tp={tp}, cp={cp}"
-    elif mode == "bridge_vlm":
-        s = math.lcm(zigzag, cp * tp if sp and tp > 1 else 1)
-        why = f"Megatron-Bridge vlm_step rule lcm(2*cp, cp*tp if sp) for tp={tp}, cp={cp}"
-    else:
-        raise ValueError(f"{where}: mode must be one of {THD_MODES}, got {mode!r}")
-    terms = [Constraint("seq_multiple", s, f"{why}: each sequence padded to a multiple of {s}")]
-    if sp and tp > 1:
-        why = f"SP splits the T/cp tokens of each CP rank over tp={tp}: requires a multiple of"
-        terms.append(Constraint("sp_split", cp * tp, f"{why} cp*tp={cp * tp}"))
-    if q > 1:
-        why = f"{quant} GEMM rows T/cp with cp={cp} require a multiple of"
-        terms.append(Constraint("quant", q * cp, f"{why} q*cp={q * cp}"))
-    if hybridep:
-        d = cp * (tp if sp else 1)
-        why = f"HybridEP combine chunk {chunk} with D={d} requires a multiple of"
-        terms.append(Constraint("hybridep", chunk * d, f"{why} {chunk * d}"))
-    return tuple(terms)
-
-
-def thd_pack(
-    seqlens: Sequence[int],
-    *,
-    tp: int,
-    cp: int,
-    sp: bool,
-    quant: str | None = None,
-    hybridep: bool = False,
-    chunk: int = DEFAULT_HYBRIDEP_CHUNK,
-    mode: str = "minimal",
-    force_total: int | None = None,
-    force_policy: str = "raise",
-) -> ThdPlan:
-    """Plan packing sequences of lengths ``seqlens`` into one ``[1, T]`` row (spec §5).
-
-    Each sequence is padded to ``P_i = ceil(L_i / s) * s``; ``T`` is the least multiple of ``t``
-    that holds them (or ``force_total``), and the last sequence absorbs ``T - sum(P_i)``.
-
-    Args:
-        seqlens: the real lengths ``L_i`` (each >= 1).
-        mode: per-sequence multiple: ``"minimal"`` (2*cp), ``"upstream"`` or ``"bridge_vlm"``.
-        force_total: a fixed ``T``, or None.
-        force_policy: ``"raise"`` (default) or ``"round_up"``.
-        tp, cp, sp, quant, hybridep, chunk: as in :func:`seq_divisible_by`.
-
-    Raises:
-        ValueError: invalid arguments, an unaligned ``force_total`` under ``"raise"``, or
-            sequences that do not fit in ``force_total``.
-
-    >>> plan = thd_pack([5, 3, 9], tp=2, cp=2, sp=True, hybridep=True)
-    >>> plan.padded_seqlens, plan.cu_seqlens, plan.cu_seqlens_padded, plan.per_rank_tokens
-    ((8, 4, 500), (0, 5, 8, 17), (0, 8, 12, 512), 128)
-    """
-    where = "thd_pack"
-    policy = _policy(force_policy, where)
-    terms = _thd_terms(tp, cp, sp, quant, hybridep, chunk, mode)
-    if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Iterable):
-        raise ValueError(f"{where}: seqlens must be a sequence of ints, got {seqlens!r}")
-    lens = tuple(_count(f"seqlens[{i}]", n, where) for i, n in enumerate(seqlens))
-    if not lens:
-        raise ValueError(f"{where}: seqlens is empty; pack at least one sequence")
-    s, t = terms[0].multiple, math.lcm(*(c.multiple for c in terms))
-    padded = [_round_up(n, s) for n in lens]
-    content = sum(padded)
-    if force_total is None:
-        total, rounded = _round_up(content, t), False
-    else:
-        total, rounded = _fixed(force_total, t, terms, policy, "force_total")
-        if total < content:
-            raise ValueError(
-                f"{where}: {len(lens)} sequences ({sum(lens)} tokens) need {content} tokens after "
-                f"padding each to a multiple of {s}, more than force_total={total}. Pack fewer "
-                f"sequences per micro-batch or raise force_total to {_round_up(content, t)}."
-            )
-    # The tail is a multiple of s (both totals are), so the last sequence stays 2*cp-aligned.
-    padded[-1] += total - content
-    d = cp * (tp if sp else 1)
-    assert total % d == 0 and total % cp == 0 and padded[-1] % s == 0, (total, d, s)
-    return ThdPlan(
-        seq_multiple=s,
-        total_multiple=t,
-        padded_seqlens=tuple(padded),
-        cu_seqlens=_cumsum(lens),
-        cu_seqlens_padded=_cumsum(padded),
-        max_seqlen=max(padded),
-        total_tokens=total,
-        per_rank_tokens=total // d,
-        effective_seq_length=total,
-        seqlens=lens,
-        local_token_divisor=d,
-        cp=cp,
-        tokens_per_cp_rank=total // cp,
-        forced=force_total is not None,
-        rounded_up=rounded,
-        constraints=terms,
-    )
-
-
-def _cumsum(values: Iterable[int]) -> tuple[int, ...]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
 
 
 def group_equalize(per_rank_counts: Iterable[int], align: int = DEFAULT_HYBRIDEP_CHUNK) -> int:

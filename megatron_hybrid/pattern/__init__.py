@@ -17,12 +17,14 @@ from megatron_hybrid.pattern.layout import (
     Item,
     LogicalLayer,
     ParsedPattern,
-    PipelineSelection,
     flatten_items,
     is_group,
     item_physical_count,
     item_to_str,
     items_to_str,
+)
+from megatron_hybrid.pattern.pipeline import (
+    PipelineSelection,
     pipeline_segments,
     select_pipeline_segment,
 )
@@ -45,7 +47,7 @@ from megatron_hybrid.pattern.symbols import (
     Slot,
 )
 
-# The public surface; the tokenizer and tree nodes in grammar.py stay implementation details.
+# The public surface; the tokenizer (tokenizer.py) and parse-tree nodes (grammar.py) stay internal.
 __all__ = [
     "ATTENTION",
     "DSA",

@@ -1,4 +1,4 @@
-"""Tokenizer and recursive-descent parser for hybrid layer patterns.
+"""Recursive-descent parser for hybrid layer patterns.
 
 Grammar (``docs/pattern_grammar.md`` explains every rule and error)::
 
@@ -10,11 +10,10 @@ Grammar (``docs/pattern_grammar.md`` explains every rule and error)::
     unit     := SYMBOL | group | "(" item+ ")"
     group    := "[" SYMBOL+ "]"            at most one layer per slot, the MLP-slot layer last
 
-Parsing runs in two passes. The first builds a small tree and computes, for every node, how many
-physical layers it expands to (saturating at 10**15), so ``[*E]{1000000000}`` fails at once,
-before anything is expanded. The second expands the tree into items. The tokenizer reads a run
-of symbols and well-formed groups (``M[*E]-[*E]``) as one token, which keeps long written-out
-patterns fast.
+Parsing runs in two passes over the tokens of :mod:`megatron_hybrid.pattern.tokenizer`. The first
+builds a small tree and computes, for every node, how many physical layers it expands to
+(saturating at 10**15), so ``[*E]{1000000000}`` fails at once, before anything is expanded. The
+second expands the tree into items.
 
 >>> parse_pattern("(M-M*-){2}").canonical
 'M-M*-M-M*-'
@@ -25,193 +24,44 @@ patterns fast.
 from __future__ import annotations
 
 import functools
-import re
 from typing import NamedTuple
 
-from megatron_hybrid.pattern.errors import HybridPatternError, display_char
-from megatron_hybrid.pattern.layout import Item, ParsedPattern, make_parsed_pattern
+from megatron_hybrid.pattern.errors import HybridPatternError
+from megatron_hybrid.pattern.layout import (
+    Item,
+    ParsedPattern,
+    _check_attention_family,
+    _check_mtp,
+    make_parsed_pattern,
+)
 from megatron_hybrid.pattern.symbols import (
-    ATTENTION,
-    DSA,
-    GROUP_CLOSE,
     GROUP_OPEN,
     MAX_NESTING_DEPTH,
     MAX_PHYSICAL_LAYERS,
-    MLA,
-    MTP_SEPARATOR,
-    PIPE,
-    REPEAT_CLOSE,
-    REPEAT_OPEN,
-    RUN_CLOSE,
-    RUN_OPEN,
     SLOT_OF_SYMBOL,
     SYMBOL_NAMES,
-    SYMBOLS,
     Slot,
 )
+from megatron_hybrid.pattern.tokenizer import (
+    _CAP,
+    _ELEMENT,
+    END,
+    GROUP_END,
+    GROUP_START,
+    LITERAL,
+    MTP_SEP,
+    REPEAT,
+    RUN_END,
+    RUN_START,
+    SEGMENT_SEP,
+    Token,
+    tokenize,
+)
 
+# Token and tokenize are re-exported: they were defined here before tokenizer.py existed.
 __all__ = ["Token", "parse_pattern", "tokenize"]
 
-# Token kinds.
-(
-    LITERAL,
-    GROUP_START,
-    GROUP_END,
-    RUN_START,
-    RUN_END,
-    REPEAT,
-    SEGMENT_SEP,
-    MTP_SEP,
-    END,
-    INVALID,
-) = range(10)
-_SINGLE_CHAR_KINDS = {symbol: LITERAL for symbol in SYMBOLS} | {
-    GROUP_OPEN: GROUP_START,
-    GROUP_CLOSE: GROUP_END,
-    RUN_OPEN: RUN_START,
-    RUN_CLOSE: RUN_END,
-    PIPE: SEGMENT_SEP,
-    MTP_SEPARATOR: MTP_SEP,
-}
-_DIGITS = re.compile(r"[0-9]*")
-_SYMBOL_CLASS = "[" + re.escape("".join(SYMBOLS)) + "]"
-# An element is one symbol or one well-formed group; a literal is a run of elements.
-_ELEMENT = re.compile(
-    f"{re.escape(GROUP_OPEN)}{_SYMBOL_CLASS}+{re.escape(GROUP_CLOSE)}|{_SYMBOL_CLASS}"
-)
-_LITERAL = re.compile(f"(?:{_ELEMENT.pattern})+")
-# Counts saturate at _CAP: far above the limit (so messages can say how far above it a pattern
-# goes), yet small enough to keep the size arithmetic O(1) however many digits or nested
-# repetitions a pattern has.
-_CAP = 10**15
-_MAX_COUNT_DIGITS = len(str(_CAP))
-_SYMBOL_LIST = " ".join(SYMBOLS)
-_ANY_EXPECTED = f"a layer symbol ({_SYMBOL_LIST}) or one of [ ] ( ) {{ }} | /"
 _SLOT_LIST = "one mixer (M), one attention (* D + G) and one MLP (- E)"
-
-
-class Token(NamedTuple):
-    """One token: a literal (symbols and whole groups), a repetition ``{N}`` or one character.
-
-    Attributes:
-        kind: Token kind (module constants ``LITERAL`` ... ``INVALID``).
-        position: Index of its first character in the pattern.
-        text: The characters it covers.
-        count: For ``REPEAT``, the count (saturated at 10**15).
-        error: For ``INVALID``, the error to raise when the parser reaches it.
-    """
-
-    kind: int
-    position: int
-    text: str
-    count: int = 0
-    error: HybridPatternError | None = None
-
-
-def tokenize(pattern: str) -> list[Token]:
-    """Split ``pattern`` into tokens, ending with ``END``.
-
-    Tokenizing stops at the first character that cannot start a token and emits an ``INVALID``
-    token for it, so that errors are raised in the order the parser meets them.
-
-    >>> [t.text for t in tokenize("[*E]{12}M[*-]*E{3}[*")]
-    ['[*E]', '{12}', 'M[*-]*', 'E', '{3}', '[', '*', '']
-    """
-    tokens: list[Token] = []
-    position, length = 0, len(pattern)
-    while position < length:
-        char = pattern[position]
-        kind = _SINGLE_CHAR_KINDS.get(char)
-        match = _LITERAL.match(pattern, position) if kind in (LITERAL, GROUP_START) else None
-        if match:
-            # One token per run of symbols and well-formed groups keeps long literal patterns
-            # fast. A repetition binds to the last element only: it gets a token of its own.
-            end = match.end()
-            if end < length and pattern[end] == REPEAT_OPEN:
-                ends_with_group = pattern[end - 1] == GROUP_CLOSE
-                last = pattern.rfind(GROUP_OPEN, position, end) if ends_with_group else end - 1
-                if last > position:
-                    tokens.append(Token(LITERAL, position, pattern[position:last]))
-                    position = last
-            tokens.append(Token(LITERAL, position, pattern[position:end]))
-            position = end
-        elif kind is not None:
-            tokens.append(Token(kind, position, char))
-            position += 1
-        elif char == REPEAT_OPEN:
-            token = _repeat_token(pattern, position)
-            tokens.append(token)
-            if token.kind == INVALID:
-                break
-            position += len(token.text)
-        else:
-            tokens.append(Token(INVALID, position, char, error=_invalid_char(pattern, position)))
-            break
-    tokens.append(Token(END, length, ""))
-    return tokens
-
-
-def _repeat_token(pattern: str, start: int) -> Token:
-    """Read ``{N}`` at ``start``; an ``INVALID`` token when it is malformed."""
-
-    def invalid(position: int, message: str, expected: str, hint: str | None = None) -> Token:
-        error = HybridPatternError(message, pattern, position, expected, hint)
-        return Token(INVALID, position, pattern[position : position + 1], error=error)
-
-    digits_end = _DIGITS.match(pattern, start + 1).end()  # type: ignore[union-attr]
-    digits = pattern[start + 1 : digits_end]
-    example = "write the count between braces, e.g. '[*E]{4}'"
-    if digits_end >= len(pattern):
-        return invalid(
-            start, f"'{{' at position {start} is never closed", "'N}' after '{'", example
-        )
-    after = pattern[digits_end]
-    if not digits:
-        what = (
-            "empty repetition count '{}'" if after == REPEAT_CLOSE else "invalid repetition count"
-        )
-        return invalid(digits_end, f"{what} at position {digits_end}", "a number >= 1", example)
-    if after != REPEAT_CLOSE:
-        return invalid(
-            digits_end,
-            f"'{display_char(after)}' at position {digits_end} ends the repetition count",
-            "'}' right after the digits",
-            example,
-        )
-    if digits.strip("0") == "":
-        return invalid(
-            start + 1,
-            f"repetition count {digits} at position {start + 1} repeats nothing",
-            "a count >= 1",
-            "remove the item to leave it out, or write {1} or more",
-        )
-    if digits[0] == "0":
-        return invalid(
-            start + 1,
-            f"repetition count {digits} at position {start + 1} has a leading zero",
-            "a decimal number without leading zeros",
-            f"write {{{digits.lstrip('0')}}}",
-        )
-    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else _CAP
-    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, _CAP))
-
-
-def _invalid_char(pattern: str, position: int) -> HybridPatternError:
-    char = pattern[position]
-    shown = f"'{display_char(char)}'"
-    message = f"invalid character {shown} at position {position}"
-    hint = None
-    if char.isspace():
-        message = f"whitespace {shown} at position {position} is not allowed"
-        hint = "remove the whitespace"
-    elif char.upper() in SYMBOLS:
-        hint = f"layer symbols are upper case: write '{char.upper()}'"
-    elif char == REPEAT_CLOSE:
-        message = f"'}}' at position {position} closes a repetition count that was not opened"
-        hint = "remove the '}' or open the count with '{', e.g. 'M{2}'"
-    elif char.isdigit() or char in "xX":
-        hint = "repeat a unit with {N} right after it, e.g. '[*E]{4}' or '(M*){3}'"
-    return HybridPatternError(message, pattern, position, _ANY_EXPECTED, hint)
 
 
 # A node of the parse tree; counts are physical layers, saturated at _CAP.
@@ -565,37 +415,6 @@ def _check_whole_pattern(pattern: str, main: list[list[_Node]], mtp: list[list[_
             f"at most {MAX_PHYSICAL_LAYERS:,} physical layers",
             "check the repetition counts {N}",
         )
-
-
-def _check_mtp(pattern: str, parts: list[tuple[str, ...]]) -> None:
-    for depth, part in enumerate(parts[1:], start=2):
-        if part != parts[0]:
-            first, other = "".join(parts[0]), "".join(part)
-            raise HybridPatternError(
-                f"all MTP depths must be identical, but depth 1 is '{first}' and depth {depth} "
-                f"is '{other}' (after expansion)",
-                pattern,
-                None,
-                "the same layers after every '/'",
-                f"each '/' part is one MTP depth: repeat the same layers, e.g. "
-                f"'.../{first}/{first}'",
-            )
-
-
-def _check_attention_family(pattern: str, symbols: set[str]) -> None:
-    if ATTENTION not in symbols:
-        return
-    for other in (DSA, MLA):
-        if other in symbols:
-            raise HybridPatternError(
-                f"'{ATTENTION}' ({SYMBOL_NAMES[ATTENTION]}) and '{other}' ({SYMBOL_NAMES[other]}) "
-                "cannot be used in one model",
-                pattern,
-                None,
-                f"either '{ATTENTION}' or MLA/DSA ('{MLA}', '{DSA}') attention",
-                "megatron-core builds one attention kind per model: use '*' everywhere, or "
-                "'+'/'D' everywhere",
-            )
 
 
 @functools.lru_cache(maxsize=128)

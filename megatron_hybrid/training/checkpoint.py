@@ -146,8 +146,10 @@ def _materialize_optimizer_state(optimizer) -> None:
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(sub, "optimizer", None)
-        if inner is not None and not inner.state and hasattr(
-            sub, "_init_optimizer_states_with_dummy_values"
+        if (
+            inner is not None
+            and not inner.state
+            and hasattr(sub, "_init_optimizer_states_with_dummy_values")
         ):
             sub._init_optimizer_states_with_dummy_values()
 

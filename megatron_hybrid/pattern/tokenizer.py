@@ -1,0 +1,208 @@
+"""Tokenizer for hybrid layer patterns, including repetition counts ``{N}``.
+
+Tokens are literals (runs of layer symbols and well-formed groups), repetitions ``{N}`` and the
+single characters ``[ ] ( ) | /``. Reading a run such as ``M[*E]-[*E]`` as one token keeps long
+written-out patterns fast; a repetition binds to the last element of a run only, so that element
+gets a token of its own. Counts are checked here (no ``{}``, ``{0}`` or leading zeros) and
+saturate at 10**15, far above any valid size, so the parser's size arithmetic stays O(1).
+Malformed input becomes an ``INVALID`` token carrying its :class:`HybridPatternError`, which the
+parser raises when it reaches it, so errors come in the order the parser meets them.
+
+>>> [(t.text, t.count) for t in tokenize("(M*){3}E{99999999999999999999}")][-3:]
+[('E', 0), ('{99999999999999999999}', 1000000000000000), ('', 0)]
+>>> tokenize("E{03}")[1].error.message
+'repetition count 03 at position 2 has a leading zero'
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from megatron_hybrid.pattern.errors import HybridPatternError, display_char
+from megatron_hybrid.pattern.symbols import (
+    GROUP_CLOSE,
+    GROUP_OPEN,
+    MTP_SEPARATOR,
+    PIPE,
+    REPEAT_CLOSE,
+    REPEAT_OPEN,
+    RUN_CLOSE,
+    RUN_OPEN,
+    SYMBOLS,
+)
+
+__all__ = [
+    "END",
+    "GROUP_END",
+    "GROUP_START",
+    "INVALID",
+    "LITERAL",
+    "MTP_SEP",
+    "REPEAT",
+    "RUN_END",
+    "RUN_START",
+    "SEGMENT_SEP",
+    "Token",
+    "tokenize",
+]
+
+# Token kinds.
+(
+    LITERAL,
+    GROUP_START,
+    GROUP_END,
+    RUN_START,
+    RUN_END,
+    REPEAT,
+    SEGMENT_SEP,
+    MTP_SEP,
+    END,
+    INVALID,
+) = range(10)
+_SINGLE_CHAR_KINDS = {symbol: LITERAL for symbol in SYMBOLS} | {
+    GROUP_OPEN: GROUP_START,
+    GROUP_CLOSE: GROUP_END,
+    RUN_OPEN: RUN_START,
+    RUN_CLOSE: RUN_END,
+    PIPE: SEGMENT_SEP,
+    MTP_SEPARATOR: MTP_SEP,
+}
+_DIGITS = re.compile(r"[0-9]*")
+_SYMBOL_CLASS = "[" + re.escape("".join(SYMBOLS)) + "]"
+# An element is one symbol or one well-formed group; a literal is a run of elements.
+_ELEMENT = re.compile(
+    f"{re.escape(GROUP_OPEN)}{_SYMBOL_CLASS}+{re.escape(GROUP_CLOSE)}|{_SYMBOL_CLASS}"
+)
+_LITERAL = re.compile(f"(?:{_ELEMENT.pattern})+")
+# Counts saturate at _CAP: far above the limit (so messages can say how far above it a pattern
+# goes), yet small enough to keep the size arithmetic O(1) however many digits or nested
+# repetitions a pattern has.
+_CAP = 10**15
+_MAX_COUNT_DIGITS = len(str(_CAP))
+_SYMBOL_LIST = " ".join(SYMBOLS)
+_ANY_EXPECTED = f"a layer symbol ({_SYMBOL_LIST}) or one of [ ] ( ) {{ }} | /"
+
+
+class Token(NamedTuple):
+    """One token: a literal (symbols and whole groups), a repetition ``{N}`` or one character.
+
+    Attributes:
+        kind: Token kind (module constants ``LITERAL`` ... ``INVALID``).
+        position: Index of its first character in the pattern.
+        text: The characters it covers.
+        count: For ``REPEAT``, the count (saturated at 10**15).
+        error: For ``INVALID``, the error to raise when the parser reaches it.
+    """
+
+    kind: int
+    position: int
+    text: str
+    count: int = 0
+    error: HybridPatternError | None = None
+
+
+def tokenize(pattern: str) -> list[Token]:
+    """Split ``pattern`` into tokens, ending with ``END``.
+
+    Tokenizing stops at the first character that cannot start a token and emits an ``INVALID``
+    token for it, so that errors are raised in the order the parser meets them.
+
+    >>> [t.text for t in tokenize("[*E]{12}M[*-]*E{3}[*")]
+    ['[*E]', '{12}', 'M[*-]*', 'E', '{3}', '[', '*', '']
+    """
+    tokens: list[Token] = []
+    position, length = 0, len(pattern)
+    while position < length:
+        char = pattern[position]
+        kind = _SINGLE_CHAR_KINDS.get(char)
+        match = _LITERAL.match(pattern, position) if kind in (LITERAL, GROUP_START) else None
+        if match:
+            # One token per run of symbols and well-formed groups keeps long literal patterns
+            # fast. A repetition binds to the last element only: it gets a token of its own.
+            end = match.end()
+            if end < length and pattern[end] == REPEAT_OPEN:
+                ends_with_group = pattern[end - 1] == GROUP_CLOSE
+                last = pattern.rfind(GROUP_OPEN, position, end) if ends_with_group else end - 1
+                if last > position:
+                    tokens.append(Token(LITERAL, position, pattern[position:last]))
+                    position = last
+            tokens.append(Token(LITERAL, position, pattern[position:end]))
+            position = end
+        elif kind is not None:
+            tokens.append(Token(kind, position, char))
+            position += 1
+        elif char == REPEAT_OPEN:
+            token = _repeat_token(pattern, position)
+            tokens.append(token)
+            if token.kind == INVALID:
+                break
+            position += len(token.text)
+        else:
+            tokens.append(Token(INVALID, position, char, error=_invalid_char(pattern, position)))
+            break
+    tokens.append(Token(END, length, ""))
+    return tokens
+
+
+def _repeat_token(pattern: str, start: int) -> Token:
+    """Read ``{N}`` at ``start``; an ``INVALID`` token when it is malformed."""
+
+    def invalid(position: int, message: str, expected: str, hint: str | None = None) -> Token:
+        error = HybridPatternError(message, pattern, position, expected, hint)
+        return Token(INVALID, position, pattern[position : position + 1], error=error)
+
+    digits_end = _DIGITS.match(pattern, start + 1).end()  # type: ignore[union-attr]
+    digits = pattern[start + 1 : digits_end]
+    example = "write the count between braces, e.g. '[*E]{4}'"
+    if digits_end >= len(pattern):
+        return invalid(
+            start, f"'{{' at position {start} is never closed", "'N}' after '{'", example
+        )
+    after = pattern[digits_end]
+    if not digits:
+        what = (
+            "empty repetition count '{}'" if after == REPEAT_CLOSE else "invalid repetition count"
+        )
+        return invalid(digits_end, f"{what} at position {digits_end}", "a number >= 1", example)
+    if after != REPEAT_CLOSE:
+        return invalid(
+            digits_end,
+            f"'{display_char(after)}' at position {digits_end} ends the repetition count",
+            "'}' right after the digits",
+            example,
+        )
+    if digits.strip("0") == "":
+        return invalid(
+            start + 1,
+            f"repetition count {digits} at position {start + 1} repeats nothing",
+            "a count >= 1",
+            "remove the item to leave it out, or write {1} or more",
+        )
+    if digits[0] == "0":
+        return invalid(
+            start + 1,
+            f"repetition count {digits} at position {start + 1} has a leading zero",
+            "a decimal number without leading zeros",
+            f"write {{{digits.lstrip('0')}}}",
+        )
+    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else _CAP
+    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, _CAP))
+
+
+def _invalid_char(pattern: str, position: int) -> HybridPatternError:
+    char = pattern[position]
+    shown = f"'{display_char(char)}'"
+    message = f"invalid character {shown} at position {position}"
+    hint = None
+    if char.isspace():
+        message = f"whitespace {shown} at position {position} is not allowed"
+        hint = "remove the whitespace"
+    elif char.upper() in SYMBOLS:
+        hint = f"layer symbols are upper case: write '{char.upper()}'"
+    elif char == REPEAT_CLOSE:
+        message = f"'}}' at position {position} closes a repetition count that was not opened"
+        hint = "remove the '}' or open the count with '{', e.g. 'M{2}'"
+    elif char.isdigit() or char in "xX":
+        hint = "repeat a unit with {N} right after it, e.g. '[*E]{4}' or '(M*){3}'"
+    return HybridPatternError(message, pattern, position, _ANY_EXPECTED, hint)
