@@ -64,15 +64,9 @@ def _config(args, pattern: str, overlap: bool, ep: int):
                      linear_key_head_dim=128, linear_value_head_dim=128,
                      deterministic_mode=True)  # fmt: skip
     if not torch.cuda.is_available():  # CPU smoke runs of this script
-        extra.update(
-            use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-            deterministic_mode=True,
-        )
+        from megatron_hybrid.testing.cpu import cpu_config_overrides
+
+        extra.update(cpu_config_overrides())
     return TransformerConfig(
         num_layers=parsed.physical_layer_count,
         hidden_size=args.hidden,

@@ -320,6 +320,13 @@ class HybridModel(LanguageModule):
     preprocess_for_fine_grained_offloading = GPTModel.preprocess_for_fine_grained_offloading
     preprocess_for_paged_stash = GPTModel.preprocess_for_paged_stash
 
+    def _prepare_step(self) -> None:
+        """Per-step hooks of activation offloading and the paged MoE stash, as GPTModel runs."""
+        if self.config.fine_grained_activation_offloading:
+            self.preprocess_for_fine_grained_offloading()
+        if self.config.moe_paged_stash:
+            self.preprocess_for_paged_stash()
+
     def set_input_tensor(self, input_tensor) -> None:
         """Input from the previous pipeline stage (a list of one tensor, as in GPTModel)."""
         if not isinstance(input_tensor, list):
@@ -351,10 +358,7 @@ class HybridModel(LanguageModule):
         Same arguments as megatron-core's ``HybridModel.forward`` (``padding_mask``: ``[b, s]``,
         True = padding), plus GPTModel's ``extra_block_kwargs`` and ``output_processor``.
         """
-        if self.config.fine_grained_activation_offloading:
-            self.preprocess_for_fine_grained_offloading()
-        if self.config.moe_paged_stash:
-            self.preprocess_for_paged_stash()
+        self._prepare_step()
         inference_context = deprecate_inference_params(inference_context, inference_params)
         preprocessed = self._preprocess(
             input_ids=input_ids,
@@ -430,10 +434,7 @@ class HybridModel(LanguageModule):
         """
         if _SCHEDULE_PLAN_BUILDER is None:
             raise RuntimeError(_NO_SCHEDULE)
-        if self.config.fine_grained_activation_offloading:
-            self.preprocess_for_fine_grained_offloading()
-        if self.config.moe_paged_stash:
-            self.preprocess_for_paged_stash()
+        self._prepare_step()
         return _SCHEDULE_PLAN_BUILDER(
             self,
             input_ids,

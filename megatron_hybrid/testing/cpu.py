@@ -20,7 +20,12 @@ import os
 import threading
 import types
 
-__all__ = ["CPUEmulationError", "cpu_emulation_enabled", "enable_cpu_emulation"]
+__all__ = [
+    "CPUEmulationError",
+    "cpu_config_overrides",
+    "cpu_emulation_enabled",
+    "enable_cpu_emulation",
+]
 
 _LOCK = threading.Lock()
 _ENABLED = False
@@ -28,6 +33,23 @@ _ENABLED = False
 
 class CPUEmulationError(RuntimeError):
     """CPU emulation was requested where it must not run."""
+
+
+def cpu_config_overrides() -> dict:
+    """TransformerConfig fields for a CPU run: fused CUDA kernels off, weights built on the CPU.
+
+    The unfused paths compute the same functions; GatedDeltaNet's ``deterministic_mode`` selects
+    megatron's torch implementation (fla's kernels are Triton, which has no CPU driver).
+    """
+    return dict(
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=True,
+    )
 
 
 def cpu_emulation_enabled() -> bool:

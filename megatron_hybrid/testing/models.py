@@ -26,21 +26,20 @@ def small_config(pattern: str, **overrides: Any):
 
     parsed = parse_pattern(pattern)
     symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
+    from megatron_hybrid.testing.cpu import cpu_config_overrides
+
+    # CPU initialisation also on GPUs: the same seed then gives the same weights in any layout.
     kwargs: dict[str, Any] = dict(
+        cpu_config_overrides(),
+        deterministic_mode=False,
         num_layers=parsed.physical_layer_count,
         mtp_num_layers=parsed.mtp_num_depths or None,
         hidden_size=64,
         num_attention_heads=4,
         ffn_hidden_size=128,
-        use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
         bf16=False,
         params_dtype=torch.float32,
     )
@@ -52,7 +51,8 @@ def small_config(pattern: str, **overrides: Any):
             moe_aux_loss_coeff=0.0,
         )
     if "G" in symbols:
-        # megatron's GatedDeltaNet accepts only SiLU; its deterministic mode is torch-only.
+        # megatron's GatedDeltaNet accepts only SiLU; deterministic mode is its torch path (fla's
+        # Triton kernels need a GPU, and their backward is refused on Hopper with Triton < 3.7.1).
         kwargs.update(
             activation_func=torch.nn.functional.silu,
             deterministic_mode=True,
@@ -64,6 +64,15 @@ def small_config(pattern: str, **overrides: Any):
         )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _stage_flags(pg_collection, config, vp_stage) -> tuple[bool, bool]:
+    """``(pre_process, post_process)`` of this rank's chunk ``vp_stage``."""
+    pp = pg_collection.pp
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
+    last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == vpp - 1)
+    return first, last
 
 
 def build_hybrid(
@@ -80,10 +89,7 @@ def build_hybrid(
     """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage."""
     from megatron_hybrid import HybridModel, hybrid_stack_spec
 
-    pp = pg_collection.pp
-    vpp = config.virtual_pipeline_model_parallel_size
-    first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
-    last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    first, last = _stage_flags(pg_collection, config, vp_stage)
     kwargs.setdefault("position_embedding_type", "rope")
     return HybridModel(
         config,
@@ -119,10 +125,7 @@ def build_gpt_twin(
     )
 
     gpt_config = gpt_config_for_pattern(config, pattern)
-    pp = pg_collection.pp
-    vpp = gpt_config.virtual_pipeline_model_parallel_size
-    first = pp.rank() == 0 and (vp_stage is None or vp_stage == 0)
-    last = pp.rank() == pp.size() - 1 and (vp_stage is None or vp_stage == (vpp or 1) - 1)
+    first, last = _stage_flags(pg_collection, gpt_config, vp_stage)
     kwargs.setdefault("position_embedding_type", "rope")
     spec = gpt_decoder_spec_for_pattern(gpt_config, pattern, backend, vp_stage)
     mtp_block_spec = None

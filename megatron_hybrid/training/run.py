@@ -58,19 +58,6 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _cpu_overrides() -> dict:
-    # Fused kernels are CUDA-only; on CPU the unfused paths compute the same functions.
-    return dict(
-        use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        deterministic_mode=True,  # GatedDeltaNet's torch path; fla kernels need a GPU
-    )
-
-
 def _check_resume_compatible(chunks, folder) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -133,7 +120,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
 
     parsed = parse_pattern(args.hybrid_layer_pattern)
     on_gpu = torch.cuda.is_available()
-    overrides = {} if on_gpu else _cpu_overrides()
+    from megatron_hybrid.testing.cpu import cpu_config_overrides
+
+    overrides = {} if on_gpu else cpu_config_overrides()
     config = hybrid_config_from_args(args, **overrides)  # validate flags before any process group
     if not on_gpu:
         from megatron_hybrid.testing.cpu import enable_cpu_emulation
