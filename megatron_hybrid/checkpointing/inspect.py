@@ -169,7 +169,8 @@ def expected_checkpoint_tensors(
             pg_collection=pg,
             **model_kwargs,
         )
-        sharded = model.sharded_state_dict(metadata=metadata)
+        # A copy: megatron adds process groups to the metadata dict it is given.
+        sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
     return {v.key: tuple(v.global_shape) for v in sharded.values() if isinstance(v, ShardedTensor)}
 
 

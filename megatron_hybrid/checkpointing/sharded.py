@@ -24,7 +24,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group
 
-__all__ = ["CheckpointKeyLayout", "stack_sharded_state_dict"]
+__all__ = ["CheckpointKeyLayout", "gpt_mtp_keys", "stack_sharded_state_dict"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +132,24 @@ def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadat
             replace_prefix_for_sharding(child, local, f"{prefix}{final_norm_key}.")
         sharded.update(child)
     return sharded
+
+
+def gpt_mtp_keys(sharded_state_dict, prefix: str, pattern) -> None:
+    """Store a GPT-equivalent MTP depth under GPTModel's MTP keys, in place.
+
+    megatron-core builds each MTP depth of a hybrid pattern as a small HybridStack
+    (``mtp.layers.<d>.mtp_model_layer.layers.<j>.``); GPTModel's depth is one TransformerLayer
+    (``mtp.layers.<d>.transformer_layer.``). When the main pattern is grouped and the MTP pattern
+    is an attention layer followed by an MLP/MoE layer, both members take GPT's prefix, as the
+    members of a main-pattern group do.
+    """
+    if not pattern.has_groups or not is_gpt_equivalent_group(pattern.mtp_items):
+        return
+    for depth in range(pattern.mtp_num_depths):
+        target = f"{prefix}mtp.layers.{depth}.transformer_layer."
+        for member in range(len(pattern.mtp_items)):
+            source = f"{prefix}mtp.layers.{depth}.mtp_model_layer.layers.{member}."
+            for value in sharded_state_dict.values():
+                key = getattr(value, "key", None)
+                if isinstance(key, str) and key.startswith(source):
+                    value.key = target + key[len(source) :]

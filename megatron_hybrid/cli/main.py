@@ -6,7 +6,8 @@ command is one line in :data:`COMMAND_MODULES`. Command modules must not import 
 megatron) at import time: every module is imported to build ``--help``.
 
 Bad input exits with code 2 and one message on stderr, never a traceback: argparse does so for
-bad flags, and :func:`main` does so for :class:`CommandError` and ``ValueError`` (which includes
+bad flags, and :func:`main` does so for :class:`CommandError`, ``ImportError`` (a backend the
+flags ask for is missing) and ``ValueError`` (which includes
 ``HybridPatternError``) raised by a command.
 """
 
@@ -115,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     try:
         return args._run(args)
-    except (CommandError, ValueError) as error:
+    except (CommandError, ValueError, ImportError) as error:
+        # ImportError: a backend the flags ask for is not installed (e.g. TransformerEngine).
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except BrokenPipeError:

@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
-from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout
+from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
 from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment
 
 __all__ = ["HybridModel", "set_schedule_plan_builder"]
@@ -457,4 +457,5 @@ class HybridModel(LanguageModule):
         extra = sharded.pop(f"{prefix}output_layer._extra_state", None)
         if extra is not None and extra.data:
             raise RuntimeError(f"expected the output layer's extra state to be empty: {extra}")
+        gpt_mtp_keys(sharded, prefix, self.parsed_pattern)
         return sharded

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["CheckpointExistsError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointExistsError", "existing_iterations", "load_checkpoint", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _FORMAT = "megatron_hybrid/1"
@@ -30,6 +30,18 @@ class CheckpointExistsError(FileExistsError):
 
 def _iteration_dir(root: Path, iteration: int) -> Path:
     return root / f"iter_{iteration:07d}"
+
+
+def existing_iterations(root) -> list[int]:
+    """Iterations that already have a folder under ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        int(p.name[len("iter_") :])
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith("iter_") and p.name[len("iter_") :].isdigit()
+    )
 
 
 def _unwrapped(chunks) -> list:

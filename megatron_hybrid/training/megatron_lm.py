@@ -1,13 +1,16 @@
 """Megatron-LM integration: grouped and repeated patterns in a ``megatron.training`` script.
 
 megatron-core 0.19.2's ``megatron.training`` validates ``--hybrid-layer-pattern`` with its own
-grammar, which knows no ``[...]`` groups, ``{N}`` repetition or ``(...)`` runs, and it would
-translate GPT checkpoint keys for a HybridModel — keys a grouped model already shares with GPT.
+grammar, which knows no ``[...]`` groups, ``{N}`` repetition or ``(...)`` runs.
 :func:`parse_and_validate_args` therefore hands megatron's validation the *flattened* pattern
 (same physical layers, ``|`` stages and ``/`` MTP depths, so ``num_layers``, the virtual
 pipeline size and ``mtp_num_layers`` come out right), keeps the real pattern in
-``args.megatron_hybrid_layer_pattern`` and then clears ``args.hybrid_layer_pattern`` so that no
-GPT-to-hybrid key translation runs. Nothing in megatron-core is edited.
+``args.megatron_hybrid_layer_pattern`` and then clears ``args.hybrid_layer_pattern``. With it
+cleared, megatron.training's checkpoint loader treats the run like a GPT run: it does not refuse
+this package's own checkpoints as "saved by a hybrid model run", and a GPT checkpoint loads into
+a grouped model as it is (the keys match). Side effects: Megatron-LM's FLOP estimate uses the GPT
+formula, and its MoE metrics divide by the physical layer count. Nothing in megatron-core is
+edited.
 
 A pretraining script needs these lines (this module's :func:`main` is such a script)::
 

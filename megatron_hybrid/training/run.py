@@ -211,6 +211,21 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         if rank == 0:
             print(f"resumed from {folder} at iteration {start}", flush=True)
 
+    if args.save and not args.overwrite_checkpoint:
+        # Refuse before training, not after hours of it, if a save would replace a checkpoint.
+        from megatron_hybrid.training.checkpoint import existing_iterations
+
+        planned = {args.train_iters} | (
+            set(range(args.save_interval, args.train_iters + 1, args.save_interval))
+            if args.save_interval
+            else set()
+        )
+        clash = sorted(i for i in existing_iterations(args.save) if i in planned and i > start)
+        if clash:
+            raise TrainingError(
+                f"--save {args.save} already holds iteration(s) {clash} that this run would "
+                "write; pass --overwrite-checkpoint to replace them or choose another --save"
+            )
     progress = _Progress(args.train_iters, enabled=rank == 0)
     losses, norms, saved = [], [], None
     tokens_total, time_total = 0, 0.0

@@ -7,7 +7,7 @@ import torch
 
 from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, model_inputs, small_config
 
-GPT_EQUIVALENT = ["[*-]{3}", "[*E]{3}", "[*-][*E]{2}", "[*E]{2}[*-]"]
+GPT_EQUIVALENT = ["[*-]{3}", "[*E]{3}", "[*-][*E]{2}", "[*E]{2}[*-]", "[*E]{2}/*E"]
 METADATA = [
     pytest.param(None, id="default"),
     pytest.param({"non_homogeneous_layers": True}, id="non_homogeneous"),
@@ -104,7 +104,7 @@ def _grads_by_checkpoint_key(model, grads):
 
 
 @pytest.mark.parametrize("direction", ["gpt_to_grouped", "grouped_to_gpt"])
-@pytest.mark.parametrize("pattern", ["[*E]{2}", "[*-][*E]{2}"])
+@pytest.mark.parametrize("pattern", ["[*E]{2}", "[*-][*E]{2}", "[*E]{2}/*E"])
 def test_torch_dist_round_trip_bitwise(model_parallel, tmp_path, pattern, direction):
     config = small_config(pattern)
     inputs = model_inputs()

@@ -110,10 +110,10 @@ def test_model_shape_groups_only():
 
 
 def _config(*argv: str, namespace: argparse.Namespace | None = None):
+    from megatron_hybrid.testing.cpu import cpu_config_overrides
     from megatron_hybrid.training.arguments import hybrid_config_from_args
-    from megatron_hybrid.training.run import _cpu_overrides
 
-    return hybrid_config_from_args(namespace or _parse(*argv), **_cpu_overrides())
+    return hybrid_config_from_args(namespace or _parse(*argv), **cpu_config_overrides())
 
 
 @pytest.mark.parametrize(

@@ -158,9 +158,11 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
         assert f"saved {folder}" in result.stdout.splitlines()[-1]
         assert result.stdout.splitlines()[-1].startswith("done: 1 steps (0->1) | loss ")
     else:
-        message = f"{folder} already exists; pass --overwrite-checkpoint to replace it"
-        assert message in result.stderr
+        # Refused at start-up, before any step runs.
+        message = "already holds iteration(s) [1] that this run would write"
+        assert message in result.stderr and "--overwrite-checkpoint" in result.stderr
         assert sum("error:" in line for line in result.stderr.splitlines()) == 1
+        assert "step" not in result.stdout
         assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
         assert not tracker.exists()
 
