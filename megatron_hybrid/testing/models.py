@@ -6,7 +6,6 @@ checkpoints and numerics; :func:`small_config` is a config that runs in millisec
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -160,7 +159,3 @@ def model_inputs(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0)
         attention_mask=None,
     )
 
-
-def clone_config(config, **changes: Any):
-    """``dataclasses.replace`` for TransformerConfig (re-runs its validation)."""
-    return dataclasses.replace(config, **changes)
