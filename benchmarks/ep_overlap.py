@@ -56,13 +56,13 @@ def _config(args, pattern: str, overlap: bool, ep: int):
     gdn = parsed.layer_counts["G"] > 0
     extra = {}
     if gdn:
-        # GatedDeltaNet takes the model's activation, which must be SiLU.
-        # deterministic_mode: megatron's torch GDN path. fla 0.6.0 refuses its gated backward
-        # kernel on Hopper with Triton < 3.7.1 (wrong results, fla issue #640).
+        # GatedDeltaNet takes the model's activation, which must be SiLU. deterministic_mode
+        # selects megatron's torch GDN path; fla's kernels need Triton >= 3.7.1 on Hopper for
+        # their gated backward (fla 0.6.0 refuses older Triton there: wrong results, fla #640).
         extra = dict(activation_func=torch.nn.functional.silu, gated_linear_unit=True,
                      linear_num_key_heads=16, linear_num_value_heads=16,
                      linear_key_head_dim=128, linear_value_head_dim=128,
-                     deterministic_mode=True)  # fmt: skip
+                     deterministic_mode=args.gdn_kernel == "torch")  # fmt: skip
     if not torch.cuda.is_available():  # CPU smoke runs of this script
         from megatron_hybrid.testing.cpu import cpu_config_overrides
 
@@ -131,9 +131,8 @@ def measure(variant: str, args, pg, ep: int) -> dict:
     model, config = _build(variant, args, pg, ep)
     batches = _batches(args, args.microbatches)
     # The torch GatedDeltaNet path is slow at this size: fewer steps keep the run short.
-    warmup, steps = (
-        (1, max(2, args.steps // 2)) if variant.startswith("ge") else (args.warmup, args.steps)
-    )
+    slow = variant.startswith("ge") and args.gdn_kernel == "torch"
+    warmup, steps = (1, max(2, args.steps // 2)) if slow else (args.warmup, args.steps)
     times = []
     for step in range(warmup + steps):
         if step == warmup and CUDA:
@@ -217,28 +216,38 @@ def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict)
         print("matplotlib missing: no chart written")
 
 
-def _write(args, ep: int, results: dict) -> None:
+def _command(args, ep: int) -> str:
+    extra = " --variants " + " ".join(args.variants) if args.variants != list(VARIANTS) else ""
+    extra += f" --gdn-kernel {args.gdn_kernel}" if args.gdn_kernel != "torch" else ""
+    extra += " --append" if args.append else ""
+    network = "NCCL_P2P_DISABLE=1 " if os.environ.get("NCCL_P2P_DISABLE") == "1" else ""
+    return (
+        f"{network}torchrun --nproc_per_node {ep} benchmarks/ep_overlap.py --label {args.label}"
+        + extra
+    )
+
+
+def _write(args, ep: int, results: dict, commands: list[str]) -> None:
     """Write JSON, Markdown and the chart for the variants measured so far."""
     ratios = summarize(results)
+    gdn_kernels = sorted({r["gdn_kernel"] for r in results.values() if "gdn_kernel" in r})
     meta = dict(
         label=args.label,
         gpus=ep,
         gpu=torch.cuda.get_device_name() if CUDA else "CPU",
         date=datetime.date.today().isoformat(),
-        command=f"torchrun --nproc_per_node {ep} benchmarks/ep_overlap.py --label {args.label}",
+        command="`, then `".join(commands),
+        commands=commands,
         setup=(
             f"hidden {args.hidden}, {args.experts} experts top-{args.topk} (expert hidden "
             f"{args.expert_hidden}), seq {args.seq}, mbs {args.mbs}, {args.microbatches} "
             f"micro-batches, {args.layers} layers, bf16, local backend, EP={ep}, "
             f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '0')}"
+            + "".join(f", GatedDeltaNet kernels: {k}" for k in gdn_kernels)
         ),
         args=vars(args),
     )
     write_outputs(Path(args.out), f"ep_overlap_{args.label}_{ep}gpu", meta, results, ratios)
-    if len(results) == len(args.variants):
-        for key, value in ratios.items():
-            if value is not None:
-                print(f"{key}: {value:.3f}")
 
 
 def main() -> None:
@@ -258,6 +267,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--gdn-kernel", choices=("torch", "fla"), default="torch",
+        help="GatedDeltaNet kernels of the ge_* variants: megatron's torch path, or fla's Triton "
+        "kernels (their backward needs Triton >= 3.7.1 on Hopper)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--append", action="store_true",
+        help="keep the variants an earlier run of the same label and GPU count wrote, "
+        "replacing those measured again (for variants run with another environment)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     if CUDA:
@@ -271,7 +290,16 @@ def main() -> None:
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
 
     ep = torch.distributed.get_world_size()
-    results = {}
+    results, commands = {}, [_command(args, ep)]
+    previous = Path(args.out) / f"ep_overlap_{args.label}_{ep}gpu.json"
+    if args.append and previous.exists():
+        earlier = json.loads(previous.read_text())
+        results = {k: v for k, v in earlier["results"].items() if k not in args.variants}
+        commands = earlier["meta"].get("commands", [earlier["meta"]["command"]]) + commands
+        for key, value in earlier["meta"]["args"].items():
+            now = vars(args).get(key)
+            if key not in ("variants", "append", "gdn_kernel", "out") and now != value:
+                parser.error(f"--append: {key} was {value!r} in {previous}, now {now!r}")
     for variant in args.variants:
         if variant.startswith("ge"):
             try:
@@ -281,10 +309,18 @@ def main() -> None:
                 continue
         pg = initialize_model_parallel(ep=ep, seed=1234)
         results[variant] = measure(variant, args, pg, ep)
+        if variant.startswith("ge"):
+            results[variant]["gdn_kernel"] = args.gdn_kernel
         if torch.distributed.get_rank() == 0:
             r = results[variant]
             print(f"{variant:>16}: {r['median_s']:.4f} s  {r['peak_gib']:.2f} GiB", flush=True)
-            _write(args, ep, results)  # after every variant, so a cut-off run keeps its figures
+            _write(
+                args, ep, results, commands
+            )  # after every variant, so a cut-off run keeps its figures
+    if torch.distributed.get_rank() == 0:
+        for key, value in summarize(results).items():
+            if value is not None:
+                print(f"{key}: {value:.3f}")
     torch.distributed.destroy_process_group()
 
 

@@ -3,8 +3,15 @@
 # the requested parts, logging under $OUT. Usage: bash scripts/gpu_session.sh PART [PART ...]
 #   functional   torchrun -m pytest tests/functional (all GPUs of the machine)
 #   bench        benchmarks/ep_overlap.py with NVLink
-#   bench-nop2p  benchmarks/ep_overlap.py with NCCL_P2P_DISABLE=1
+#   bench-nop2p  benchmarks/ep_overlap.py with NCCL_P2P_DISABLE=1 (both take $BENCH_ARGS)
 #   launcher     tests/functional tests that start their own torchrun jobs (train, pretrain)
+#   triton       collect the carried .tparts/ part (scripts/stage_triton.sh); once all parts
+#                are there, unpack Triton >= 3.7.1 into /tmp/tsite for the parts below
+#   gdn-fla      the [GE]{2} test with fla's kernels on /tmp/tsite's Triton (backward included)
+#   bench-ge     bench / bench-nop2p's ge_* variants again with fla kernels (--append)
+#   bench-ge-nop2p
+#   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
+#                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -13,6 +20,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU ($(python3 -c 'import torch; print(torch.cuda.get_device_name())'))"
+TSITE=/tmp/tsite
+with_tsite() { [ -d $TSITE/triton ] || { echo "no Triton in $TSITE: run the triton part first"; return 1; }
+  PYTHONPATH=$TSITE:$PYTHONPATH "$@"; }
 status=0
 for part in "$@"; do
   start=$(date +%s)
@@ -27,12 +37,37 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
       torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \
-        2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/bench_nvlink.log"
+        ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" \
+        | tee "$OUT/bench_nvlink.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-nop2p)
       NCCL_P2P_DISABLE=1 torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
-        --label no-p2p --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" \
-        | tee "$OUT/bench_nop2p.log"
+        --label no-p2p --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+        | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/bench_nop2p.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    triton)
+      mkdir -p /tmp/tparts && cp .tparts/* /tmp/tparts/
+      if (cd /tmp/tparts && sha256sum --quiet -c manifest 2>/dev/null); then
+        mkdir -p $TSITE && cat /tmp/tparts/triton_part_* | xz -dc | tar xf - -C $TSITE
+        with_tsite python3 -c 'import triton; print("Triton", triton.__version__, "in /tmp/tsite")'
+      else
+        echo "Triton parts so far: $(ls /tmp/tparts | tr '\n' ' ')"
+      fi ;;
+    gdn-fla)
+      with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_checkpoints_gpu.py -k gated_delta 2>&1 \
+        | grep -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/gdn_fla.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    bench-ge|bench-ge-nop2p)
+      label=nvlink; p2p=0; [ $part = bench-ge-nop2p ] && { label=no-p2p; p2p=1; }
+      NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
+        --label $label --out "$OUT" --variants ge_plain ge_overlap --gdn-kernel fla --append \
+        2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    te)
+      torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_te_backend_gpu.py 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" \
+        | tee "$OUT/te.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assemble_global_tensors", "local_shard_mismatches"]
+__all__ = [
+    "assemble_global_tensors",
+    "grads_by_checkpoint_key",
+    "local_shard_mismatches",
+    "sharded_metadata",
+]
 
 
 def _sharded_tensors(sharded_state_dict):
@@ -44,3 +49,46 @@ def local_shard_mismatches(sharded_state_dict, reference: dict[str, torch.Tensor
         if not torch.equal(st.data.detach().cpu().reshape(expected.shape), expected):
             bad.append(f"{st.key}{tuple(st.global_offset)}")
     return bad
+
+
+def sharded_metadata(sharded_state_dict) -> dict:
+    """Checkpoint key -> what a ``torch_dist`` checkpoint records about it.
+
+    Two models whose results are equal save checkpoints that load into each other: the same
+    keys, global shapes, global offsets, fragmentations and dtypes.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    out = {}
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor):
+            out[value.key] = (
+                "tensor",
+                tuple(value.global_shape),
+                tuple(value.global_offset),
+                tuple(value.axis_fragmentations),
+                value.dtype,
+            )
+        elif isinstance(value, ShardedObject):
+            out[value.key] = ("object", tuple(value.global_shape), tuple(value.global_offset))
+        else:
+            raise TypeError(f"unexpected sharded entry {type(value).__name__}")
+    return out
+
+
+def grads_by_checkpoint_key(model) -> dict[tuple, torch.Tensor]:
+    """``(checkpoint key, global offset)`` -> the local gradient of that parameter.
+
+    Module paths differ between GPTModel and a grouped HybridModel; checkpoint keys do not, so
+    gradients of the two are compared through them.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    params = dict(model.named_parameters())
+    out = {}
+    for local_key, value in model.sharded_state_dict().items():
+        param = params.get(local_key)
+        if isinstance(value, ShardedTensor) and param is not None and param.grad is not None:
+            out[(value.key, value.global_offset)] = param.grad
+    return out

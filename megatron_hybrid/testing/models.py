@@ -158,4 +158,3 @@ def model_inputs(batch: int = 2, seq: int = 16, vocab: int = 128, seed: int = 0)
         position_ids=torch.arange(seq).unsqueeze(0).expand(batch, seq).contiguous(),
         attention_mask=None,
     )
-

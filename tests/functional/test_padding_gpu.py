@@ -51,8 +51,8 @@ def test_padded_tp2_sp_ep2_matches_unpadded(world, shared_dir):
     from megatron_hybrid.testing.models import build_hybrid, small_config
 
     rank, world_size, device = world
-    if world_size != 2:
-        pytest.skip("written for 2 GPUs: TP2 with EP2 over the same two ranks")
+    if world_size not in (2, 4):
+        pytest.skip("TP2 + EP2 runs on 2 GPUs (EP over the TP ranks) or 4 GPUs (DP2)")
     sequences = _inputs(device)
 
     def model_for(tp, ep):
@@ -85,7 +85,7 @@ def test_padded_tp2_sp_ep2_matches_unpadded(world, shared_dir):
     plan2 = padding_config_from(config2, pg2).bshd(cur_len=max(LENGTHS), batch_size=len(LENGTHS))
     parallel_loss, padded_len = _padded_loss(parallel, sequences, plan2, device)
     report(
-        "padded variable lengths, TP2+SP+EP2",
+        f"padded variable lengths, TP2+SP+EP2 on {world_size} GPUs",
         [("lengths", LENGTHS), ("padded to", f"{padded_len} (multiple {plan2.divisible_by})"),
          ("TP2+SP+EP2 padded", f"{parallel_loss:.6f}"), ("TP1 padded", f"{single_loss:.6f}"),
          ("TP1 unpadded, one by one", f"{unpadded_loss:.6f}")],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key, sharded_metadata
 from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, model_inputs, small_config
 
 GPT_EQUIVALENT = ["[*-]{3}", "[*E]{3}", "[*-][*E]{2}", "[*E]{2}[*-]", "[*E]{2}/*E"]
@@ -13,27 +14,6 @@ METADATA = [
     pytest.param({"non_homogeneous_layers": True}, id="non_homogeneous"),
     pytest.param({"singleton_local_shards": True}, id="singleton_local_shards"),
 ]
-
-
-def sharded_metadata(sharded_state_dict) -> dict:
-    """Checkpoint key -> what a torch_dist checkpoint records about it."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    out = {}
-    for value in sharded_state_dict.values():
-        if isinstance(value, ShardedTensor):
-            out[value.key] = (
-                "tensor",
-                tuple(value.global_shape),
-                tuple(value.global_offset),
-                tuple(value.axis_fragmentations),
-                value.dtype,
-            )
-        elif isinstance(value, ShardedObject):
-            out[value.key] = ("object", tuple(value.global_shape), tuple(value.global_offset))
-        else:
-            raise AssertionError(f"unexpected sharded entry {type(value).__name__}")
-    return out
 
 
 @pytest.mark.parametrize("metadata", METADATA)
@@ -71,7 +51,7 @@ def _forward_backward(model, inputs):
     model.zero_grad(set_to_none=True)
     loss = model(**inputs)
     loss.sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {key: g.clone() for key, g in grads_by_checkpoint_key(model).items()}
     logits = model(**{**inputs, "labels": None}).detach()
     return loss.detach(), logits, grads
 
@@ -91,18 +71,6 @@ def _load(model, directory):
     assert not unexpected, unexpected
 
 
-def _grads_by_checkpoint_key(model, grads):
-    """Map gradients to checkpoint keys (module paths differ between GPT and grouped models)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    params = dict(model.named_parameters())
-    out = {}
-    for local_key, value in model.sharded_state_dict().items():
-        if isinstance(value, ShardedTensor) and local_key in params and local_key in grads:
-            out[(value.key, value.global_offset)] = grads[local_key]
-    return out
-
-
 @pytest.mark.parametrize("direction", ["gpt_to_grouped", "grouped_to_gpt"])
 @pytest.mark.parametrize("pattern", ["[*E]{2}", "[*-][*E]{2}", "[*E]{2}/*E"])
 def test_torch_dist_round_trip_bitwise(model_parallel, tmp_path, pattern, direction):
@@ -111,19 +79,17 @@ def test_torch_dist_round_trip_bitwise(model_parallel, tmp_path, pattern, direct
     builders = {"gpt": build_gpt_twin, "grouped": build_hybrid}
     source_name, target_name = direction.split("_to_")
     source = builders[source_name](config, pattern, model_parallel(seed=1))
-    reference = _forward_backward(source, inputs)
-    reference_grads = _grads_by_checkpoint_key(source, reference[2])
+    reference_loss, reference_logits, reference_grads = _forward_backward(source, inputs)
     _save(source, tmp_path)
 
     target = builders[target_name](config, pattern, model_parallel(seed=2))
     _load(target, tmp_path)
     loss, logits, grads = _forward_backward(target, inputs)
-    assert torch.equal(loss, reference[0])
-    assert torch.equal(logits, reference[1])
-    target_grads = _grads_by_checkpoint_key(target, grads)
-    assert target_grads.keys() == reference_grads.keys()
+    assert torch.equal(loss, reference_loss)
+    assert torch.equal(logits, reference_logits)
+    assert grads.keys() == reference_grads.keys()
     for key, grad in reference_grads.items():
-        assert torch.equal(target_grads[key], grad), key
+        assert torch.equal(grads[key], grad), key
 
 
 def test_grouping_does_not_change_math(model_parallel):

@@ -1,0 +1,162 @@
+"""The ``te`` backend against GPTModel's TransformerEngine spec (bf16 and FP8), on GPUs.
+
+``hybrid_stack_spec("te")`` must build what ``get_gpt_layer_with_transformer_engine_spec`` builds
+for GPT-equivalent patterns: the same checkpoint (keys, shapes, offsets, TE ``_extra_state``),
+and, loaded from a GPTModel checkpoint, the same losses and gradients. Skipped where
+TransformerEngine is not installed (``../shared/gpu/README.md`` says how to bring it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ON_CPU, report
+
+pytestmark = pytest.mark.skipif(ON_CPU, reason="TransformerEngine kernels need CUDA GPUs")
+
+PATTERNS = [
+    pytest.param("[*-][*E]{2}", id="dense-then-moe"),
+    pytest.param("[*E]{2}/*E", id="moe-with-mtp"),
+]
+
+
+def _config(pattern, **changes):
+    from megatron_hybrid.testing.models import small_config
+
+    return small_config(
+        pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **changes,
+    )  # fmt: skip
+
+
+def _model(builder, config, pattern, pg, device):
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(1)
+    return Float16Module(config, builder(config, pattern, pg, backend="te").to(device))
+
+
+def _forward_backward(model, device):
+    """Per-token losses of a fixed batch and the gradients by checkpoint key."""
+    from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
+    from megatron_hybrid.testing.models import model_inputs
+
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in model_inputs(batch=2, seq=64, seed=3).items()}  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    losses = model(**inputs)
+    losses.float().sum().backward()
+    grads = {k: g.detach().clone() for k, g in grads_by_checkpoint_key(model.module).items()}
+    return losses.detach().float(), grads
+
+
+def _save_load(source, target, directory):
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(source.sharded_state_dict(), directory)
+    state = dist_checkpointing.load(target.sharded_state_dict(), directory)
+    missing, unexpected = target.module.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith("_extra_state") for k in missing), missing
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max(((a[k] - b[k]).float().norm() / b[k].float().norm().clamp_min(1e-12)).item()
+               for k in a)  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
+    pytest.importorskip("transformer_engine")
+    from megatron_hybrid.testing.checkpoints import sharded_metadata
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
+
+    rank, world_size, device = world
+    pg = initialize_model_parallel(seed=2)
+    config = _config(pattern)
+    gpt = _model(build_gpt_twin, config, pattern, pg, device)
+    grouped = _model(build_hybrid, config, pattern, pg, device)
+    expected = sharded_metadata(gpt.sharded_state_dict())
+    actual = sharded_metadata(grouped.sharded_state_dict())
+    assert sorted(actual) == sorted(expected)
+    assert actual == expected
+    assert any(key.endswith("_extra_state") for key in actual)  # TE modules were built
+
+    _save_load(gpt, grouped, shared_dir)
+    gpt_losses, gpt_grads = _forward_backward(gpt, device)
+    losses, grads = _forward_backward(grouped, device)
+    rel = _max_rel(grads, gpt_grads)
+    report(f"te backend {pattern} vs GPTModel TE spec (bf16)",
+           [("checkpoint entries", len(actual)), ("losses bitwise equal",
+             torch.equal(losses, gpt_losses)), ("max rel grad diff", f"{rel:.2e}")])  # fmt: skip
+    assert torch.equal(losses, gpt_losses)
+    assert rel == 0.0
+
+
+def test_te_fp8_equals_gpt(world, shared_dir):
+    """Per-layer FP8 contexts: the grouped stack quantises the layers GPTModel quantises."""
+    pytest.importorskip("transformer_engine")
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs Ada, Hopper or newer GPUs")
+    rank, world_size, device = world
+    pattern = "[*-][*E]{2}"
+    pg = initialize_model_parallel(seed=2)
+    config = _config(pattern, fp8="hybrid", fp8_recipe="tensorwise",
+                     moe_router_padding_for_quantization=True)  # fmt: skip
+    gpt = _model(build_gpt_twin, config, pattern, pg, device)
+    grouped = _model(build_hybrid, config, pattern, pg, device)
+    _save_load(gpt, grouped, shared_dir)
+    gpt_losses, gpt_grads = _forward_backward(gpt, device)
+    losses, grads = _forward_backward(grouped, device)
+    rel = _max_rel(grads, gpt_grads)
+    loss_diff = (losses - gpt_losses).abs().max().item()
+    rows = [
+        ("mean loss grouped / GPT", f"{losses.mean():.6f} / {gpt_losses.mean():.6f}"),
+        ("max |loss diff|", f"{loss_diff:.2e}"),
+        ("max rel grad diff", f"{rel:.2e}"),
+    ]
+    report(f"te backend {pattern} vs GPTModel TE spec (FP8 tensorwise)", rows)
+    assert torch.isfinite(losses).all()
+    assert torch.equal(losses, gpt_losses)
+    assert rel == 0.0
+
+
+def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
+    """TE's own tensor-parallel layers (fused layer norm + linear) under TP2 + SP."""
+    pytest.importorskip("transformer_engine")
+    from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, model_inputs
+
+    rank, world_size, device = world
+    if world_size % 2:
+        pytest.skip("needs an even number of GPUs")
+    from megatron.core import dist_checkpointing
+
+    pattern = "[*-][*E]{2}"
+    gpt = _model(build_gpt_twin, _config(pattern), pattern, initialize_model_parallel(), device)
+
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in model_inputs(batch=2, seq=64, seed=3).items()}  # fmt: skip
+    with torch.no_grad():
+        reference_loss = gpt(**inputs).float().mean().item()
+    dist_checkpointing.save(gpt.sharded_state_dict(), shared_dir)
+    reference = assemble_global_tensors(gpt.sharded_state_dict())
+    pg = initialize_model_parallel(tp=2)
+    config = _config(pattern, tensor_model_parallel_size=2, sequence_parallel=True)
+    grouped = _model(build_hybrid, config, pattern, pg, device)
+    state = dist_checkpointing.load(grouped.sharded_state_dict(), shared_dir)
+    grouped.module.load_state_dict(state, strict=False)
+    mismatched = local_shard_mismatches(grouped.sharded_state_dict(), reference)
+    with torch.no_grad():
+        loss = grouped(**inputs).float().mean().item()
+    report("GPT TE TP1 checkpoint -> grouped TE TP2+SP",
+           [("mismatched shards", len(mismatched)), ("loss", f"{loss:.6f}"),
+            ("GPT TP1 loss", f"{reference_loss:.6f}")])  # fmt: skip
+    assert mismatched == []
+    assert loss == pytest.approx(reference_loss, rel=2e-2)
