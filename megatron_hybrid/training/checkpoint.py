@@ -166,6 +166,31 @@ def _materialize_optimizer_state(optimizer) -> None:
             sub._init_optimizer_states_with_dummy_values()
 
 
+def _restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own, correct Adam ``step`` after a distributed-optimizer load.
+
+    Without apex or TransformerEngine, megatron-core 0.19.2's ``DistributedOptimizer`` keeps the
+    step in torch's per-parameter state, and its ``load_state_dict`` leaves every parameter
+    sharing one ``step`` tensor which the ``dp_reshardable`` parameter-state load then overwrites
+    with a wrong value (1 after a 4-step run). torch's Adam increments each state's step in place,
+    so a shared tensor would also advance once per parameter per update. Either way the bias
+    correction after a resume differs from an uninterrupted run. The step saved with the param
+    groups is right: copy it into a fresh tensor per parameter.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    old = state["step"]
+                    state["step"] = torch.tensor(
+                        float(group["step"]), dtype=old.dtype, device=old.device
+                    )
+
+
 def load_checkpoint(root, chunks, optimizer) -> int:
     """Restore model, optimizer and RNG state from the newest checkpoint under ``root``.
 
@@ -187,7 +212,10 @@ def load_checkpoint(root, chunks, optimizer) -> int:
     state = dist_checkpointing.load(request, str(folder))
     for i, chunk in enumerate(_unwrapped(chunks)):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    # fp32 models: the distributed optimizer's main params are views of the parameters.
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(optimizer)
     _set_rng_state(state["rng_state"])
     common = dist_checkpointing.load_common_state_dict(str(folder))
     return int(common.get("iteration", state.get("iteration", 0)))

@@ -39,6 +39,7 @@ from megatron_hybrid.training.steps import lm_forward_step
 
 __all__ = [
     "SyntheticLMDataset",
+    "check_fused_kernels",
     "datasets_provider",
     "flatten_for_megatron",
     "forward_step",
@@ -80,11 +81,36 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
     args.megatron_hybrid_layer_pattern = parse_pattern(args.hybrid_layer_pattern).canonical
     args.hybrid_layer_pattern = flatten_for_megatron(args.hybrid_layer_pattern)
     megatron_args.validate_args(args, args_defaults or {})
+    check_fused_kernels(args)
     # Keys of this package's models are already GPT's (grouped) or megatron-core's (ungrouped):
     # megatron.training must neither translate GPT checkpoints nor reject them as non-hybrid.
     args.hybrid_layer_pattern = None
     set_global_variables(args)
     return args
+
+
+def check_fused_kernels(args) -> None:
+    """Refuse, before the model is built, a fused kernel that megatron-core would import mid-run.
+
+    Megatron-LM turns ``--masked-softmax-fusion`` on by default. With ``--transformer-impl
+    local`` megatron-core's ``FusedScaleMaskSoftmax`` then imports the
+    ``scaled_masked_softmax_cuda`` extension inside the first forward pass; the megatron-core
+    wheel does not ship it.
+
+    Raises:
+        ValueError: the fusion is on, the ``local`` implementation is chosen and the extension is
+            not installed.
+    """
+    if args.transformer_impl != "local" or not getattr(args, "masked_softmax_fusion", False):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is None:
+        raise ValueError(
+            "--masked-softmax-fusion (Megatron-LM's default) needs the scaled_masked_softmax_cuda "
+            "extension, which is not installed: pass --no-masked-softmax-fusion, build "
+            "Megatron-LM's fused kernels, or use --transformer-impl transformer_engine"
+        )
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,

@@ -48,7 +48,8 @@ def _pretrain(*extra) -> list[float]:
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--eval-iters", "0",
         "--eval-interval", "1000",
         "--log-interval", "1", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
-        "--use-distributed-optimizer", "--position-embedding-type", "rope", *extra,
+        "--use-distributed-optimizer", "--position-embedding-type", "rope",
+        "--no-masked-softmax-fusion", *extra,
     ])  # fmt: skip
     return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
 

@@ -192,3 +192,26 @@ def test_config_from_partial_namespace():
 def test_config_errors(argv, match):
     with pytest.raises(ValueError, match=match):
         _config(*argv)
+
+
+@pytest.mark.parametrize(
+    "impl, fusion, refused",
+    [
+        pytest.param("local", True, True, id="local-fused-refused"),
+        pytest.param("local", False, False, id="local-unfused"),
+        pytest.param("transformer_engine", True, False, id="te-own-softmax"),
+    ],
+)
+def test_megatron_lm_refuses_missing_softmax_kernel(impl, fusion, refused):
+    import importlib.util
+
+    from megatron_hybrid.training.megatron_lm import check_fused_kernels
+
+    if importlib.util.find_spec("scaled_masked_softmax_cuda") is not None:
+        pytest.skip("the fused softmax extension is installed here")
+    args = argparse.Namespace(transformer_impl=impl, masked_softmax_fusion=fusion)
+    if refused:
+        with pytest.raises(ValueError, match="--no-masked-softmax-fusion"):
+            check_fused_kernels(args)
+    else:
+        check_fused_kernels(args)
