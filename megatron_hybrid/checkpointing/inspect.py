@@ -93,17 +93,14 @@ def _meta_device():
 
 def _single_rank_groups():
     """Process groups of one rank (a one-process gloo world is started if there is none)."""
-    import os
-
     import torch.distributed as dist
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
-    from megatron_hybrid.testing.spawn import free_port
+    from megatron_hybrid.process_groups import (
+        init_single_process_world,
+        initialize_model_parallel,
+    )
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_single_process_world()
     if dist.get_world_size() != 1:
         raise RuntimeError("expected_checkpoint_tensors runs in a single process")
     return initialize_model_parallel()

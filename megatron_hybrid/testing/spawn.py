@@ -9,23 +9,17 @@ traceback, so a failing multi-process test reads like a single-process one.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from megatron_hybrid.process_groups import free_port
 
 __all__ = ["DistributedRunError", "free_port", "run_distributed"]
 
 
 class DistributedRunError(RuntimeError):
     """A rank of :func:`run_distributed` raised; the message carries its traceback."""
-
-
-def free_port() -> int:
-    """Return a TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, env, queue):  # pragma: no cover - child process

@@ -38,7 +38,7 @@ def _init_distributed() -> tuple[int, int]:
     """Join torchrun's process group, or start a one-process gloo world."""
     import torch.distributed as dist
 
-    from megatron_hybrid.testing.spawn import free_port
+    from megatron_hybrid.process_groups import free_port
 
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -112,7 +112,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
     from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.training.arguments import hybrid_config_from_args
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens

@@ -1,0 +1,107 @@
+"""megatron-core's process-global parallel state: set it up, tear it down, start a world.
+
+megatron-core keeps parallel groups, the RNG tracker, the MoE metrics tracker (sized by the
+first model's layer count), the aux-loss tracker, the microbatch calculator and the combined-1F1B
+streams in module globals. Whoever builds several models in one process (tests, the
+``check-checkpoint`` command, benchmarks) must reset them between models, or the second model
+silently reuses state sized for the first. The process groups made here are handed to models as
+a ``ProcessGroupCollection``; nothing else in the package reads megatron's globals for them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+__all__ = [
+    "free_port",
+    "init_single_process_world",
+    "initialize_model_parallel",
+    "reset_megatron_state",
+]
+
+
+def free_port() -> int:
+    """Return a TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_single_process_world(backend: str = "gloo") -> None:
+    """Start a one-process ``torch.distributed`` world on localhost unless one exists."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def reset_megatron_state() -> None:
+    """Destroy every piece of megatron-core global state this package's code touches."""
+    from megatron.core import num_microbatches_calculator, parallel_state
+    from megatron.core.pipeline_parallel import utils as pp_utils
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_logging, moe_utils, token_dispatcher
+
+    parallel_state.destroy_model_parallel()
+    moe_logging.destroy_moe_metrics_tracker()
+    moe_utils.clear_aux_losses_tracker()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    pp_utils._COMP_STREAM = None
+    pp_utils._COMM_STREAM = None
+    if hasattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream"):
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+
+
+def initialize_model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+):
+    """Initialise megatron's parallel state and RNG over the default process group.
+
+    The default process group must already exist (``torch.distributed.init_process_group``).
+
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        vpp: virtual pipeline size (None for no interleaving).
+        ep: expert-parallel size.
+        cp: context-parallel size.
+        etp: expert tensor-parallel size (None: same as ``tp``).
+        seed: base seed for ``model_parallel_cuda_manual_seed``.
+
+    Returns:
+        A ``ProcessGroupCollection`` of the new groups, to pass to models.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize_model_parallel needs torch.distributed.init_process_group first"
+        )
+    reset_megatron_state()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
