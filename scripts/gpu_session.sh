@@ -49,6 +49,9 @@ for part in "$@"; do
       mkdir -p /tmp/tparts && cp .tparts/* /tmp/tparts/
       if (cd /tmp/tparts && sha256sum --quiet -c manifest 2>/dev/null); then
         mkdir -p $TSITE && cat /tmp/tparts/triton_part_* | xz -dc | tar xf - -C $TSITE
+        # parts packed before stage_triton.sh made these two repairs itself
+        sed -i '/amd/d' $TSITE/triton-*.dist-info/entry_points.txt
+        ln -sf ptxas $TSITE/triton/backends/nvidia/bin/ptxas-blackwell
         with_tsite python3 -c 'import triton; print("Triton", triton.__version__, "in /tmp/tsite")'
       else
         echo "Triton parts so far: $(ls /tmp/tparts | tr '\n' ' ')"

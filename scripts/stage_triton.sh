@@ -29,6 +29,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 rm -rf "$work"/triton/backends/amd "$work"/triton/backends/nvidia/lib/cupti* \
   "$work"/triton/backends/nvidia/bin/ptxas-blackwell "$work"/triton/instrumentation/*.so \
   "$work"/triton/_C/libproton.so
+# Triton discovers backends through its entry points and looks up ptxas-blackwell on import even
+# on Hopper: drop the AMD entry, and let the Hopper ptxas answer for the removed binary.
+sed -i '/amd/d' "$work/triton-$version.dist-info/entry_points.txt"
+ln -s ptxas "$work/triton/backends/nvidia/bin/ptxas-blackwell"
 rm -rf .tritonparts && mkdir -p .tritonparts
 tar cf - -C "$work" triton "triton-$version.dist-info" | xz -6 -T0 >"$work/triton.tar.xz"
 split -b 53M -d "$work/triton.tar.xz" .tritonparts/triton_part_
