@@ -24,6 +24,7 @@ __all__ = [
     "GPT_MLP_SYMBOLS",
     "gpt_equivalent_layers",
     "is_gpt_equivalent_group",
+    "uniform_gpt_layers",
 ]
 
 GPT_ATTENTION_SYMBOLS = frozenset({ATTENTION, MLA, DSA})
@@ -44,3 +45,17 @@ def gpt_equivalent_layers(pattern: str | ParsedPattern) -> bool:
     return bool(parsed.logical_layers) and all(
         layer.is_group and is_gpt_equivalent_group(layer.members) for layer in parsed.logical_layers
     )
+
+
+def uniform_gpt_layers(pattern: str | ParsedPattern) -> bool:
+    """Whether every logical layer is the *same* GPT-equivalent group (e.g. ``[*E]{24}``).
+
+    Only such a pattern can take GPTModel's stacked (homogeneous) checkpoint form, where each
+    parameter is one tensor with a leading layer dimension under ``decoder.layers.``.
+
+    >>> uniform_gpt_layers("[*E]{4}"), uniform_gpt_layers("[*-][*E]{2}"), uniform_gpt_layers("*E")
+    (True, False, False)
+    """
+    parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
+    kinds = {layer.members for layer in parsed.logical_layers}
+    return gpt_equivalent_layers(parsed) and len(kinds) == 1

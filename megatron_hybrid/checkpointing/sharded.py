@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group
+from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group, uniform_gpt_layers
 
 __all__ = ["CheckpointKeyLayout", "gpt_mtp_keys", "stack_sharded_state_dict"]
 
@@ -45,13 +45,10 @@ class CheckpointKeyLayout:
         """Layout of a parsed pattern; None when its main part has no group."""
         if not pattern.has_groups:
             return None
-        members = {layer.members for layer in pattern.logical_layers}
-        uniform = (
-            len(members) == 1
-            and all(layer.is_group for layer in pattern.logical_layers)
-            and is_gpt_equivalent_group(next(iter(members)))
+        return cls(
+            num_logical_layers=pattern.logical_layer_count,
+            uniform_gpt_layers=uniform_gpt_layers(pattern),
         )
-        return cls(num_logical_layers=pattern.logical_layer_count, uniform_gpt_layers=uniform)
 
     def stacked(self, config, metadata: dict | None) -> bool:
         """Whether to use the homogeneous form, by TransformerBlock's rules."""

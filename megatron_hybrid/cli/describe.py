@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_hybrid.checkpointing.equivalence import uniform_gpt_layers
 from megatron_hybrid.checkpointing.keys import (
     decoder_layer_prefix,
     final_norm_prefix,
@@ -148,7 +149,15 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
         split = "stages set by '|'"
     else:
         split = "split by physical layer counts" if len(stages) > 1 else "no pipeline split"
-    keys = "logical (the main pattern has groups)" if parsed.has_groups else "megatron-core hybrid"
+    if not parsed.has_groups:
+        keys = "megatron-core hybrid"
+    elif uniform_gpt_layers(parsed):
+        keys = (
+            "logical; GPTModel's stacked form by default (decoder.layers.<param>, leading layer "
+            "dimension), the per-layer prefixes below with non_homogeneous_layers metadata"
+        )
+    else:
+        keys = "logical (the main pattern has groups)"
     lines = [
         f"pattern    {parsed.pattern}",
         f"canonical  {_shorten(parsed.canonical)}",

@@ -80,6 +80,21 @@ def test_describe_auto_split_and_ungrouped_keys(capsys):
     assert [r[-1] for r in layers] == [f"decoder.layers.{i}." for i in range(10)]
 
 
+@pytest.mark.parametrize(
+    "pattern, stacked",
+    [
+        pytest.param("[*E]{3}", True, id="uniform-gpt-groups"),
+        pytest.param("[*-][*E]{2}", False, id="mixed-groups"),
+        pytest.param("[GE]{2}", False, id="non-gpt-groups"),
+    ],
+)
+def test_describe_names_the_stacked_form(capsys, pattern, stacked):
+    assert main(["describe", pattern]) == 0
+    keys = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("keys"))
+    assert ("stacked form" in keys) is stacked
+    assert keys.startswith("keys       logical")
+
+
 def test_describe_first_stage_layers(capsys):
     assert main(["describe", "M{5}", "--pp", "2", "--first-stage-layers", "2"]) == 0
     stages = rows(capsys.readouterr().out, "stage")
