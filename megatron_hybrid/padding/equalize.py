@@ -125,6 +125,23 @@ def _mismatch(where: str, what: str, maxima: Sequence[int], minima: Sequence[int
     )
 
 
+def _equalize(where, plan, group, device, local, extend, *, agreed: str, fixed: str):
+    """The shared step: ``local = (count, multiple, shape, forced)``; ``extend(plan, count)``.
+
+    ``multiple`` and ``shape`` must agree on every rank; the count is raised to the group
+    maximum, which a fixed count on any rank must already equal.
+    """
+    _require_group(group, where)
+    if dist.get_world_size(group) == 1:
+        return plan
+    maxima, minima = _group_max_min(local, group, device)
+    if maxima[1:3] != minima[1:3]:
+        _mismatch(where, agreed, maxima[1:3], minima[1:3])
+    if maxima[3] and maxima[0] != minima[0]:
+        _mismatch(where, fixed, maxima[:1], minima[:1])
+    return extend(plan, group_equalize(maxima[:1], align=local[1]))
+
+
 def equalize_bshd(
     plan: BshdPlan, group: dist.ProcessGroup, *, device: torch.device | str | None = None
 ) -> BshdPlan:
@@ -144,16 +161,11 @@ def equalize_bshd(
         ValueError: ``group`` is None, the ranks planned with different ``B`` or
             ``divisible_by``, or some rank has a fixed length another rank exceeds.
     """
-    _require_group(group, "equalize_bshd")
-    if dist.get_world_size(group) == 1:
-        return plan
     local = (plan.padded_len, plan.divisible_by, plan.batch_size, int(plan.forced))
-    maxima, minima = _group_max_min(local, group, device)
-    if maxima[1:3] != minima[1:3]:
-        _mismatch("equalize_bshd", "(divisible_by, micro-batch size)", maxima[1:3], minima[1:3])
-    if maxima[3] and maxima[0] != minima[0]:
-        _mismatch("equalize_bshd", "the fixed row length", maxima[:1], minima[:1])
-    return extend_bshd(plan, group_equalize(maxima[:1], align=plan.divisible_by))
+    return _equalize(
+        "equalize_bshd", plan, group, device, local, extend_bshd,
+        agreed="(divisible_by, micro-batch size)", fixed="the fixed row length",
+    )  # fmt: skip
 
 
 def equalize_thd(
@@ -176,13 +188,8 @@ def equalize_thd(
         ValueError: ``group`` is None, the ranks planned with different ``total_multiple`` or
             ``D``, or some rank has a fixed total another rank exceeds.
     """
-    _require_group(group, "equalize_thd")
-    if dist.get_world_size(group) == 1:
-        return plan
     local = (plan.total_tokens, plan.total_multiple, plan.local_token_divisor, int(plan.forced))
-    maxima, minima = _group_max_min(local, group, device)
-    if maxima[1:3] != minima[1:3]:
-        _mismatch("equalize_thd", "(total_multiple, D)", maxima[1:3], minima[1:3])
-    if maxima[3] and maxima[0] != minima[0]:
-        _mismatch("equalize_thd", "the fixed packed total", maxima[:1], minima[:1])
-    return extend_thd(plan, group_equalize(maxima[:1], align=plan.total_multiple))
+    return _equalize(
+        "equalize_thd", plan, group, device, local, extend_thd,
+        agreed="(total_multiple, D)", fixed="the fixed packed total",
+    )  # fmt: skip

@@ -81,3 +81,29 @@ def report(title: str, rows: list[tuple]) -> None:
     print(f"\n== {title}")
     for row in rows:
         print("   " + " | ".join(str(c) for c in row))
+
+
+def bf16_config(pattern: str, **changes):
+    """The small bf16 model config the checkpoint and TE tests share (hidden 128, 8 heads)."""
+    from megatron_hybrid.testing.models import small_config
+
+    return small_config(
+        pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **changes,
+    )  # fmt: skip
+
+
+def device_inputs(device, **kwargs) -> dict:
+    """``model_inputs(**kwargs)`` with its tensors on ``device``."""
+    from megatron_hybrid.testing.models import model_inputs
+
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in model_inputs(**kwargs).items()}
+
+
+def max_rel_diff(actual: dict, reference: dict) -> float:
+    """Largest ``|a - r| / |r|`` (Frobenius norms) over the tensors of two same-keyed dicts."""
+    assert actual.keys() == reference.keys() and actual
+    return max(
+        ((actual[k] - r).float().norm() / r.float().norm().clamp_min(1e-12)).item()
+        for k, r in reference.items()
+    )

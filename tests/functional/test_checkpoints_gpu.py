@@ -8,18 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_CPU, report
-
-HIDDEN = dict(hidden_size=128, num_attention_heads=8, ffn_hidden_size=256)
-
-
-def _config(pattern, **changes):
-    from megatron_hybrid.testing.models import small_config
-
-    return small_config(
-        pattern, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        **HIDDEN, **changes,
-    )  # fmt: skip
+from conftest import ON_CPU, device_inputs, max_rel_diff, report
+from conftest import bf16_config as _config
 
 
 def _chunks(builder, config, pattern, pg, device, vpp=None):
@@ -59,10 +49,8 @@ def _load(chunks, directory):
 
 def _loss(chunks, device, seq=64, batch=2):
     """Mean token loss of a fixed batch (single-stage models only)."""
-    from megatron_hybrid.testing.models import model_inputs
 
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v
-              for k, v in model_inputs(batch=batch, seq=seq, seed=3).items()}  # fmt: skip
+    inputs = device_inputs(device, batch=batch, seq=seq, seed=3)
     with torch.no_grad():
         return chunks[0](**inputs).float().mean().item()
 
@@ -152,12 +140,11 @@ def test_gated_delta_net_group_forward_backward(world):
     pytest.importorskip("fla")
     from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
-    from megatron_hybrid.testing.models import build_hybrid, model_inputs
+    from megatron_hybrid.testing.models import build_hybrid
 
     rank, world_size, device = world
     pattern = "[GE]{2}"
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v
-              for k, v in model_inputs(batch=2, seq=64, seed=5).items()}  # fmt: skip
+    inputs = device_inputs(device, batch=2, seq=64, seed=5)
     losses, grads, rows = {}, {}, []
     # Triton has no CPU driver, so the fla path runs on GPUs only.
     for path in ("torch",) if ON_CPU else ("torch", "fla"):
@@ -178,8 +165,7 @@ def test_gated_delta_net_group_forward_backward(world):
         assert gdn and all(torch.isfinite(g).all() for g in gdn)
     rows = [(f"{path} loss", f"{value:.6f}") for path, value in losses.items()] + rows
     if len(grads) == 2:
-        rel = max(((grads["fla"][k] - g).norm() / g.norm().clamp_min(1e-12)).item()
-                  for k, g in grads["torch"].items())  # fmt: skip
+        rel = max_rel_diff(grads["fla"], grads["torch"])
         rows.append(("max rel grad diff fla vs torch", f"{rel:.2e}"))
     report("[GE]{2} fla kernels vs megatron's torch GDN path (bf16)", rows)
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_CPU, report
+from conftest import ON_CPU, bf16_config, device_inputs, max_rel_diff, report
 
 pytestmark = pytest.mark.skipif(ON_CPU, reason="TransformerEngine kernels need CUDA GPUs")
 
@@ -18,15 +18,6 @@ PATTERNS = [
     pytest.param("[*-][*E]{2}", id="dense-then-moe"),
     pytest.param("[*E]{2}/*E", id="moe-with-mtp"),
 ]
-
-
-def _config(pattern, **changes):
-    from megatron_hybrid.testing.models import small_config
-
-    return small_config(
-        pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, bf16=True,
-        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **changes,
-    )  # fmt: skip
 
 
 def _model(builder, config, pattern, pg, device):
@@ -39,10 +30,8 @@ def _model(builder, config, pattern, pg, device):
 def _forward_backward(model, device):
     """Per-token losses of a fixed batch and the gradients by checkpoint key."""
     from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
-    from megatron_hybrid.testing.models import model_inputs
 
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v
-              for k, v in model_inputs(batch=2, seq=64, seed=3).items()}  # fmt: skip
+    inputs = device_inputs(device, batch=2, seq=64, seed=3)
     model.zero_grad(set_to_none=True)
     losses = model(**inputs)
     losses.float().sum().backward()
@@ -60,12 +49,6 @@ def _save_load(source, target, directory):
     assert all(k.endswith("_extra_state") for k in missing), missing
 
 
-def _max_rel(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys() and a
-    return max(((a[k] - b[k]).float().norm() / b[k].float().norm().clamp_min(1e-12)).item()
-               for k in a)  # fmt: skip
-
-
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
     pytest.importorskip("transformer_engine")
@@ -75,7 +58,7 @@ def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
 
     rank, world_size, device = world
     pg = initialize_model_parallel(seed=2)
-    config = _config(pattern)
+    config = bf16_config(pattern)
     gpt = _model(build_gpt_twin, config, pattern, pg, device)
     grouped = _model(build_hybrid, config, pattern, pg, device)
     expected = sharded_metadata(gpt.sharded_state_dict())
@@ -87,7 +70,7 @@ def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
     _save_load(gpt, grouped, shared_dir)
     gpt_losses, gpt_grads = _forward_backward(gpt, device)
     losses, grads = _forward_backward(grouped, device)
-    rel = _max_rel(grads, gpt_grads)
+    rel = max_rel_diff(grads, gpt_grads)
     report(f"te backend {pattern} vs GPTModel TE spec (bf16)",
            [("checkpoint entries", len(actual)), ("losses bitwise equal",
              torch.equal(losses, gpt_losses)), ("max rel grad diff", f"{rel:.2e}")])  # fmt: skip
@@ -106,14 +89,14 @@ def test_te_fp8_equals_gpt(world, shared_dir):
     rank, world_size, device = world
     pattern = "[*-][*E]{2}"
     pg = initialize_model_parallel(seed=2)
-    config = _config(pattern, fp8="hybrid", fp8_recipe="tensorwise",
+    config = bf16_config(pattern, fp8="hybrid", fp8_recipe="tensorwise",
                      moe_router_padding_for_quantization=True)  # fmt: skip
     gpt = _model(build_gpt_twin, config, pattern, pg, device)
     grouped = _model(build_hybrid, config, pattern, pg, device)
     _save_load(gpt, grouped, shared_dir)
     gpt_losses, gpt_grads = _forward_backward(gpt, device)
     losses, grads = _forward_backward(grouped, device)
-    rel = _max_rel(grads, gpt_grads)
+    rel = max_rel_diff(grads, gpt_grads)
     loss_diff = (losses - gpt_losses).abs().max().item()
     rows = [
         ("mean loss grouped / GPT", f"{losses.mean():.6f} / {gpt_losses.mean():.6f}"),
@@ -131,7 +114,7 @@ def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     pytest.importorskip("transformer_engine")
     from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
-    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, model_inputs
+    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
     if world_size % 2:
@@ -139,16 +122,15 @@ def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     from megatron.core import dist_checkpointing
 
     pattern = "[*-][*E]{2}"
-    gpt = _model(build_gpt_twin, _config(pattern), pattern, initialize_model_parallel(), device)
+    gpt = _model(build_gpt_twin, bf16_config(pattern), pattern, initialize_model_parallel(), device)
 
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v
-              for k, v in model_inputs(batch=2, seq=64, seed=3).items()}  # fmt: skip
+    inputs = device_inputs(device, batch=2, seq=64, seed=3)
     with torch.no_grad():
         reference_loss = gpt(**inputs).float().mean().item()
     dist_checkpointing.save(gpt.sharded_state_dict(), shared_dir)
     reference = assemble_global_tensors(gpt.sharded_state_dict())
     pg = initialize_model_parallel(tp=2)
-    config = _config(pattern, tensor_model_parallel_size=2, sequence_parallel=True)
+    config = bf16_config(pattern, tensor_model_parallel_size=2, sequence_parallel=True)
     grouped = _model(build_hybrid, config, pattern, pg, device)
     state = dist_checkpointing.load(grouped.sharded_state_dict(), shared_dir)
     grouped.module.load_state_dict(state, strict=False)
