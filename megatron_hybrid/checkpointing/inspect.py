@@ -15,16 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "TRACKER_FILE",
     "CheckpointComparison",
     "compare_with_checkpoint",
     "expected_checkpoint_tensors",
+    "iteration_folder_name",
     "resolve_checkpoint_dir",
 ]
 
 # Checkpoint keys that belong to a language model's parameters; everything else in a training
 # checkpoint (optimizer state, RNG state, ...) is not compared.
 _MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
-_TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_folder_name(iteration: int | str) -> str:
+    """Megatron-LM's folder of one saved iteration (``iter_0000010``, or ``release``)."""
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
 @dataclass(frozen=True)
@@ -62,10 +69,10 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "metadata.json").is_file():
         return path
-    tracker = path / _TRACKER_FILE
+    tracker = path / TRACKER_FILE
     if tracker.is_file():
         iteration = tracker.read_text().strip()
-        folder = path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+        folder = path / iteration_folder_name(iteration)
         if (folder / "metadata.json").is_file():
             return folder
         raise FileNotFoundError(
@@ -73,7 +80,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         )
     raise FileNotFoundError(
         f"{path} is not a torch_dist checkpoint: expected a metadata.json in it, or a "
-        f"{_TRACKER_FILE} naming an iteration folder"
+        f"{TRACKER_FILE} naming an iteration folder"
     )
 
 

@@ -8,7 +8,8 @@ The rules (``DESIGN.md`` §4.2), independent of the pipeline split because indic
 * a pattern without groups keeps megatron-core's hybrid keys: ``decoder.layers.{p}.`` with ``p``
   the global 0-based physical index (equal to the logical index there) and ``decoder.final_norm.``;
 * MTP depth ``d`` (0-based), layer ``j`` of that depth:
-  ``mtp.layers.{d}.mtp_model_layer.layers.{j}.``.
+  ``mtp.layers.{d}.mtp_model_layer.layers.{j}.``, or for a GPT-layer depth of a grouped pattern
+  GPTModel's ``mtp.layers.{d}.transformer_layer.``.
 
 >>> decoder_layer_prefix("[*-]{3}[*E]{58}", 60)
 'decoder.layers.60.'
@@ -20,6 +21,7 @@ The rules (``DESIGN.md`` §4.2), independent of the pipeline split because indic
 
 from __future__ import annotations
 
+from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
 
 __all__ = ["decoder_layer_prefix", "final_norm_prefix", "mtp_layer_prefix"]
@@ -46,10 +48,22 @@ def decoder_layer_prefix(pattern: str | ParsedPattern, logical_index: int) -> st
     return f"decoder.layers.{logical_index}."
 
 
-def mtp_layer_prefix(depth: int, index: int) -> str:
-    """Return the checkpoint key prefix of layer ``index`` (0-based) of MTP depth ``depth``."""
+def mtp_layer_prefix(depth: int, index: int, pattern: str | ParsedPattern | None = None) -> str:
+    """Return the checkpoint key prefix of layer ``index`` (0-based) of MTP depth ``depth``.
+
+    With ``pattern`` given, a grouped main pattern whose MTP depth is a GPT layer (attention then
+    MLP/MoE, e.g. ``[*E]{4}/*E``) stores both members under GPTModel's MTP key, as the members of
+    a main-pattern group share one prefix. Without it, megatron-core's hybrid MTP key.
+
+    >>> mtp_layer_prefix(0, 1, "[*E]{4}/*E"), mtp_layer_prefix(0, 1, "*E/*E")
+    ('mtp.layers.0.transformer_layer.', 'mtp.layers.0.mtp_model_layer.layers.1.')
+    """
     _check_index("depth", depth)
     _check_index("index", index)
+    if pattern is not None:
+        parsed = parse_pattern(pattern)
+        if parsed.has_groups and is_gpt_equivalent_group(parsed.mtp_items):
+            return f"mtp.layers.{depth}.transformer_layer."
     return f"mtp.layers.{depth}.mtp_model_layer.layers.{index}."
 
 

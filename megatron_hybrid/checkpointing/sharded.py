@@ -23,6 +23,7 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group, uniform_gpt_layers
+from megatron_hybrid.checkpointing.keys import mtp_layer_prefix
 
 __all__ = ["CheckpointKeyLayout", "gpt_mtp_keys", "stack_sharded_state_dict"]
 
@@ -143,9 +144,9 @@ def gpt_mtp_keys(sharded_state_dict, prefix: str, pattern) -> None:
     if not pattern.has_groups or not is_gpt_equivalent_group(pattern.mtp_items):
         return
     for depth in range(pattern.mtp_num_depths):
-        target = f"{prefix}mtp.layers.{depth}.transformer_layer."
         for member in range(len(pattern.mtp_items)):
-            source = f"{prefix}mtp.layers.{depth}.mtp_model_layer.layers.{member}."
+            source = prefix + mtp_layer_prefix(depth, member)
+            target = prefix + mtp_layer_prefix(depth, member, pattern)
             for value in sharded_state_dict.values():
                 key = getattr(value, "key", None)
                 if isinstance(key, str) and key.startswith(source):

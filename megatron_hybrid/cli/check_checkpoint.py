@@ -87,12 +87,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _expected(build, config, args, metadata):
+    from megatron_hybrid.training.arguments import spec_backend
+
     return build(
         config,
         args.hybrid_layer_pattern,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings or 4096,
-        backend="te" if args.transformer_impl == "transformer_engine" else "local",
+        backend=spec_backend(args),
         metadata=metadata,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -210,7 +210,7 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
                 SYMBOL_NAMES[symbol],
                 last.pp_rank,
                 last.vp_stage,
-                mtp_layer_prefix(depth, j),
+                mtp_layer_prefix(depth, j, parsed),
             )
             for depth in range(parsed.mtp_num_depths)
             for j, symbol in enumerate(parsed.mtp_items)

@@ -28,7 +28,7 @@ from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, stack_sha
 from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs, layer_kind
 from megatron_hybrid.pattern import item_physical_count
 
-__all__ = ["HybridStack"]
+__all__ = ["HybridStack", "layer_quant_context", "sequence_parallel_rng_context"]
 
 
 def _init_quant_context(config, physical_index: int):
@@ -39,12 +39,19 @@ def _init_quant_context(config, physical_index: int):
     return nullcontext()
 
 
-def _inner_quant_context(config, physical_index: int):
+def layer_quant_context(config, physical_index: int):
     """Per-layer context: FP8 recipes other than 'delayed' and FP4 are applied layer by layer."""
     if config.fp8 and config.fp8_recipe != Fp8Recipe.delayed:
         return get_fp8_context(config, physical_index)
     if config.fp4:
         return get_fp4_context(config, physical_index)
+    return nullcontext()
+
+
+def sequence_parallel_rng_context(config):
+    """The model-parallel RNG under sequence parallelism (dropout of SP-sharded activations)."""
+    if config.sequence_parallel:
+        return tensor_parallel.get_cuda_rng_tracker().fork()
     return nullcontext()
 
 
@@ -202,7 +209,7 @@ class HybridStack(MegatronModule):
         item, layer = self.layer_type_list[index], self.layers[index]
         if isinstance(item, tuple):
             return layer._run_layers(0, len(layer.layers), hidden_states, inputs)
-        with _inner_quant_context(self.config, layer.layer_number - 1):
+        with layer_quant_context(self.config, layer.layer_number - 1):
             hidden_states = layer_kind(item).forward(layer, hidden_states, inputs)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
@@ -318,11 +325,7 @@ class HybridStack(MegatronModule):
         config = self.config
         # As in TransformerBlock: dropout under sequence parallelism draws from the
         # model-parallel RNG, and the delayed FP8 recipe wraps the whole pass.
-        rng_context = (
-            tensor_parallel.get_cuda_rng_tracker().fork()
-            if config.sequence_parallel
-            else nullcontext()
-        )
+        rng_context = sequence_parallel_rng_context(config)
         outer_quant_context = (
             get_fp8_context(config)
             if config.fp8 and config.fp8_recipe == Fp8Recipe.delayed

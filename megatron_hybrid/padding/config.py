@@ -15,6 +15,7 @@ from typing import Any
 from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     BshdPlan,
+    _count,
     bshd_pad,
     hybridep_chunk,
     quant_align,
@@ -58,9 +59,7 @@ class PaddingConfig:
     def __post_init__(self) -> None:
         quant_align(self.quant)  # reject unknown recipes when the config is built
         for name in ("tp", "cp", "chunk", "pp", "ep", "tp_ep"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PaddingConfig.{name} must be an integer >= 1, got {value!r}")
+            _count(name, getattr(self, name), "PaddingConfig")
 
     @property
     def fixed_length_required(self) -> bool:

@@ -20,16 +20,13 @@ Tensors that cross slots (residual, dispatched probabilities, shared-expert outp
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from megatron.core.enums import Fp8Recipe
-from megatron.core.fp4_utils import get_fp4_context
-from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.utils import make_viewless_tensor
 from torch import nn
 
+from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.pattern import ATTENTION, DSA, GDN, MAMBA, MLA, MLP, MOE, SYMBOL_NAMES
 
 __all__ = [
@@ -96,15 +93,6 @@ PRE_LAYER_RUNNERS: dict[str, Callable] = {
 def register_pre_layer_runner(symbol: str, runner: Callable) -> None:
     """Let layers of ``symbol`` run in the pre-dispatch slot of an overlapped layer."""
     PRE_LAYER_RUNNERS[symbol] = runner
-
-
-def _quant_context(config, layer_number: int):
-    """Per-physical-layer FP8/FP4 context (the delayed FP8 recipe wraps the whole step)."""
-    if config.fp8 and config.fp8_recipe != Fp8Recipe.delayed:
-        return get_fp8_context(config, layer_number - 1)
-    if config.fp4:
-        return get_fp4_context(config, layer_number - 1)
-    return nullcontext()
 
 
 def split_members(members: list[tuple[str, nn.Module]]):
@@ -200,7 +188,7 @@ def build_layer_callables(members: list[tuple[str, nn.Module]]) -> LayerCallable
 
     def run_pre_layers(node, hidden_states):
         for symbol, layer in pre_layers:
-            with _quant_context(config, layer.layer_number):
+            with layer_quant_context(config, layer.layer_number - 1):
                 hidden_states = PRE_LAYER_RUNNERS[symbol](layer, hidden_states, node)
             if isinstance(hidden_states, tuple):
                 hidden_states = hidden_states[0]
@@ -215,7 +203,7 @@ def build_layer_callables(members: list[tuple[str, nn.Module]]) -> LayerCallable
         if not is_moe:
             return hidden_states
         layer = terminal_layer
-        with _quant_context(config, layer.layer_number):
+        with layer_quant_context(config, layer.layer_number - 1):
             normed = layer._forward_pre_mlp_layernorm(hidden_states)
             if isinstance(normed, tuple):  # fused residual norm returns (output, residual)
                 normed, residual = normed
@@ -251,7 +239,7 @@ def build_layer_callables(members: list[tuple[str, nn.Module]]) -> LayerCallable
         probs = node.layer_state.dispatched_probs
         if flex is not None:
             mlp.token_dispatcher._comm_manager.dispatched_probs = probs
-        with _quant_context(config, layer.layer_number):
+        with layer_quant_context(config, layer.layer_number - 1):
             expert_output, _ = mlp.routed_experts_compute(dispatched_tokens, probs)
         if flex == "hybridep":
             # Produced on the comm stream; keep a reference until the experts have run.
@@ -288,7 +276,7 @@ def build_layer_callables(members: list[tuple[str, nn.Module]]) -> LayerCallable
 
     def dense_mlp(node, hidden_states):
         layer = terminal_layer
-        with _quant_context(config, layer.layer_number):
+        with layer_quant_context(config, layer.layer_number - 1):
             hidden_states = layer._forward_mlp(
                 hidden_states,
                 padding_mask=node.chunk_state.padding_mask,

@@ -14,13 +14,11 @@ callables, each fixing an upstream bug class:
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.transformer.multi_token_prediction import get_mtp_layer_offset
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_hybrid.modules.hybrid_stack import sequence_parallel_rng_context
 from megatron_hybrid.schedule.callables import (
     LayerCallables,
     UnschedulableLayerError,
@@ -28,12 +26,6 @@ from megatron_hybrid.schedule.callables import (
 )
 
 __all__ = ["build_mtp_callables"]
-
-
-def _rng_context(config):
-    return (
-        tensor_parallel.get_cuda_rng_tracker().fork() if config.sequence_parallel else nullcontext()
-    )
 
 
 def build_mtp_callables(mtp_layer) -> LayerCallables:
@@ -81,13 +73,13 @@ def build_mtp_callables(mtp_layer) -> LayerCallables:
             position_ids,
             padding_mask,
         )
-        with _rng_context(config):
+        with sequence_parallel_rng_context(config):
             hidden_states = mtp_layer._concat_embeddings(hidden_states, decoder_input)
             return inner_pre_dispatch(node, hidden_states)
 
     def with_rng(function):
         def wrapped(node, *args):
-            with _rng_context(config):
+            with sequence_parallel_rng_context(config):
                 return function(node, *args)
 
         return wrapped

@@ -22,6 +22,7 @@ __all__ = [
     "Flag",
     "add_hybrid_args",
     "hybrid_config_from_args",
+    "spec_backend",
     "vpp_size_from_pattern",
 ]
 
@@ -281,6 +282,11 @@ def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
         values[dest] = flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
     values.update(vars(args))
     return argparse.Namespace(**values)
+
+
+def spec_backend(args) -> str:
+    """``hybrid_stack_spec``'s backend for ``--transformer-impl`` (``"te"`` or ``"local"``)."""
+    return "te" if args.transformer_impl == "transformer_engine" else "local"
 
 
 def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):

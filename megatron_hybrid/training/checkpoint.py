@@ -18,18 +18,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_hybrid.checkpointing.inspect import TRACKER_FILE, iteration_folder_name
+
 __all__ = ["CheckpointExistsError", "existing_iterations", "load_checkpoint", "save_checkpoint"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
 _FORMAT = "megatron_hybrid/1"
 
 
 class CheckpointExistsError(FileExistsError):
     """The iteration folder already exists and overwriting was not asked for."""
-
-
-def _iteration_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
 
 
 def existing_iterations(root) -> list[int]:
@@ -119,7 +116,7 @@ def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, ov
     from megatron.core import dist_checkpointing
 
     root = Path(root)
-    folder = _iteration_dir(root, iteration)
+    folder = root / iteration_folder_name(iteration)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     exists = torch.tensor([int(folder.exists())], device=device)
     torch.distributed.all_reduce(exists)  # every rank must agree before anyone writes
@@ -142,9 +139,9 @@ def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, ov
     dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        tmp = root / f".{TRACKER}.tmp"
+        tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text(str(iteration))
-        os.replace(tmp, root / TRACKER)  # atomic: a crash never leaves a half-written tracker
+        os.replace(tmp, root / TRACKER_FILE)  # atomic: a crash never leaves a half-written tracker
     torch.distributed.barrier()
     return folder
 

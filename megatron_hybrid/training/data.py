@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -48,7 +49,9 @@ class SyntheticTokens:
                 f"need 1 <= min_length ({self.min_length}) <= max_length ({self.max_length})"
             )
 
+    @cached_property
     def _successors(self) -> torch.Tensor:
+        """The Markov chain's two successors of every token (drawn once per dataset)."""
         generator = torch.Generator().manual_seed(self.seed)
         return torch.randint(1, self.vocab_size, (self.vocab_size, 2), generator=generator)
 
@@ -59,7 +62,7 @@ class SyntheticTokens:
         median = max(self.min_length, self.max_length // 2)
         draw = torch.empty(1).log_normal_(math.log(median), 0.6, generator=generator).item()
         length = int(min(self.max_length, max(self.min_length, round(draw))))
-        successors = self._successors()
+        successors = self._successors
         tokens = torch.empty(length + 1, dtype=torch.long)
         tokens[0] = int(torch.randint(1, self.vocab_size, (1,), generator=generator))
         choices = (torch.rand(length, generator=generator) > 0.8).long()

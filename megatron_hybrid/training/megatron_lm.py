@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from megatron_hybrid.pattern import parse_pattern
-from megatron_hybrid.training.arguments import add_hybrid_args
+from megatron_hybrid.training.arguments import add_hybrid_args, spec_backend
 from megatron_hybrid.training.steps import lm_forward_step
 
 __all__ = [
@@ -123,7 +123,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
-    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
+    backend = spec_backend(args)
     return HybridModel(
         config,
         hybrid_stack_spec(backend, config=config),

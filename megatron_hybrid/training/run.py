@@ -113,7 +113,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.training.arguments import hybrid_config_from_args, spec_backend
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
@@ -189,7 +189,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         config,
         args.hybrid_layer_pattern,
         pg,
-        backend="te" if args.transformer_impl == "transformer_engine" else "local",
+        backend=spec_backend(args),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings or seq_length,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

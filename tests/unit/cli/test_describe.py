@@ -45,10 +45,8 @@ def test_describe_prints_canonical_counts_and_layers(capsys):
         ("3", "[*E]", "7-8", "1", "0", "decoder.layers.3."),
     ]
     mtp = rows(out, "MTP depth")
-    assert [r[-1] for r in mtp] == [
-        "mtp.layers.0.mtp_model_layer.layers.0.",
-        "mtp.layers.0.mtp_model_layer.layers.1.",
-    ]
+    # A GPT-layer MTP depth of a grouped pattern is saved under GPTModel's key (both members).
+    assert [r[-1] for r in mtp] == ["mtp.layers.0.transformer_layer."] * 2
     assert {(r[-3], r[-2]) for r in mtp} == {("1", "0")}  # MTP sits on the last stage
 
 

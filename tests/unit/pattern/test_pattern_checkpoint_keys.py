@@ -47,6 +47,10 @@ def test_final_norm_prefix(pattern, prefix):
 def test_mtp_prefix():
     assert mtp_layer_prefix(0, 0) == "mtp.layers.0.mtp_model_layer.layers.0."
     assert mtp_layer_prefix(2, 1) == "mtp.layers.2.mtp_model_layer.layers.1."
+    # A GPT-layer MTP depth of a grouped pattern takes GPTModel's key (both members).
+    assert mtp_layer_prefix(1, 1, "[*E]{2}/*E/*E") == "mtp.layers.1.transformer_layer."
+    assert mtp_layer_prefix(0, 1, "*E/*E") == "mtp.layers.0.mtp_model_layer.layers.1."
+    assert mtp_layer_prefix(0, 0, "[*E]{2}/M") == "mtp.layers.0.mtp_model_layer.layers.0."
 
 
 @pytest.mark.parametrize(
