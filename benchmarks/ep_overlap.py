@@ -16,7 +16,11 @@ allocated GPU memory. Variants:
   HybridModel has no schedule plan, so no overlap);
 * ``ge_plain`` / ``ge_overlap`` — ``[GE]{L}`` (GatedDeltaNet + MoE, which GPTModel cannot express).
 
-Writes ``ep_overlap_<label>_<N>gpu.{json,md,png}`` into ``--out``.
+Writes ``ep_overlap_<label>_<N>gpu.{json,md,png}`` into ``--out``. ``--repeats R`` measures the
+variants round-robin R times (each round builds each model afresh), so slow drift of the machine
+spreads over all variants; the median is taken over the steps of all rounds and the per-round
+ratios show the spread. ``--profile`` adds one profiled step per variant (after the timed ones):
+a summary of where the step's time goes (``trace_summary.py``) and rank 0's Chrome trace.
 """
 
 from __future__ import annotations
@@ -24,13 +28,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import gzip
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from trace_summary import summarize_trace
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -124,76 +131,162 @@ def _batches(args, count: int):
     return out
 
 
-def measure(variant: str, args, pg, ep: int) -> dict:
-    """Median step time and peak memory of one variant."""
+def _profile_step(step, out: Path, name: str) -> dict:
+    """One step under torch.profiler: its summary, and rank 0's trace written to ``out``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("mh_step"):
+            step()
+            _sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        text = path.read_text()
+    if torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        with gzip.open(out / f"{name}.trace.json.gz", "wt") as f:
+            f.write(text)
+    return summarize_trace(json.loads(text)["traceEvents"])
+
+
+def measure(variant: str, args, pg, ep: int, profile_as: str | None = None) -> dict:
+    """Step times and peak memory of one variant (and a profile summary with ``profile_as``)."""
     from megatron_hybrid.testing.overlap import run_schedule
 
     model, config = _build(variant, args, pg, ep)
-    batches = _batches(args, args.microbatches)
+    chunks, batches = [model], _batches(args, args.microbatches)
+
+    def step():
+        run_schedule(chunks, batches, config, seq_length=args.seq, micro_batch_size=args.mbs)
+
     # The torch GatedDeltaNet path is slow at this size: fewer steps keep the run short.
     slow = variant.startswith("ge") and args.gdn_kernel == "torch"
     warmup, steps = (1, max(2, args.steps // 2)) if slow else (args.warmup, args.steps)
     times = []
-    for step in range(warmup + steps):
-        if step == warmup and CUDA:
+    for index in range(warmup + steps):
+        if index == warmup and CUDA:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         model.zero_grad(set_to_none=True)
         torch.distributed.barrier()
         _sync()
         began = time.perf_counter()
-        run_schedule([model], batches, config, seq_length=args.seq, micro_batch_size=args.mbs)
+        step()
         _sync()
-        if step >= warmup:
+        if index >= warmup:
             times.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0
+    profiled = None
+    if profile_as is not None:
+        model.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        profiled = _profile_step(step, Path(args.out), profile_as)
     # The slowest rank decides the step; take each step's max over ranks.
     t = torch.tensor(times, device=DEVICE)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     m = torch.tensor([peak], device=DEVICE)
     torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX)
+    chunks.clear()
     del model
     gc.collect()
     if CUDA:
         torch.cuda.empty_cache()
-    return {"median_s": statistics.median(t.tolist()), "steps_s": t.tolist(),
-            "peak_gib": float(m.item())}  # fmt: skip
+    result = {"median_s": statistics.median(t.tolist()), "steps_s": t.tolist(),
+              "peak_gib": float(m.item())}  # fmt: skip
+    if profiled is not None:
+        result["profile"] = profiled
+    return result
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One variant's result over several rounds: median of all steps, per-round medians.
+
+    >>> merge_rounds([{"median_s": 2.0, "steps_s": [1.0, 2.0, 3.0], "peak_gib": 1.0},
+    ...               {"median_s": 5.0, "steps_s": [4.0, 5.0, 6.0], "peak_gib": 1.5}])["median_s"]
+    3.5
+    """
+    merged = dict(rounds[-1])
+    steps = [t for r in rounds for t in r["steps_s"]]
+    merged.update(
+        median_s=statistics.median(steps),
+        steps_s=steps,
+        round_medians_s=[r["median_s"] for r in rounds],
+        peak_gib=max(r["peak_gib"] for r in rounds),
+    )
+    return merged
+
+
+_RATIOS = {  # name: (numerator variant, denominator variant, key)
+    "grouped_vs_gpt_overlap_time": ("grouped_overlap", "gpt_overlap", "median_s"),
+    "grouped_vs_gpt_overlap_memory": ("grouped_overlap", "gpt_overlap", "peak_gib"),
+    "gpt_overlap_speedup": ("gpt_plain", "gpt_overlap", "median_s"),
+    "grouped_overlap_speedup": ("grouped_plain", "grouped_overlap", "median_s"),
+    "ge_overlap_speedup": ("ge_plain", "ge_overlap", "median_s"),
+    "grouped_plain_vs_ungrouped_plain_time": ("grouped_plain", "ungrouped_plain", "median_s"),
+}
 
 
 def summarize(results: dict) -> dict:
-    """The ratios DESIGN.md section 7 sets targets for."""
+    """The ratios DESIGN.md section 7 sets targets for (None where a variant is missing)."""
+    ratios = {}
+    for name, (a, b, key) in _RATIOS.items():
+        ok = a in results and b in results and results[b][key]
+        ratios[name] = results[a][key] / results[b][key] if ok else None
+    return ratios
 
-    def ratio(a, b, key):
-        if a not in results or b not in results or not results[b][key]:
-            return None
-        return results[a][key] / results[b][key]
 
-    return {
-        "grouped_vs_gpt_overlap_time": ratio("grouped_overlap", "gpt_overlap", "median_s"),
-        "grouped_vs_gpt_overlap_memory": ratio("grouped_overlap", "gpt_overlap", "peak_gib"),
-        "gpt_overlap_speedup": ratio("gpt_plain", "gpt_overlap", "median_s"),
-        "grouped_overlap_speedup": ratio("grouped_plain", "grouped_overlap", "median_s"),
-        "ge_overlap_speedup": ratio("ge_plain", "ge_overlap", "median_s"),
-        "grouped_plain_vs_ungrouped_plain_time": ratio("grouped_plain", "ungrouped_plain",
-                                                       "median_s"),
-    }  # fmt: skip
+def round_ratios(results: dict) -> dict:
+    """Time ratios per round, where both variants were measured in the same rounds.
+
+    Variants of one round ran back to back, so these pairings show how much of a ratio is noise.
+    """
+    out = {}
+    for name, (a, b, key) in _RATIOS.items():
+        if key != "median_s" or a not in results or b not in results:
+            continue
+        ra, rb = results[a].get("round_medians_s"), results[b].get("round_medians_s")
+        if ra and rb and len(ra) == len(rb) and len(ra) > 1:
+            out[name] = [x / y for x, y in zip(ra, rb, strict=True)]
+    return out
 
 
 def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    per_round = round_ratios(results)
     (out / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "results": results, "ratios": ratios}, indent=2))  # fmt: skip
+        {"meta": meta, "results": results, "ratios": ratios, "round_ratios": per_round},
+        indent=2))  # fmt: skip
     lines = [
         f"# EP overlap: {meta['label']}, {meta['gpus']} x {meta['gpu']}",
         "",
         f"Date {meta['date']}; command `{meta['command']}`; {meta['setup']}.",
         "",
-        "| variant | median step (s) | peak memory (GiB) |",
-        "| --- | ---: | ---: |",
+        "| variant | median step (s) | per-round medians (s) | peak memory (GiB) |",
+        "| --- | ---: | --- | ---: |",
     ]
-    lines += [f"| {v} | {r['median_s']:.4f} | {r['peak_gib']:.2f} |" for v, r in results.items()]
-    lines += ["", "| ratio | value |", "| --- | ---: |"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in ratios.items() if v is not None]
+    for v, r in results.items():
+        rounds = ", ".join(f"{t:.4f}" for t in r.get("round_medians_s", [r["median_s"]]))
+        lines.append(f"| {v} | {r['median_s']:.4f} | {rounds} | {r['peak_gib']:.2f} |")
+    lines += ["", "| ratio | value | per round |", "| --- | ---: | --- |"]
+    for k, v in ratios.items():
+        if v is not None:
+            spread = ", ".join(f"{x:.3f}" for x in per_round.get(k, []))
+            lines.append(f"| {k} | {v:.3f} | {spread} |")
+    profiled = {v: r["profile"] for v, r in results.items() if "profile" in r}
+    if profiled:
+        keys = list(next(iter(profiled.values())))
+        lines += [
+            "",
+            "One profiled step per variant, rank 0 (torch.profiler, CPU+CUDA activity; the "
+            "profiler's own overhead makes these steps longer than the timed ones). Times in ms.",
+            "",
+            "| variant | " + " | ".join(keys) + " |",
+            "| --- |" + " ---: |" * len(keys),
+        ]
+        for v, p in profiled.items():
+            cells = [f"{p[k]:.1f}" if isinstance(p[k], float) else str(p[k]) for k in keys]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -216,9 +309,15 @@ def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict)
         print("matplotlib missing: no chart written")
 
 
+# Arguments that may differ between the runs merged by --append.
+_PER_RUN_ARGS = ("variants", "append", "gdn_kernel", "out", "repeats", "profile")
+
+
 def _command(args, ep: int) -> str:
     extra = " --variants " + " ".join(args.variants) if args.variants != list(VARIANTS) else ""
     extra += f" --gdn-kernel {args.gdn_kernel}" if args.gdn_kernel != "torch" else ""
+    extra += f" --repeats {args.repeats}" if args.repeats != 1 else ""
+    extra += " --profile" if args.profile else ""
     extra += " --append" if args.append else ""
     network = "NCCL_P2P_DISABLE=1 " if os.environ.get("NCCL_P2P_DISABLE") == "1" else ""
     return (
@@ -268,6 +367,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="measure the variants round-robin this many times (median over all rounds' steps)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="after the timed steps, profile one step per variant (last round): a summary in "
+        "the results and rank 0's Chrome trace (<name>_<variant>.trace.json.gz) in --out",
+    )  # fmt: skip
+    parser.add_argument(
         "--gdn-kernel", choices=("torch", "fla"), default="torch",
         help="GatedDeltaNet kernels of the ge_* variants: megatron's torch path, or fla's Triton "
         "kernels (their backward needs Triton >= 3.7.1 on Hopper)",
@@ -298,25 +406,36 @@ def main() -> None:
         commands = earlier["meta"].get("commands", [earlier["meta"]["command"]]) + commands
         for key, value in earlier["meta"]["args"].items():
             now = vars(args).get(key)
-            if key not in ("variants", "append", "gdn_kernel", "out") and now != value:
+            if key not in _PER_RUN_ARGS and now != value:
                 parser.error(f"--append: {key} was {value!r} in {previous}, now {now!r}")
-    for variant in args.variants:
-        if variant.startswith("ge"):
-            try:
-                import fla  # noqa: F401
-            except ImportError:
-                print(f"{variant}: skipped, fla-core is not installed")
-                continue
-        pg = initialize_model_parallel(ep=ep, seed=1234)
-        results[variant] = measure(variant, args, pg, ep)
-        if variant.startswith("ge"):
-            results[variant]["gdn_kernel"] = args.gdn_kernel
-        if torch.distributed.get_rank() == 0:
-            r = results[variant]
-            print(f"{variant:>16}: {r['median_s']:.4f} s  {r['peak_gib']:.2f} GiB", flush=True)
-            _write(
-                args, ep, results, commands
-            )  # after every variant, so a cut-off run keeps its figures
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.profile and not CUDA:
+        parser.error("--profile summarises GPU kernels: run it on GPUs")
+    variants = list(args.variants)
+    if any(v.startswith("ge") for v in variants):
+        try:
+            import fla  # noqa: F401
+        except ImportError:
+            print("ge_* variants skipped: fla-core is not installed")
+            variants = [v for v in variants if not v.startswith("ge")]
+    rounds: dict[str, list[dict]] = {v: [] for v in variants}
+    name = f"ep_overlap_{args.label}_{ep}gpu"
+    for round_index in range(args.repeats):
+        last_round = round_index == args.repeats - 1
+        for variant in variants:
+            pg = initialize_model_parallel(ep=ep, seed=1234)
+            profile_as = f"{name}_{variant}" if args.profile and last_round else None
+            rounds[variant].append(measure(variant, args, pg, ep, profile_as))
+            results[variant] = merge_rounds(rounds[variant])
+            if variant.startswith("ge"):
+                results[variant]["gdn_kernel"] = args.gdn_kernel
+            if torch.distributed.get_rank() == 0:
+                r = rounds[variant][-1]
+                print(f"round {round_index + 1}/{args.repeats} {variant:>16}: "
+                      f"{r['median_s']:.4f} s  {r['peak_gib']:.2f} GiB", flush=True)  # fmt: skip
+                # after every variant, so a cut-off run keeps its figures
+                _write(args, ep, results, commands)
     if torch.distributed.get_rank() == 0:
         for key, value in summarize(results).items():
             if value is not None:

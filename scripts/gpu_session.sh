@@ -7,9 +7,13 @@
 #   launcher     tests/functional tests that start their own torchrun jobs (train, pretrain)
 #   triton       collect the carried .tparts/ part (scripts/stage_triton.sh); once all parts
 #                are there, unpack Triton >= 3.7.1 into /tmp/tsite for the parts below
-#   gdn-fla      the [GE]{2} test with fla's kernels on /tmp/tsite's Triton (backward included)
-#   bench-ge     bench / bench-nop2p's ge_* variants again with fla kernels (--append)
+#   gdn-fla      the [GE]{2} test and the GatedDeltaNet kernel tests (fla and megatron's torch
+#                path against a recurrent reference) on /tmp/tsite's Triton (backward included)
+#   bench-ge     bench / bench-nop2p's ge_* variants again with fla kernels (--append, $BENCH_ARGS)
 #   bench-ge-nop2p
+#   profile      grouped and [GE] plain/overlap with fla kernels on /tmp/tsite's Triton, one
+#                profiled step each (benchmarks/trace_summary.py), label nvlink-profile; with
+#                $PROFILE_NOP2P=1 also no-p2p-profile
 #   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 set -uo pipefail
@@ -57,16 +61,29 @@ for part in "$@"; do
         echo "Triton parts so far: $(ls /tmp/tparts | tr '\n' ' ')"
       fi ;;
     gdn-fla)
+      # One process for the kernel tests: fla compiles and autotunes each kernel on first use.
+      with_tsite torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
       with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional/test_checkpoints_gpu.py -k gated_delta 2>&1 \
-        | grep -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/gdn_fla.log"
+        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-ge|bench-ge-nop2p)
       label=nvlink; p2p=0; [ $part = bench-ge-nop2p ] && { label=no-p2p; p2p=1; }
       NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label $label --out "$OUT" --variants ge_plain ge_overlap --gdn-kernel fla --append \
-        2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
+        ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    profile)
+      for p2p in 0 ${PROFILE_NOP2P:+1}; do
+        label=nvlink-profile; [ $p2p = 1 ] && label=no-p2p-profile
+        NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" \
+          benchmarks/ep_overlap.py --label $label --out "$OUT" --gdn-kernel fla --profile \
+          --variants grouped_plain grouped_overlap ge_plain ge_overlap ${BENCH_ARGS:-} 2>&1 \
+          | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done ;;
     te)
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_te_backend_gpu.py 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" \

@@ -1,0 +1,148 @@
+"""Where a profiled training step spends its time, from a torch.profiler Chrome trace.
+
+The EP-overlap question is whether a slower overlapped step comes from the GPU doing more work
+(kernels slowed by running next to NCCL's) or from the GPU waiting (for the CPU to launch work,
+for a host synchronisation). The summary separates the two for one rank:
+
+* ``gpu_busy_ms`` — the union of all kernel and copy intervals, ``gpu_idle_ms`` the rest of the
+  step window;
+* ``compute_busy_ms`` / ``comm_busy_ms`` — unions of non-NCCL and of NCCL kernels, and
+  ``comm_hidden_ms`` the part of the communication that ran under compute;
+* ``compute_kernel_sum_ms`` — summed durations of the non-NCCL kernels (grows if they slow down);
+* ``cpu_op_busy_ms`` — the union of the CPU operator intervals of all threads (the forward
+  thread and autograd's device thread): host time spent inside operators;
+* ``cpu_sync_wait_ms`` — CPU time blocked in stream/event synchronisation (device-wide syncs
+  excluded: the benchmark ends each step with one), ``cpu_launch_ms`` — CPU time in kernel launch
+  calls, with their counts and the median launch call in microseconds.
+
+A step whose GPU idles while its CPU hardly waits is host-bound: the CPU cannot issue the work
+fast enough, and hiding communication cannot shorten it.
+
+    python benchmarks/trace_summary.py trace.json [--window-name mh_step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable
+
+__all__ = ["interval_union", "intersection_length", "summarize_trace"]
+
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cuEventSynchronize",
+               "cuStreamSynchronize")  # fmt: skip
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def interval_union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merged, sorted ``(start, end)`` intervals covering the same points.
+
+    >>> interval_union([(5, 7), (0, 2), (1, 3), (7, 8)])
+    [(0, 3), (5, 8)]
+    """
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length covered by both of two merged interval lists.
+
+    >>> intersection_length([(0, 4), (6, 10)], [(2, 7)])
+    3
+    """
+    i = j = 0
+    total = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _clip(intervals, window):
+    lo, hi = window
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+def summarize_trace(events: list[dict], window_name: str = "mh_step") -> dict:
+    """Summary of one step of a Chrome trace's ``traceEvents`` (times in ms).
+
+    Args:
+        events: the trace's complete events (``ph == "X"``); others are ignored.
+        window_name: name of the CPU annotation (``torch.profiler.record_function``) that spans
+            the step. Without one, the span of all GPU events is the window.
+
+    Raises:
+        ValueError: the trace holds no GPU kernels (profiled without CUDA activity).
+    """
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in complete if e.get("cat") in _GPU_CATEGORIES]
+    if not any(e.get("cat") == "kernel" for e in gpu):
+        raise ValueError("the trace has no GPU kernels; profile with ProfilerActivity.CUDA")
+    marks = [e for e in complete if e.get("name") == window_name]
+    if marks:
+        window = (min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks))
+    else:
+        window = (min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu))
+
+    def spans(selected):
+        return interval_union(_clip([(e["ts"], e["ts"] + e["dur"]) for e in selected], window))
+
+    kernels = [e for e in gpu if e.get("cat") == "kernel" and window[0] <= e["ts"] < window[1]]
+    nccl = [e for e in kernels if "nccl" in e.get("name", "").lower()]
+    compute = [e for e in kernels if "nccl" not in e.get("name", "").lower()]
+    busy, comm, comp = spans(gpu), spans(nccl), spans(compute)
+    cpu_ops = spans(e for e in complete if e.get("cat") == "cpu_op")
+    runtime = [e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    syncs = [e for e in runtime if e.get("name") in _SYNC_CALLS]
+    launches = [e for e in runtime if e.get("name") in _LAUNCH_CALLS]
+    ms = 1e-3  # trace times are microseconds
+    window_len = window[1] - window[0]
+    return {
+        "window_ms": window_len * ms,
+        "gpu_busy_ms": _length(busy) * ms,
+        "gpu_idle_ms": (window_len - _length(busy)) * ms,
+        "compute_busy_ms": _length(comp) * ms,
+        "comm_busy_ms": _length(comm) * ms,
+        "comm_hidden_ms": intersection_length(comm, comp) * ms,
+        "compute_kernel_sum_ms": sum(e["dur"] for e in compute) * ms,
+        "compute_kernels": len(compute),
+        "nccl_kernels": len(nccl),
+        "cpu_op_busy_ms": _length(cpu_ops) * ms,
+        "cpu_sync_wait_ms": sum(e["dur"] for e in syncs) * ms,
+        "cpu_syncs": len(syncs),
+        "cpu_launch_ms": sum(e["dur"] for e in launches) * ms,
+        "cpu_launches": len(launches),
+        "cpu_launch_median_us": statistics.median(e["dur"] for e in launches) if launches else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="Chrome trace JSON written by torch.profiler")
+    parser.add_argument("--window-name", default="mh_step")
+    args = parser.parse_args()
+    with open(args.trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    for key, value in summarize_trace(events, args.window_name).items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The pure parts of the benchmark scripts: trace summaries and the merging of repeated rounds."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("trace_summary"), importlib.import_module("ep_overlap")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_doctests(tools):
+    for module in tools:
+        assert doctest.testmod(module).failed == 0, module.__name__
+
+
+@pytest.mark.parametrize(
+    "intervals, expected",
+    [
+        ([], []),
+        ([(0, 1)], [(0, 1)]),
+        ([(3, 4), (0, 1)], [(0, 1), (3, 4)]),
+        ([(0, 5), (1, 2)], [(0, 5)]),
+        ([(0, 2), (2, 3)], [(0, 3)]),
+    ],
+    ids=["empty", "one", "unsorted-disjoint", "nested", "touching"],
+)
+def test_interval_union(tools, intervals, expected):
+    assert tools[0].interval_union(intervals) == expected
+
+
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [
+        ([(0, 10)], [(2, 3), (5, 7)], 3),
+        ([(0, 1)], [(1, 2)], 0),
+        ([(0, 4), (6, 10)], [(3, 7)], 2),
+        ([], [(0, 1)], 0),
+    ],
+    ids=["inside", "touching", "straddling-gap", "empty"],
+)
+def test_intersection_length(tools, a, b, expected):
+    assert tools[0].intersection_length(a, b) == expected
+
+
+def _event(name, cat, ts, dur, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args}
+
+
+def test_summarize_trace_separates_busy_idle_and_hidden_communication(tools):
+    events = [
+        _event("mh_step", "user_annotation", 0, 100),
+        _event("gemm", "kernel", 10, 30, stream=7),
+        _event("elementwise", "kernel", 50, 10, stream=7),
+        _event("ncclDevKernel_SendRecv", "kernel", 30, 25, stream=20),
+        _event("Memcpy DtoH", "gpu_memcpy", 70, 5, stream=21),
+        _event("cudaEventSynchronize", "cuda_runtime", 20, 12),
+        _event("cudaDeviceSynchronize", "cuda_runtime", 80, 20),  # the step's own final sync
+        _event("cudaLaunchKernel", "cuda_runtime", 1, 1),
+        _event("cuLaunchKernelEx", "cuda_driver", 2, 2),
+        _event("late kernel", "kernel", 120, 10, stream=7),  # outside the step window
+        _event("aten::mm", "cpu_op", 0, 10),  # forward thread
+        _event("aten::mm", "cpu_op", 5, 10, tid=2),  # autograd's device thread, overlapping
+        _event("aten::add", "cpu_op", 40, 5),
+        {"ph": "i", "name": "marker", "ts": 5},  # not a complete event
+    ]
+    s = tools[0].summarize_trace(events)
+    assert s["window_ms"] == pytest.approx(0.1)
+    assert s["gpu_busy_ms"] == pytest.approx(0.055)  # [10, 60] and [70, 75]
+    assert s["gpu_idle_ms"] == pytest.approx(0.045)
+    assert s["compute_busy_ms"] == pytest.approx(0.040)
+    assert s["comm_busy_ms"] == pytest.approx(0.025)
+    assert s["comm_hidden_ms"] == pytest.approx(0.015)  # [30, 40] and [50, 55]
+    assert s["compute_kernel_sum_ms"] == pytest.approx(0.040)
+    assert (s["compute_kernels"], s["nccl_kernels"]) == (2, 1)
+    assert (s["cpu_sync_wait_ms"], s["cpu_syncs"]) == (pytest.approx(0.012), 1)
+    assert (s["cpu_launch_ms"], s["cpu_launches"]) == (pytest.approx(0.003), 2)
+    assert s["cpu_launch_median_us"] == pytest.approx(1.5)
+    assert s["cpu_op_busy_ms"] == pytest.approx(0.020)  # [0, 15] and [40, 45]
+
+
+def test_summarize_trace_without_annotation_uses_the_gpu_span(tools):
+    events = [_event("k", "kernel", 10, 5), _event("k", "kernel", 25, 5)]
+    s = tools[0].summarize_trace(events, window_name="absent")
+    assert s["window_ms"] == pytest.approx(0.020)
+    assert s["gpu_idle_ms"] == pytest.approx(0.010)
+
+
+def test_summarize_trace_refuses_a_trace_without_kernels(tools):
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        tools[0].summarize_trace([_event("aten::mm", "cpu_op", 0, 5)])
+
+
+def test_rounds_merge_and_pair_by_round(tools):
+    ep_overlap = tools[1]
+    plain = [{"median_s": 1.2, "steps_s": [1.2], "peak_gib": 1.0},
+             {"median_s": 1.0, "steps_s": [1.0], "peak_gib": 1.1}]  # fmt: skip
+    overlap = [{"median_s": 1.0, "steps_s": [1.0], "peak_gib": 2.0},
+               {"median_s": 1.0, "steps_s": [1.0], "peak_gib": 2.0}]  # fmt: skip
+    results = {
+        "gpt_plain": ep_overlap.merge_rounds(plain),
+        "gpt_overlap": ep_overlap.merge_rounds(overlap),
+    }
+    assert results["gpt_plain"]["round_medians_s"] == [1.2, 1.0]
+    assert results["gpt_plain"]["peak_gib"] == 1.1
+    assert ep_overlap.summarize(results)["gpt_overlap_speedup"] == pytest.approx(1.1)
+    assert ep_overlap.summarize(results)["grouped_overlap_speedup"] is None
+    assert ep_overlap.round_ratios(results) == {"gpt_overlap_speedup": pytest.approx([1.2, 1.0])}
