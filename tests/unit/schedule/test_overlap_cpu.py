@@ -30,6 +30,22 @@ TWO_RANKS = {
         pattern="[*E]{2}",
         overlap_overrides=dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
     ),
+    # Local linears compute their weight gradients in backward (their backward_dw is a no-op), so
+    # these check the delayed-wgrad plumbing: every slot's backward_dw callables (attention,
+    # GatedDeltaNet, dense MLP, experts, shared experts, MTP projection) exist and run, and the
+    # gradient hooks fire after them. TE's real delayed wgrad is checked on GPUs
+    # (tests/functional/test_te_backend_gpu.py).
+    "delay_wgrad_compute": dict(
+        pattern="[*-][GE]/*E",
+        needs="fla",
+        tolerant=("embedding.word_embeddings.weight",),
+        overlap_overrides=dict(delay_wgrad_compute=True),
+    ),
+    "delay_wgrad_compute_shared_experts": dict(
+        pattern="[*E]{2}",
+        config=dict(moe_shared_expert_intermediate_size=64),
+        overlap_overrides=dict(delay_wgrad_compute=True),
+    ),
 }
 # PP2 x VPP2 x EP2 (with an empty last chunk before MTP) runs on GPUs in
 # tests/functional/test_ep_overlap.py: under CPU emulation megatron-core's interleaved combined-1F1B
@@ -85,6 +101,7 @@ def overlap_worker(rank, world_size, cases):
             bf16=True,
             params_dtype=torch.bfloat16,
             pipeline_dtype=torch.bfloat16,
+            **case.get("config", {}),
         )
         out = compare_overlap(
             _build(case, pg),
