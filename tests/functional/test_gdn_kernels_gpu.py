@@ -1,0 +1,279 @@
+"""GatedDeltaNet's kernels against naive float32 references, forward and gradients, on GPUs.
+
+megatron-core's GatedDeltaNet runs either fla's Triton kernels (``chunk_gated_delta_rule`` and
+``causal_conv1d``) or, in ``deterministic_mode``, its own torch path
+(``torch_chunk_gated_delta_rule`` and ``F.conv1d``). Both are compared here with the references
+of ``megatron_hybrid.testing.gdn_reference`` (a step-by-step recurrence and an ``F.conv1d`` in
+float32, gradients from torch's autograd) on the inputs the layer passes: bf16 q, k, v, beta and
+conv weights, float32 g. The tables give the norm-relative error ``|a - r| / |r|`` of each tensor.
+
+Tolerances are set against a yardstick measured in the same test: megatron's torch path on the
+same bf16 inputs, whose only error is rounding its bf16 outputs and gradients (it computes in
+float32). fla may lose a few such roundings more (it keeps intermediates in the input dtype), so
+it must stay within a small multiple of the yardstick plus a floor; a wrong kernel is off by
+O(1) and fails.
+
+fla 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640).
+Then only fla's forward pass is compared and the table says the backward was refused.
+
+``MH_FUNCTIONAL_ON_CPU=1`` runs the torch-path parts on the CPU; fla's parts need Triton's GPU
+driver and are skipped there with the reason in the table. fla runs in bf16 only, as megatron
+calls it: on a fresh machine each of its kernels is compiled and autotuned on first use (minutes),
+and a float32 variant would double that. Run this file in one process
+(``torchrun --nproc_per_node 1``): every rank would compile the same kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Callable, Collection, Iterator
+
+import pytest
+import torch
+from conftest import ON_CPU, report
+
+from megatron_hybrid.testing.gdn_reference import (
+    depthwise_causal_conv1d,
+    make_gdn_inputs,
+    recurrent_gated_delta_rule,
+)
+
+GDN_INPUTS = ("q", "k", "v", "g", "beta")
+# The layer computes g in float32 (from A_log and alpha.float()); the rest come in the model dtype.
+FLOAT32_ALWAYS = {"g"}
+# About one real layer's head: batch 1, T = 1024 (16 chunks of 64), H = 4, K = V = 128.
+BATCH, SEQ, HEADS, HEAD_DIM, CONV_WIDTH = 1, 1024, 4, 128, 4
+FLA_REFUSAL = "#640"
+CPU_SKIP = "skipped: Triton kernels need a GPU (no CPU driver)"
+
+# Both are float32 with TF32 off: only summation order differs (measured ~1e-7 on the CPU).
+FP32_TOL = 1e-4
+# The yardstick itself only rounds bf16 results once (unit roundoff 2^-8 = 3.9e-3, ~1e-3 in a
+# norm); more than this means the torch path, not its rounding, is off.
+BF16_ROUNDING_TOL = 5e-3
+# fla bf16: up to 8 yardsticks (a few more bf16 roundings of intermediates, amplified a little by
+# the chunk recurrence) plus a floor for tensors whose yardstick is ~0: dg is float32 in both
+# paths, so the torch path's dg carries no rounding, but fla derives it from bf16 products.
+GDN_FLA_FACTOR, GDN_FLA_FLOOR = 8.0, 1e-2
+# The convolution has no bf16 intermediates in either path (4 taps, float32 accumulation), so fla
+# must be within a few yardsticks; the floor covers the bias and weight gradients, reductions
+# over B*T that either side may order differently.
+CONV_FLA_FACTOR, CONV_FLA_FLOOR = 4.0, 1e-3
+
+
+@contextlib.contextmanager
+def _exact_float32() -> Iterator[None]:
+    """TF32 off in cuBLAS and cuDNN, so float32 references are float32 (cuDNN defaults to TF32)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    diff = (actual.float() - reference.float()).norm()
+    return (diff / reference.float().norm().clamp_min(1e-30)).item()
+
+
+def _run(
+    fn: Callable[..., torch.Tensor | tuple],
+    inputs: dict[str, torch.Tensor],
+    grad_out: torch.Tensor,
+    dtype: torch.dtype,
+    keep_float32: Collection[str] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """``fn``'s output and its inputs' gradients, or ``None`` where fla refuses the backward."""
+    leaves = {
+        name: t.detach().to(torch.float32 if name in keep_float32 else dtype, copy=True)
+        for name, t in inputs.items()
+    }
+    for leaf in leaves.values():
+        leaf.requires_grad_()
+    out = fn(**leaves)
+    if isinstance(out, tuple):  # the kernels return (output, final_state)
+        out = out[0]
+    try:
+        out.backward(grad_out.to(out.dtype))
+    except RuntimeError as error:  # fla's own refusal (#640), nothing else
+        if FLA_REFUSAL not in str(error):
+            raise
+        return out.detach(), None
+    return out.detach(), {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def _compare(
+    label: str,
+    result: tuple[torch.Tensor, dict[str, torch.Tensor] | None],
+    reference: tuple[torch.Tensor, dict[str, torch.Tensor]],
+) -> dict[str, float | None]:
+    """Norm-relative error of the output (``"out"``) and of each gradient (``None``: refused)."""
+    (out, grads), (ref_out, ref_grads) = result, reference
+    assert out.shape == ref_out.shape, (label, out.shape)
+    errors: dict[str, float | None] = {"out": _rel(out, ref_out)}
+    for name, ref_grad in ref_grads.items():
+        errors[f"d{name}"] = None if grads is None else _rel(grads[name], ref_grad)
+    return errors
+
+
+def _table(
+    first: str, errors: dict[str, dict], notes: dict[str, str], bound: Callable[[str], float]
+) -> list[tuple]:
+    """Header, one row per kernel in run order (errors, then its note), and the fla bound."""
+    names = list(next(iter(errors.values())))
+    rows = [(first, *names, "note")]
+    for label in dict.fromkeys([*errors, *notes]):
+        cells = ["-" if e is None else f"{e:.2e}" for e in errors.get(label, {}).values()]
+        rows.append((label, *cells, notes.get(label, "")))
+    return rows + [("fla bound", *(f"{bound(n):.2e}" for n in names))]
+
+
+def _failures(
+    label: str, errors: dict[str, float | None], bound: Callable[[str], float]
+) -> list[str]:
+    return [
+        f"{label} {name}: {e:.2e} > {bound(name):.2e}"
+        for name, e in errors.items()
+        if e is not None and not e <= bound(name)  # `not <=` also fails NaN
+    ]
+
+
+def _fla_versions() -> str:
+    import fla
+    import triton
+
+    # fla dispatches to FlashQLA (TileLang) when that package is there, and parts of the
+    # backward to TileLang kernels: say which code ran.
+    extra = [p for p in ("flash_qla", "tilelang") if importlib.util.find_spec(p) is not None]
+    return (
+        f"fla {fla.__version__}, Triton {triton.__version__}, "
+        f"{torch.cuda.get_device_name()}, optional backends: {', '.join(extra) or 'none'}"
+    )
+
+
+def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
+    """fla's ``chunk_gated_delta_rule`` and megatron's torch path vs the naive recurrence."""
+    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+
+    *_, device = world
+    if not ON_CPU:
+        pytest.importorskip("fla")
+    # Every kernel gets the same values: round to bf16 first, so the reference sees the bf16
+    # paths' actual inputs and input rounding is no one's error.
+    inputs = make_gdn_inputs(BATCH, SEQ, HEADS, HEAD_DIM, HEAD_DIM, seed=11, device=device)
+    inputs = {
+        name: t if name in FLOAT32_ALWAYS else t.bfloat16().float() for name, t in inputs.items()
+    }
+    gen = torch.Generator().manual_seed(12)
+    grad_out = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=gen).bfloat16().float()
+    grad_out = grad_out.to(device)
+
+    # As megatron's GatedDeltaNet calls either kernel (it l2-normalises q and k itself).
+    call = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False)
+
+    def megatron_torch(**tensors):
+        return torch_chunk_gated_delta_rule(**tensors, **call)
+
+    def fla_chunk(**tensors):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(**tensors, **call)
+
+    with _exact_float32():
+        reference = _run(recurrent_gated_delta_rule, inputs, grad_out, torch.float32)
+        errors, notes = {}, {}
+        for label, fn, dtype in (
+            ("megatron torch fp32", megatron_torch, torch.float32),
+            ("megatron torch bf16", megatron_torch, torch.bfloat16),
+            ("fla bf16", fla_chunk, torch.bfloat16),
+        ):
+            if label.startswith("fla") and ON_CPU:
+                notes[label] = CPU_SKIP
+                continue
+            result = _run(fn, inputs, grad_out, dtype, FLOAT32_ALWAYS)
+            errors[label] = _compare(label, result, reference)
+            if result[1] is None:
+                notes[label] = "backward refused by fla (#640: Triton < 3.7.1 on Hopper)"
+
+    yardstick = errors["megatron torch bf16"]
+
+    def fla_bound(name: str) -> float:
+        # Capped, so that a broken yardstick (failed below) cannot wave fla through.
+        return GDN_FLA_FACTOR * min(yardstick[name], BF16_ROUNDING_TOL) + GDN_FLA_FLOOR
+
+    rows = _table("kernel (fla bound: 8 x torch bf16 + 1e-2)", errors, notes, fla_bound)
+    if not ON_CPU:
+        rows.append((_fla_versions(),))
+    report(f"chunk_gated_delta_rule vs recurrence, B{BATCH} T{SEQ} H{HEADS} K=V{HEAD_DIM}", rows)
+
+    failures = _failures("megatron torch fp32", errors["megatron torch fp32"], lambda _: FP32_TOL)
+    failures += _failures("megatron torch bf16", yardstick, lambda _: BF16_ROUNDING_TOL)
+    failures += _failures("fla bf16", errors.get("fla bf16", {}), fla_bound)
+    assert not failures, failures
+
+
+def test_causal_conv1d_matches_reference(world):
+    """fla's ``causal_conv1d`` and ``F.conv1d`` (megatron's two conv paths) vs float32."""
+    *_, device = world
+    if not ON_CPU:
+        pytest.importorskip("fla")
+    channels = HEADS * HEAD_DIM * 3  # q, k and v go through one convolution
+    gen = torch.Generator().manual_seed(13)
+    # nn.Conv1d's default init for a depthwise filter of width 4 is U(-1/2, 1/2).
+    inputs = dict(
+        x=torch.randn(BATCH, SEQ, channels, generator=gen),
+        weight=torch.rand(channels, CONV_WIDTH, generator=gen) - 0.5,
+        bias=0.1 * torch.randn(channels, generator=gen),
+    )
+    inputs = {name: t.bfloat16().float().to(device) for name, t in inputs.items()}
+    grad_out = torch.randn(BATCH, SEQ, channels, generator=gen).bfloat16().float().to(device)
+
+    def torch_conv(x, weight, bias):
+        return depthwise_causal_conv1d(x, weight, bias, activation="silu")
+
+    def fla_conv(x, weight, bias):
+        from fla.modules.convolution import causal_conv1d
+
+        # As megatron's gdn.py calls it, weight [D, 1, W] squeezed to [D, W].
+        return causal_conv1d(
+            x=x, weight=weight, bias=bias, activation="silu", initial_state=None,
+            output_final_state=False, cu_seqlens=None,
+        )  # fmt: skip
+
+    def fla_conv_strided(x, weight, bias):
+        # In the layer, x is a slice of the input projection's [S, B, *] output, transposed to
+        # [B, S, *]: not contiguous, time stride larger than D. Same values, that layout.
+        wide = torch.cat([x.transpose(0, 1), x.new_zeros(SEQ, BATCH, 64)], dim=-1)
+        return fla_conv(wide.transpose(0, 1)[..., :channels], weight, bias)
+
+    with _exact_float32():
+        reference = _run(torch_conv, inputs, grad_out, torch.float32)
+        errors, notes = {}, {}
+        for label, fn, dtype in (
+            ("F.conv1d fp32", torch_conv, torch.float32),
+            ("F.conv1d bf16", torch_conv, torch.bfloat16),
+            ("fla bf16", fla_conv, torch.bfloat16),
+            ("fla bf16 strided x", fla_conv_strided, torch.bfloat16),
+        ):
+            if label.startswith("fla") and ON_CPU:
+                notes[label] = CPU_SKIP
+                continue
+            errors[label] = _compare(label, _run(fn, inputs, grad_out, dtype), reference)
+
+    yardstick = errors["F.conv1d bf16"]
+
+    def fla_bound(name: str) -> float:
+        return CONV_FLA_FACTOR * min(yardstick[name], BF16_ROUNDING_TOL) + CONV_FLA_FLOOR
+
+    rows = _table("conv (fla bound: 4 x F.conv1d bf16 + 1e-3)", errors, notes, fla_bound)
+    shape = f"B{BATCH} T{SEQ} D{channels} W{CONV_WIDTH}"
+    report(f"causal_conv1d (silu) vs F.conv1d fp32, {shape}", rows)
+
+    # The reference is F.conv1d fp32 itself: that row is a determinism check, 0 expected.
+    failures = _failures("F.conv1d fp32", errors["F.conv1d fp32"], lambda _: FP32_TOL)
+    failures += _failures("F.conv1d bf16", yardstick, lambda _: BF16_ROUNDING_TOL)
+    for label in ("fla bf16", "fla bf16 strided x"):
+        failures += _failures(label, errors.get(label, {}), fla_bound)
+    assert not failures, failures
