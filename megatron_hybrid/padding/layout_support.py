@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from megatron_hybrid.pattern.symbols import ATTENTION, DSA, GDN, MAMBA, MLA, MLP, MOE
+
 __all__ = ["THD_CHECKS", "ThdOptions", "thd_unsupported_reason", "thd_unsupported_reason_for"]
 
 _IMPLS = ("local", "transformer_engine", "inference_optimized")
@@ -109,13 +111,13 @@ def _always(opts: ThdOptions) -> str | None:
 # One checker per pattern symbol; a new layer type registers here rather than in an if/elif.
 THD_CHECKS: Mapping[str, Callable[[ThdOptions], str | None]] = MappingProxyType(
     {
-        "*": _te_core_attention("attention", "*"),
-        "+": _te_core_attention("MLA", "+"),
-        "D": _always,
-        "G": _gated_delta_net,
-        "M": _mamba,
-        "-": _always,
-        "E": _always,
+        ATTENTION: _te_core_attention("attention", ATTENTION),
+        MLA: _te_core_attention("MLA", MLA),
+        DSA: _always,
+        GDN: _gated_delta_net,
+        MAMBA: _mamba,
+        MLP: _always,
+        MOE: _always,
     }
 )
 
