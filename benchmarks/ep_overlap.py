@@ -240,10 +240,13 @@ def round_ratios(results: dict) -> dict:
     """Time ratios per round, where both variants were measured in the same rounds.
 
     Variants of one round ran back to back, so these pairings show how much of a ratio is noise.
+    Variants merged from different runs (``--append``) are not paired.
     """
     out = {}
     for name, (a, b, key) in _RATIOS.items():
         if key != "median_s" or a not in results or b not in results:
+            continue
+        if results[a].get("run") != results[b].get("run"):
             continue
         ra, rb = results[a].get("round_medians_s"), results[b].get("round_medians_s")
         if ra and rb and len(ra) == len(rb) and len(ra) > 1:
@@ -313,12 +316,21 @@ def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict)
 _PER_RUN_ARGS = ("variants", "append", "gdn_kernel", "out", "repeats", "profile")
 
 
-def _command(args, ep: int) -> str:
-    extra = " --variants " + " ".join(args.variants) if args.variants != list(VARIANTS) else ""
-    extra += f" --gdn-kernel {args.gdn_kernel}" if args.gdn_kernel != "torch" else ""
-    extra += f" --repeats {args.repeats}" if args.repeats != 1 else ""
-    extra += " --profile" if args.profile else ""
-    extra += " --append" if args.append else ""
+def _command(args, parser: argparse.ArgumentParser, ep: int) -> str:
+    """The command line of this run: every argument that differs from its default."""
+    extra = ""
+    for action in parser._actions:
+        dest = action.dest
+        if dest in ("help", "label", "out") or getattr(args, dest) == action.default:
+            continue
+        value = getattr(args, dest)
+        flag = action.option_strings[0]
+        if isinstance(value, bool):
+            extra += f" {flag}"
+        elif isinstance(value, list):
+            extra += f" {flag} " + " ".join(map(str, value))
+        else:
+            extra += f" {flag} {value}"
     network = "NCCL_P2P_DISABLE=1 " if os.environ.get("NCCL_P2P_DISABLE") == "1" else ""
     return (
         f"{network}torchrun --nproc_per_node {ep} benchmarks/ep_overlap.py --label {args.label}"
@@ -386,6 +398,30 @@ def main() -> None:
         "replacing those measured again (for variants run with another environment)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.profile and not CUDA:
+        parser.error("--profile summarises GPU kernels: run it on GPUs")
+
+    # torchrun sets WORLD_SIZE: the --append checks need no process group, so they come first.
+    ep = int(os.environ.get("WORLD_SIZE", "1"))
+    variants = list(args.variants)
+    if any(v.startswith("ge") for v in variants):
+        try:
+            import fla  # noqa: F401
+        except ImportError:
+            print("ge_* variants skipped: fla-core is not installed")
+            variants = [v for v in variants if not v.startswith("ge")]
+    results, commands = {}, [_command(args, parser, ep)]
+    previous = Path(args.out) / f"ep_overlap_{args.label}_{ep}gpu.json"
+    if args.append and previous.exists():
+        earlier = json.loads(previous.read_text())
+        results = {k: v for k, v in earlier["results"].items() if k not in variants}
+        commands = earlier["meta"].get("commands", [earlier["meta"]["command"]]) + commands
+        for key, value in earlier["meta"]["args"].items():
+            now = vars(args).get(key)
+            if key not in _PER_RUN_ARGS and now != value:
+                parser.error(f"--append: {key} was {value!r} in {previous}, now {now!r}")
 
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -397,28 +433,7 @@ def main() -> None:
         torch.distributed.init_process_group("gloo")
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
 
-    ep = torch.distributed.get_world_size()
-    results, commands = {}, [_command(args, ep)]
-    previous = Path(args.out) / f"ep_overlap_{args.label}_{ep}gpu.json"
-    if args.append and previous.exists():
-        earlier = json.loads(previous.read_text())
-        results = {k: v for k, v in earlier["results"].items() if k not in args.variants}
-        commands = earlier["meta"].get("commands", [earlier["meta"]["command"]]) + commands
-        for key, value in earlier["meta"]["args"].items():
-            now = vars(args).get(key)
-            if key not in _PER_RUN_ARGS and now != value:
-                parser.error(f"--append: {key} was {value!r} in {previous}, now {now!r}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.profile and not CUDA:
-        parser.error("--profile summarises GPU kernels: run it on GPUs")
-    variants = list(args.variants)
-    if any(v.startswith("ge") for v in variants):
-        try:
-            import fla  # noqa: F401
-        except ImportError:
-            print("ge_* variants skipped: fla-core is not installed")
-            variants = [v for v in variants if not v.startswith("ge")]
+    assert torch.distributed.get_world_size() == ep, "WORLD_SIZE disagrees with the process group"
     rounds: dict[str, list[dict]] = {v: [] for v in variants}
     name = f"ep_overlap_{args.label}_{ep}gpu"
     for round_index in range(args.repeats):
@@ -428,6 +443,7 @@ def main() -> None:
             profile_as = f"{name}_{variant}" if args.profile and last_round else None
             rounds[variant].append(measure(variant, args, pg, ep, profile_as))
             results[variant] = merge_rounds(rounds[variant])
+            results[variant]["run"] = len(commands) - 1  # rounds pair only within one run
             if variant.startswith("ge"):
                 results[variant]["gdn_kernel"] = args.gdn_kernel
             if torch.distributed.get_rank() == 0:

@@ -7,33 +7,43 @@ for a host synchronisation). The summary separates the two for one rank:
 * ``gpu_busy_ms`` — the union of all kernel and copy intervals, ``gpu_idle_ms`` the rest of the
   step window;
 * ``compute_busy_ms`` / ``comm_busy_ms`` — unions of non-NCCL and of NCCL kernels, and
-  ``comm_hidden_ms`` the part of the communication that ran under compute;
+  ``comm_hidden_ms`` the time NCCL kernels were resident alongside compute kernels. Resident, not
+  transferring: an NCCL kernel launched early waits for its peers on the GPU, so under overlap
+  ``comm_busy_ms`` includes that waiting and can exceed the plain schedule's NCCL time;
 * ``compute_kernel_sum_ms`` — summed durations of the non-NCCL kernels (grows if they slow down);
 * ``cpu_op_busy_ms`` — the union of the CPU operator intervals of all threads (the forward
-  thread and autograd's device thread): host time spent inside operators;
+  thread and autograd's device thread): host time spent inside operators, ``cpu_ops`` their
+  number (nested ones included);
 * ``cpu_sync_wait_ms`` — CPU time blocked in stream/event synchronisation (device-wide syncs
-  excluded: the benchmark ends each step with one), ``cpu_launch_ms`` — CPU time in kernel launch
-  calls, with their counts and the median launch call in microseconds.
+  excluded: the benchmark ends each step with one);
+* ``cpu_outside_ms`` — the window's time in neither an operator nor a synchronisation: Python
+  and the framework's own bookkeeping;
+* ``cpu_launch_ms`` — CPU time in kernel launch calls, with their count, the median call in
+  microseconds, and ``driver_launches``, those made through the driver API (Triton's kernels,
+  torch.compile's included).
 
-A step whose GPU idles while its CPU hardly waits is host-bound: the CPU cannot issue the work
-fast enough, and hiding communication cannot shorten it.
+Intervals are clipped to the step window; counts and summed durations take the events that start
+in it. A step whose GPU idles while its CPU hardly waits is host-bound: the CPU cannot issue the
+work fast enough, and hiding communication cannot shorten it.
 
-    python benchmarks/trace_summary.py trace.json [--window-name mh_step]
+    python benchmarks/trace_summary.py trace.json[.gz] [--window-name mh_step]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from collections.abc import Iterable
 
-__all__ = ["interval_union", "intersection_length", "summarize_trace"]
+__all__ = ["interval_union", "intersection_length", "load_trace_events", "summarize_trace"]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cuEventSynchronize",
                "cuStreamSynchronize")  # fmt: skip
-_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_DRIVER_LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx")
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", *_DRIVER_LAUNCHES)
 
 
 def interval_union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -74,7 +84,9 @@ def intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float
     return total
 
 
-def _clip(intervals, window):
+def _clip(
+    intervals: Iterable[tuple[float, float]], window: tuple[float, float]
+) -> list[tuple[float, float]]:
     lo, hi = window
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
@@ -100,17 +112,23 @@ def summarize_trace(events: list[dict], window_name: str = "mh_step") -> dict:
     else:
         window = (min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu))
 
-    def spans(selected):
+    def inside(selected: Iterable[dict]) -> list[dict]:
+        return [e for e in selected if window[0] <= e["ts"] < window[1]]
+
+    def spans(selected: Iterable[dict]) -> list[tuple[float, float]]:
         return interval_union(_clip([(e["ts"], e["ts"] + e["dur"]) for e in selected], window))
 
-    kernels = [e for e in gpu if e.get("cat") == "kernel" and window[0] <= e["ts"] < window[1]]
+    kernels = inside(e for e in gpu if e.get("cat") == "kernel")
     nccl = [e for e in kernels if "nccl" in e.get("name", "").lower()]
     compute = [e for e in kernels if "nccl" not in e.get("name", "").lower()]
-    busy, comm, comp = spans(gpu), spans(nccl), spans(compute)
-    cpu_ops = spans(e for e in complete if e.get("cat") == "cpu_op")
-    runtime = [e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    busy = spans(gpu)
+    comm = spans(e for e in gpu if "nccl" in e.get("name", "").lower())
+    comp = spans(e for e in gpu if e.get("cat") == "kernel" and "nccl" not in e["name"].lower())
+    ops = inside(e for e in complete if e.get("cat") == "cpu_op")
+    runtime = inside(e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver"))
     syncs = [e for e in runtime if e.get("name") in _SYNC_CALLS]
     launches = [e for e in runtime if e.get("name") in _LAUNCH_CALLS]
+    host = spans(ops + syncs)
     ms = 1e-3  # trace times are microseconds
     window_len = window[1] - window[0]
     return {
@@ -123,24 +141,36 @@ def summarize_trace(events: list[dict], window_name: str = "mh_step") -> dict:
         "compute_kernel_sum_ms": sum(e["dur"] for e in compute) * ms,
         "compute_kernels": len(compute),
         "nccl_kernels": len(nccl),
-        "cpu_op_busy_ms": _length(cpu_ops) * ms,
+        "cpu_op_busy_ms": _length(spans(ops)) * ms,
+        "cpu_ops": len(ops),
         "cpu_sync_wait_ms": sum(e["dur"] for e in syncs) * ms,
         "cpu_syncs": len(syncs),
+        "cpu_outside_ms": (window_len - _length(host)) * ms,
         "cpu_launch_ms": sum(e["dur"] for e in launches) * ms,
         "cpu_launches": len(launches),
         "cpu_launch_median_us": statistics.median(e["dur"] for e in launches) if launches else 0.0,
+        "driver_launches": sum(1 for e in launches if e["name"] in _DRIVER_LAUNCHES),
     }
+
+
+def load_trace_events(path: str) -> list[dict]:
+    """The events of a Chrome trace file, plain or gzipped (``.gz``)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="Chrome trace JSON written by torch.profiler")
+    parser.add_argument("trace", help="Chrome trace JSON written by torch.profiler (.json[.gz])")
     parser.add_argument("--window-name", default="mh_step")
     args = parser.parse_args()
-    with open(args.trace) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    for key, value in summarize_trace(events, args.window_name).items():
+    try:
+        summary = summarize_trace(load_trace_events(args.trace), args.window_name)
+    except (OSError, ValueError, KeyError) as error:  # JSONDecodeError is a ValueError
+        parser.error(f"{args.trace}: {error}")
+    for key, value in summary.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
 
 

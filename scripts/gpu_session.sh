@@ -13,7 +13,8 @@
 #   bench-ge-nop2p
 #   profile      grouped and [GE] plain/overlap with fla kernels on /tmp/tsite's Triton, one
 #                profiled step each (benchmarks/trace_summary.py), label nvlink-profile; with
-#                $PROFILE_NOP2P=1 also no-p2p-profile
+#                PROFILE_NOP2P=1 also no-p2p-profile. $BENCH_ARGS come last, so a --variants
+#                there replaces the part's own list
 #   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 set -uo pipefail
@@ -76,7 +77,8 @@ for part in "$@"; do
         ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     profile)
-      for p2p in 0 ${PROFILE_NOP2P:+1}; do
+      p2ps=0; [ "${PROFILE_NOP2P:-0}" = 1 ] && p2ps="0 1"
+      for p2p in $p2ps; do
         label=nvlink-profile; [ $p2p = 1 ] && label=no-p2p-profile
         NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" \
           benchmarks/ep_overlap.py --label $label --out "$OUT" --gdn-kernel fla --profile \

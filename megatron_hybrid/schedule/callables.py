@@ -138,17 +138,33 @@ class _ModuleBackwardDW:
         return self.module.parameters()
 
 
-class _SharedExpertBackwardDW:
-    """Shared-expert wgrad: runs in the pre-dispatch slot, where TE queued it."""
+class _MoEBackwardDW:
+    """One part of an MoE layer's delayed wgrad: the routed or the shared experts.
 
-    def __init__(self, moe_layer: nn.Module):
-        self.moe_layer = moe_layer
+    The slot that runs the wgrad fires the parameters' post-wgrad hooks (Megatron-FSDP's gradient
+    reduction) right after it, so ``parameters()`` must name exactly the parameters whose wgrad
+    this part computes: the whole MoE layer would also fire the other part's hooks too early.
+    """
+
+    def __init__(self, moe_layer: nn.Module, routed: bool):
+        self.moe_layer, self.routed = moe_layer, routed
 
     def backward_dw(self):
-        self.moe_layer.backward_dw(routed_experts=False, shared_experts=True)
+        self.moe_layer.backward_dw(routed_experts=self.routed, shared_experts=not self.routed)
 
     def parameters(self):
-        return self.moe_layer.shared_experts.parameters()
+        layer = self.moe_layer
+        if self.routed:
+            modules = [layer.experts]
+        elif layer.use_shared_expert and not layer.shared_expert_overlap:
+            modules = [layer.shared_experts]  # the condition of MoELayer.backward_dw
+        else:
+            modules = []
+        if layer.config.moe_latent_size and layer.config.overlap_moe_expert_parallel_comm:
+            # MoELayer.backward_dw runs the latent projections with the matching part.
+            modules.append(layer.fc2_latent_proj if self.routed else layer.fc1_latent_proj)
+        for module in modules:
+            yield from module.parameters()
 
 
 def _pre_layer_backward_dw(symbol: str, layer: nn.Module):
@@ -300,11 +316,14 @@ def build_layer_callables(members: list[tuple[str, nn.Module]]) -> LayerCallable
 
     pre_dispatch_dw = [_pre_layer_backward_dw(symbol, layer) for symbol, layer in pre_layers]
     mlp_dw = []
-    if terminal is not None:
+    if terminal is not None and not is_moe:
         mlp_dw.append(terminal_layer.mlp)
-        if is_moe and terminal_layer.mlp.use_shared_expert:
-            # TE queues the shared-expert wgrad during the pre-dispatch backward: run it there.
-            pre_dispatch_dw.append(_SharedExpertBackwardDW(terminal_layer.mlp))
+    if is_moe:
+        moe = terminal_layer.mlp
+        mlp_dw.append(_MoEBackwardDW(moe, routed=True))
+        # TE queues the shared-expert (and latent down-projection) wgrad during the pre-dispatch
+        # backward: run it there. A no-op for an MoE layer without either.
+        pre_dispatch_dw.append(_MoEBackwardDW(moe, routed=False))
     backward_dw = {"pre_dispatch_computation": pre_dispatch_dw, "mlp": mlp_dw}
     num_local_experts = terminal_layer.mlp.num_local_experts if is_moe else None
     return LayerCallables(forward, backward_dw, is_moe, num_local_experts)

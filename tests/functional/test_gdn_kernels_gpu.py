@@ -212,6 +212,9 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
     failures += _failures("megatron torch bf16", yardstick, lambda _: BF16_ROUNDING_TOL)
     failures += _failures("fla bf16", errors.get("fla bf16", {}), fla_bound)
     assert not failures, failures
+    if any(label in notes and "refused" in notes[label] for label in errors):
+        # Only the forward pass could be compared: say so rather than pass.
+        pytest.skip("fla refused its gated backward (#640): gradients not compared")
 
 
 def test_causal_conv1d_matches_reference(world):

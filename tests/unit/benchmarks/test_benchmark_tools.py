@@ -23,7 +23,8 @@ def tools():
 
 def test_doctests(tools):
     for module in tools:
-        assert doctest.testmod(module).failed == 0, module.__name__
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 @pytest.mark.parametrize(
@@ -74,21 +75,28 @@ def test_summarize_trace_separates_busy_idle_and_hidden_communication(tools):
         _event("aten::mm", "cpu_op", 0, 10),  # forward thread
         _event("aten::mm", "cpu_op", 5, 10, tid=2),  # autograd's device thread, overlapping
         _event("aten::add", "cpu_op", 40, 5),
+        _event("early kernel", "kernel", -10, 15, stream=7),  # straddles the window's start
         {"ph": "i", "name": "marker", "ts": 5},  # not a complete event
     ]
     s = tools[0].summarize_trace(events)
     assert s["window_ms"] == pytest.approx(0.1)
-    assert s["gpu_busy_ms"] == pytest.approx(0.055)  # [10, 60] and [70, 75]
-    assert s["gpu_idle_ms"] == pytest.approx(0.045)
-    assert s["compute_busy_ms"] == pytest.approx(0.040)
+    assert s["gpu_busy_ms"] == pytest.approx(0.060)  # [0, 5] (clipped), [10, 60] and [70, 75]
+    assert s["gpu_idle_ms"] == pytest.approx(0.040)
+    assert s["compute_busy_ms"] == pytest.approx(0.045)
     assert s["comm_busy_ms"] == pytest.approx(0.025)
     assert s["comm_hidden_ms"] == pytest.approx(0.015)  # [30, 40] and [50, 55]
+    # Counts and sums take the kernels that start in the window.
     assert s["compute_kernel_sum_ms"] == pytest.approx(0.040)
     assert (s["compute_kernels"], s["nccl_kernels"]) == (2, 1)
     assert (s["cpu_sync_wait_ms"], s["cpu_syncs"]) == (pytest.approx(0.012), 1)
     assert (s["cpu_launch_ms"], s["cpu_launches"]) == (pytest.approx(0.003), 2)
     assert s["cpu_launch_median_us"] == pytest.approx(1.5)
+    assert s["driver_launches"] == 1
     assert s["cpu_op_busy_ms"] == pytest.approx(0.020)  # [0, 15] and [40, 45]
+    assert s["cpu_ops"] == 3
+    # Neither in an operator nor in a sync: [15, 20], [32, 40], [45, 100] (the device sync is
+    # not a stream/event sync).
+    assert s["cpu_outside_ms"] == pytest.approx(0.068)
 
 
 def test_summarize_trace_without_annotation_uses_the_gpu_span(tools):
@@ -96,6 +104,18 @@ def test_summarize_trace_without_annotation_uses_the_gpu_span(tools):
     s = tools[0].summarize_trace(events, window_name="absent")
     assert s["window_ms"] == pytest.approx(0.020)
     assert s["gpu_idle_ms"] == pytest.approx(0.010)
+
+
+def test_trace_files_load_plain_or_gzipped(tools, tmp_path):
+    import gzip
+    import json
+
+    events = [_event("k", "kernel", 0, 5)]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    with gzip.open(tmp_path / "t.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    for name in ("t.json", "t.json.gz"):
+        assert tools[0].load_trace_events(str(tmp_path / name)) == events
 
 
 def test_summarize_trace_refuses_a_trace_without_kernels(tools):
@@ -118,3 +138,18 @@ def test_rounds_merge_and_pair_by_round(tools):
     assert ep_overlap.summarize(results)["gpt_overlap_speedup"] == pytest.approx(1.1)
     assert ep_overlap.summarize(results)["grouped_overlap_speedup"] is None
     assert ep_overlap.round_ratios(results) == {"gpt_overlap_speedup": pytest.approx([1.2, 1.0])}
+
+
+@pytest.mark.parametrize(
+    "content", [None, "not json", '{"traceEvents": []}'], ids=["missing", "not-json", "no-kernels"]
+)
+def test_trace_summary_command_rejects_bad_traces_with_exit_2(tools, tmp_path, monkeypatch, capsys,
+                                                               content):  # fmt: skip
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(sys, "argv", ["trace_summary.py", str(path)])
+    with pytest.raises(SystemExit) as exit_info:
+        tools[0].main()
+    assert exit_info.value.code == 2
+    assert str(path) in capsys.readouterr().err
