@@ -33,13 +33,14 @@ __all__ = [
     "HybridModelChunkSchedulePlan",
     "build_hybrid_schedule_plan",
     "check_schedulable",
+    "logical_layer_members",
 ]
 
 _SLOTS = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process")
 
 
-def _members(layer, layer_type) -> list:
-    """``[(symbol, module)]`` of one logical layer of a decoder."""
+def logical_layer_members(layer, layer_type) -> list:
+    """``[(symbol, module)]`` of one logical layer of a decoder (a group or a single layer)."""
     if isinstance(layer_type, tuple):
         return list(zip(layer_type, layer.layers, strict=True))
     return [(layer_type, layer)]
@@ -48,7 +49,7 @@ def _members(layer, layer_type) -> list:
 def _callables_for(layer, layer_type) -> LayerCallables:
     if isinstance(layer, MultiTokenPredictionLayer):
         return build_mtp_callables(layer)
-    return build_layer_callables(_members(layer, layer_type))
+    return build_layer_callables(logical_layer_members(layer, layer_type))
 
 
 class HybridLayerSchedulePlan(TransformerLayerSchedulePlan):
@@ -140,7 +141,7 @@ def check_schedulable(model) -> None:
         zip(decoder.layer_type_list, decoder.layers, strict=True)
     ):
         try:
-            build_layer_callables(_members(layer, item))
+            build_layer_callables(logical_layer_members(layer, item))
         except UnschedulableLayerError as error:
             logical = decoder.logical_layer_offset + index
             raise UnschedulableLayerError(f"logical layer {logical} ({item!r}): {error}") from None

@@ -118,6 +118,29 @@ def _compare(
     return errors
 
 
+def _measure(
+    kernels: tuple,
+    inputs: dict[str, torch.Tensor],
+    grad_out: torch.Tensor,
+    reference: tuple[torch.Tensor, dict[str, torch.Tensor]],
+    keep_float32: Collection[str] = (),
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Errors of each ``(label, fn, dtype)`` kernel against the reference, and notes per label.
+
+    fla's kernels need Triton's GPU driver: on the CPU they are skipped with a note.
+    """
+    errors, notes = {}, {}
+    for label, fn, dtype in kernels:
+        if label.startswith("fla") and ON_CPU:
+            notes[label] = CPU_SKIP
+            continue
+        result = _run(fn, inputs, grad_out, dtype, keep_float32)
+        errors[label] = _compare(label, result, reference)
+        if result[1] is None:
+            notes[label] = "backward refused by fla (#640: Triton < 3.7.1 on Hopper)"
+    return errors, notes
+
+
 def _table(
     first: str, errors: dict[str, dict], notes: dict[str, str], bound: Callable[[str], float]
 ) -> list[tuple]:
@@ -183,19 +206,12 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
 
     with _exact_float32():
         reference = _run(recurrent_gated_delta_rule, inputs, grad_out, torch.float32)
-        errors, notes = {}, {}
-        for label, fn, dtype in (
+        kernels = (
             ("megatron torch fp32", megatron_torch, torch.float32),
             ("megatron torch bf16", megatron_torch, torch.bfloat16),
             ("fla bf16", fla_chunk, torch.bfloat16),
-        ):
-            if label.startswith("fla") and ON_CPU:
-                notes[label] = CPU_SKIP
-                continue
-            result = _run(fn, inputs, grad_out, dtype, FLOAT32_ALWAYS)
-            errors[label] = _compare(label, result, reference)
-            if result[1] is None:
-                notes[label] = "backward refused by fla (#640: Triton < 3.7.1 on Hopper)"
+        )
+        errors, notes = _measure(kernels, inputs, grad_out, reference, FLOAT32_ALWAYS)
 
     yardstick = errors["megatron torch bf16"]
 
@@ -253,17 +269,13 @@ def test_causal_conv1d_matches_reference(world):
 
     with _exact_float32():
         reference = _run(torch_conv, inputs, grad_out, torch.float32)
-        errors, notes = {}, {}
-        for label, fn, dtype in (
+        kernels = (
             ("F.conv1d fp32", torch_conv, torch.float32),
             ("F.conv1d bf16", torch_conv, torch.bfloat16),
             ("fla bf16", fla_conv, torch.bfloat16),
             ("fla bf16 strided x", fla_conv_strided, torch.bfloat16),
-        ):
-            if label.startswith("fla") and ON_CPU:
-                notes[label] = CPU_SKIP
-                continue
-            errors[label] = _compare(label, _run(fn, inputs, grad_out, dtype), reference)
+        )
+        errors, notes = _measure(kernels, inputs, grad_out, reference)
 
     yardstick = errors["F.conv1d bf16"]
 

@@ -32,13 +32,11 @@ def _covered(callables: list) -> list[int]:
 
 def _logical_layers(model):
     from megatron_hybrid.schedule import build_layer_callables
+    from megatron_hybrid.schedule.plan import logical_layer_members
 
     decoder = model.decoder
     for layer_type, layer in zip(decoder.layer_type_list, decoder.layers, strict=True):
-        if isinstance(layer_type, tuple):
-            members = list(zip(layer_type, layer.layers, strict=True))
-        else:
-            members = [(layer_type, layer)]
+        members = logical_layer_members(layer, layer_type)
         yield members, build_layer_callables(members)
 
 
