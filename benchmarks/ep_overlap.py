@@ -316,6 +316,23 @@ def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict)
 _PER_RUN_ARGS = ("variants", "append", "gdn_kernel", "out", "repeats", "profile")
 
 
+def bind_cores(local_rank: int, count: int, parser: argparse.ArgumentParser) -> list[int]:
+    """Bind this rank to the ``local_rank``-th block of ``count`` allowed cores.
+
+    Before CUDA, NCCL and the autograd engine start their threads, so they inherit the binding.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = allowed[local_rank * count : (local_rank + 1) * count]
+    if len(cores) < count:
+        parser.error(
+            f"--bind-cores {count}: rank {local_rank} needs cores {local_rank * count}.."
+            f"{(local_rank + 1) * count - 1} of the {len(allowed)} allowed here; use fewer"
+        )
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(min(torch.get_num_threads(), count))
+    return cores
+
+
 def _command(args, parser: argparse.ArgumentParser, ep: int) -> str:
     """The command line of this run: every argument that differs from its default."""
     extra = ""
@@ -397,7 +414,14 @@ def main() -> None:
         help="keep the variants an earlier run of the same label and GPU count wrote, "
         "replacing those measured again (for variants run with another environment)",
     )  # fmt: skip
+    parser.add_argument(
+        "--bind-cores", type=int, default=0,
+        help="bind each rank, before it starts any thread, to its own N of the allowed cores "
+        "(rank r gets the r-th block of N; 0: leave the binding alone)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.bind_cores < 0:
+        parser.error(f"--bind-cores must be 0 or more, got {args.bind_cores}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.profile and not CUDA:
@@ -423,6 +447,8 @@ def main() -> None:
             if key not in _PER_RUN_ARGS and now != value:
                 parser.error(f"--append: {key} was {value!r} in {previous}, now {now!r}")
 
+    if args.bind_cores:
+        bind_cores(int(os.environ.get("LOCAL_RANK", "0")), args.bind_cores, parser)
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group("nccl")

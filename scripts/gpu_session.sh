@@ -15,6 +15,8 @@
 #                profiled step each (benchmarks/trace_summary.py), label nvlink-profile; with
 #                PROFILE_NOP2P=1 also no-p2p-profile. $BENCH_ARGS come last, so a --variants
 #                there replaces the part's own list
+#   host         benchmarks/host_overhead.py (one GPU), not bound, then bound to 1 and 2 cores
+#   ge-exp       ge_plain / ge_overlap with fla kernels in several configurations ($GE_EXPS)
 #   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 set -uo pipefail
@@ -34,21 +36,21 @@ for part in "$@"; do
   case $part in
     functional)
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/functional.log"
+        tests/functional 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/functional.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     launcher)
       python3 -m pytest -q -s -p no:cacheprovider -W ignore -m launcher tests/functional 2>&1 \
-        | grep -v "Warning\|warnings.warn" | tee "$OUT/launcher.log"
+        | grep --line-buffered -v "Warning\|warnings.warn" | tee "$OUT/launcher.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
       torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \
-        ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" \
+        ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" \
         | tee "$OUT/bench_nvlink.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-nop2p)
       NCCL_P2P_DISABLE=1 torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label no-p2p --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
-        | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/bench_nop2p.log"
+        | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/bench_nop2p.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     triton)
       mkdir -p /tmp/tparts && cp .tparts/* /tmp/tparts/
@@ -63,8 +65,9 @@ for part in "$@"; do
       fi ;;
     gdn-fla)
       # One process for the kernel tests: fla compiles and autotunes each kernel on first use.
-      with_tsite torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-300}" torchrun --nproc_per_node 1 \
+        -m pytest -q -s -p no:cacheprovider -W ignore tests/functional/test_gdn_kernels_gpu.py \
+        2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
@@ -74,7 +77,7 @@ for part in "$@"; do
       label=nvlink; p2p=0; [ $part = bench-ge-nop2p ] && { label=no-p2p; p2p=1; }
       NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label $label --out "$OUT" --variants ge_plain ge_overlap --gdn-kernel fla --append \
-        ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
+        ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     profile)
       p2ps=0; [ "${PROFILE_NOP2P:-0}" = 1 ] && p2ps="0 1"
@@ -83,12 +86,33 @@ for part in "$@"; do
         NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" \
           benchmarks/ep_overlap.py --label $label --out "$OUT" --gdn-kernel fla --profile \
           --variants grouped_plain grouped_overlap ge_plain ge_overlap ${BENCH_ARGS:-} 2>&1 \
-          | grep -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
+          | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done ;;
+    host)
+      # Host cost per operator, phased vs interleaved forward/backward (one GPU), then bound to
+      # one and to two cores.
+      for pin in 0 1 2; do
+        timeout 120 python3 benchmarks/host_overhead.py --out "$OUT" --pin $pin 2>&1 \
+          | tee -a "$OUT/host.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done ;;
+    ge-exp)
+      # [GE] plain vs overlap with fla kernels, each configuration under its own label:
+      # GE_EXPS="label|extra args;..." (default: as is, each rank bound to 4 cores, micro-batch 2).
+      nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+      IFS=';' read -ra exps <<< "${GE_EXPS:-nvlink-ge|;nvlink-ge-bind4|--bind-cores 4;nvlink-ge-mbs2|--mbs 2}"
+      for exp in "${exps[@]}"; do
+        label=${exp%%|*}; extra=${exp#*|}
+        PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GE_TIMEOUT:-240}" torchrun \
+          --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label "$label" --out "$OUT" \
+          --variants ge_plain ge_overlap --gdn-kernel fla $extra ${BENCH_ARGS:-} 2>&1 \
+          | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done ;;
     te)
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional/test_te_backend_gpu.py 2>&1 | grep -v "Warning\|warnings.warn\|^\s*$" \
+        tests/functional/test_te_backend_gpu.py 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|^\s*$" \
         | tee "$OUT/te.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) echo "unknown part $part"; status=2 ;;
