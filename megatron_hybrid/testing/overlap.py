@@ -3,7 +3,9 @@
 :func:`compare_overlap` builds a model chunk list twice from the same weights — once for the
 plain schedule, once with ``overlap_moe_expert_parallel_comm`` — runs megatron-core's
 ``get_forward_backward_func()`` on the same micro-batches for several steps and returns
-per-micro-batch losses and final gradients of both, keyed by parameter name.
+per-micro-batch losses and final gradients of both, keyed by parameter name. Chunks wrapped in
+megatron's ``DistributedDataParallel`` are read through their ``main_grad`` buffers, where
+delayed weight gradients land (see :func:`parameter_grad`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["compare_overlap", "run_schedule"]
+__all__ = ["compare_overlap", "parameter_grad", "run_schedule"]
+
+
+def parameter_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient megatron accumulated for ``param``: ``main_grad`` under DDP, else ``grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _zero_grads(chunk) -> None:
+    if hasattr(chunk, "zero_grad_buffer"):  # DDP: main_grad lives in its buffers
+        chunk.zero_grad_buffer()
+    chunk.zero_grad(set_to_none=True)
 
 
 def _batches(count: int, micro_batch_size: int, seq_length: int, vocab: int, seed: int, device):
@@ -74,7 +88,8 @@ def compare_overlap(
 
     Args:
         build_chunks: ``config -> list of model chunks`` on this rank (already wrapped for
-            bf16, e.g. in ``Float16Module``).
+            bf16, e.g. in ``Float16Module``, and optionally in megatron's DDP, which
+            ``delay_wgrad_compute`` with TE linears needs).
         config: the model config without overlap; the overlapped run sets
             ``overlap_moe_expert_parallel_comm=True``.
         steps: training steps (SGD with ``lr`` between steps, the same for both runs).
@@ -113,7 +128,7 @@ def compare_overlap(
         losses, grads = [], []
         for step in range(steps):
             for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
+                _zero_grads(chunk)
             batches = _batches(
                 num_microbatches, micro_batch_size, seq_length, vocab, seed + step, device
             )
@@ -128,17 +143,17 @@ def compare_overlap(
             )
             grads.append(
                 {
-                    f"{i}.{n}": p.grad.detach().float().clone()
+                    f"{i}.{n}": parameter_grad(p).detach().float().clone()
                     for i, chunk in enumerate(chunks)
                     for n, p in chunk.named_parameters()
-                    if p.grad is not None
+                    if parameter_grad(p) is not None
                 }
             )
             if lr and step < steps - 1:
                 with torch.no_grad():
                     for chunk in chunks:
                         for p in chunk.parameters():
-                            if p.grad is not None:
-                                p.add_(p.grad, alpha=-lr)
+                            if parameter_grad(p) is not None:
+                                p.add_(parameter_grad(p).to(p.dtype), alpha=-lr)
         results[name] = {"losses": losses, "grads": grads}
     return results

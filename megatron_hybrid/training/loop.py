@@ -65,8 +65,12 @@ def build_model_chunks(
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
+        # delay_wgrad_compute: TE's backward_dw assigns each micro-batch's weight gradient to
+        # .grad; only DDP's wgrad hooks, registered with this flag, add it to main_grad.
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=on_gpu
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=on_gpu,
+            delay_wgrad_compute=config.delay_wgrad_compute,
         )
         chunks.append(
             DistributedDataParallel(

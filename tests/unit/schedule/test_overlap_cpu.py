@@ -39,6 +39,11 @@ TWO_RANKS = {
         tolerant=("embedding.word_embeddings.weight",),
         overlap_overrides=dict(delay_wgrad_compute=True),
     ),
+    # Under megatron's DDP, as in training: gradients read from its main_grad buffers, into which
+    # (with delay_wgrad_compute) its wgrad hooks rather than autograd's accumulate.
+    "delay_wgrad_compute_ddp": dict(
+        pattern="[*E]{2}", ddp=True, overlap_overrides=dict(delay_wgrad_compute=True)
+    ),
     "delay_wgrad_compute_gdn_shared_experts": dict(
         pattern="[GE][*E]",
         needs="fla",
@@ -53,6 +58,7 @@ TWO_RANKS = {
 
 
 def _build(case, pg, gpt=False):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
@@ -62,10 +68,16 @@ def _build(case, pg, gpt=False):
 
     def build(config):
         torch.manual_seed(3)
-        return [
+        models = [
             Float16Module(config, builder(config, case["pattern"], pg, vp_stage=vp))
             for vp in chunks
         ]
+        if not case.get("ddp"):
+            return models
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, delay_wgrad_compute=config.delay_wgrad_compute
+        )
+        return [DistributedDataParallel(config, ddp_config, m, pg_collection=pg) for m in models]
 
     return build
 
