@@ -373,7 +373,7 @@ def _write(args, ep: int, results: dict, commands: list[str]) -> None:
             f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '0')}"
             + "".join(f", GatedDeltaNet kernels: {k}" for k in gdn_kernels)
         ),
-        args=vars(args),
+        args={k: v for k, v in vars(args).items() if k != "out"},  # not where it was written
     )
     write_outputs(Path(args.out), f"ep_overlap_{args.label}_{ep}gpu", meta, results, ratios)
 

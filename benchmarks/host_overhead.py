@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -171,6 +170,12 @@ def main() -> None:
     write_results(Path(args.out), device, args, rows)
 
 
+def _command(args) -> str:
+    """The settings that shape the figures (not where they were written)."""
+    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out")
+    return f"python benchmarks/host_overhead.py {flags}"
+
+
 def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
     """Add ``rows`` to ``host_overhead_<device>.{json,md}``, replacing rows of the same setting."""
     name = torch.cuda.get_device_name().replace(" ", "-") if device == "cuda" else "cpu"
@@ -180,7 +185,7 @@ def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
         kept = [r for r in json.loads(path.read_text())["rows"]
                 if r["pinned_cores"] != args.pin]  # fmt: skip
     rows = sorted(kept + rows, key=lambda r: (r["pinned_cores"], MODES.index(r["mode"])))
-    command = "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:])
+    command = _command(args)
     meta = dict(date=datetime.date.today().isoformat(), device=name, torch=torch.__version__,
                 command=command, nodes=args.nodes, blocks=args.blocks,
                 microbatches=args.microbatches, hidden=args.hidden, tokens=args.tokens,

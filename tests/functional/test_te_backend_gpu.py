@@ -181,7 +181,9 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
     def count_backward_dw(model, calls: dict) -> None:
         for name, module in model.named_modules():
             te_module = type(module).__module__.startswith("megatron.core.extensions")
-            if te_module and callable(getattr(module, "backward_dw", None)):
+            # Linears only: TE's attention core has a backward_dw too, but no weights.
+            has_weights = any(True for _ in module.parameters(recurse=False))
+            if te_module and has_weights and callable(getattr(module, "backward_dw", None)):
                 calls[name] = 0
 
                 def counted(original=module.backward_dw, name=name):
@@ -212,29 +214,38 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
             overlap_overrides=dict(delay_wgrad_compute=True),
         )
         plain, overlap = out["plain"], out["overlap"]
-        rel = 0.0
+        rel, off = 0.0, set()
         for ours, reference in zip(overlap["grads"], plain["grads"], strict=True):
             assert ours.keys() == reference.keys()
             rel = max(rel, max_rel_diff(ours, reference))
+            off |= {k for k in reference if max_rel_diff({k: ours[k]}, {k: reference[k]}) > 1e-2}
         loss = max(abs(a - b) for a, b in zip(overlap["losses"], plain["losses"], strict=True))
-        return rel, loss, len(plain["grads"][0])
+        return rel, loss, len(plain["grads"][0]), sorted(off)
 
-    gpt_rel, gpt_loss = run(build_gpt_twin)[:2]
+    gpt_rel, gpt_loss, _, gpt_off = run(build_gpt_twin)
     calls: dict[str, int] = {}
-    rel, loss, count = run(build_hybrid, calls)
+    rel, loss, count, off = run(build_hybrid, calls)
     tolerance = max(2 * gpt_rel, 1e-3)
+    short = sorted(n for n, c in calls.items() if c < steps * microbatches)
     report(f"te, EP={world_size}, overlap + delay_wgrad_compute vs plain: {pattern}",
            [("GPTModel max rel grad diff / max loss diff", f"{gpt_rel:.2e} / {gpt_loss:.2e}"),
             ("grouped max rel grad diff / max loss diff", f"{rel:.2e} / {loss:.2e}"),
             ("gradients compared per step", count), ("tolerance", f"{tolerance:.2e}"),
+            ("GPTModel gradients off by > 1e-2", gpt_off or "none"),
+            ("grouped gradients off by > 1e-2", off or "none"),
             ("TE linears counted", len(calls)),
             ("backward_dw calls per linear (min, max)",
              (min(calls.values(), default=0), max(calls.values(), default=0))),
-            ("linears with fewer calls", sorted(n for n, c in calls.items()
-                                               if c < steps * microbatches) or "none")])  # fmt: skip
-    assert gpt_rel <= 1e-2, "GPTModel's own delayed wgrad disagrees with its plain schedule"
+            ("linears with fewer calls", short or "none")])  # fmt: skip
     assert rel <= tolerance
     assert loss <= max(2 * gpt_loss, 1e-3)
+    # Wrong only where GPTModel under the same schedule is wrong too.
+    assert len(off) == len(gpt_off), (off, gpt_off)
     assert calls, "no TE linear with backward_dw found: the te backend was not built"
     # Once per micro-batch and step (no losses without the last pipeline stage: EP only here).
     assert min(calls.values()) >= steps * microbatches, calls
+    if gpt_off:
+        # Seen with MTP (megatron-core 0.19.2, TE 2.20.2): the router weights of the last decoder
+        # layer and of the MTP layer, in GPTModel and here alike (docs/ep_overlap.md).
+        pytest.xfail(f"GPTModel's own overlap + delay_wgrad_compute disagrees with its plain "
+                     f"schedule in {gpt_off}")  # fmt: skip

@@ -1,9 +1,10 @@
-"""The pure parts of the benchmark scripts: trace summaries and the merging of repeated rounds."""
+"""The pure parts of the benchmark scripts: trace summaries, round merging, host-overhead modes."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -153,3 +154,80 @@ def test_trace_summary_command_rejects_bad_traces_with_exit_2(tools, tmp_path, m
         tools[0].main()
     assert exit_info.value.code == 2
     assert str(path) in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def host_overhead():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("host_overhead")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _node_grads(module, mode):
+    import torch
+
+    torch.manual_seed(0)
+    nodes = torch.nn.ModuleList(
+        torch.nn.Sequential(*(module.Block(8) for _ in range(2))) for _ in range(3)
+    )
+    inputs = [torch.randn(4, 8) for _ in range(3)]
+    module.RUNNERS[mode](nodes, inputs)
+    return {name: p.grad.clone() for name, p in nodes.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["split", "interleaved"], ids=["split", "interleaved"])
+def test_host_overhead_modes_do_the_same_work(host_overhead, mode):
+    """Every mode runs every node's forward and backward once per micro-batch: same gradients."""
+    import torch
+
+    reference = _node_grads(host_overhead, "phased")
+    grads = _node_grads(host_overhead, mode)
+    assert grads.keys() == reference.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_host_overhead_results_replace_rows_of_the_same_pinning(host_overhead, tmp_path):
+    import argparse
+
+    def rows(pin, ms):
+        return [dict(mode=m, pinned_cores=pin, step_ms=ms, per_block_us=ms) for m in ("phased",)]
+
+    args = argparse.Namespace(out=str(tmp_path), nodes=1, blocks=1, microbatches=1, hidden=4,
+                              tokens=2, repeats=1, pin=0)  # fmt: skip
+    host_overhead.write_results(tmp_path, "cpu", args, rows(0, 1.0))
+    args.pin = 1
+    host_overhead.write_results(tmp_path, "cpu", args, rows(1, 2.0))
+    args.pin = 0
+    host_overhead.write_results(tmp_path, "cpu", args, rows(0, 3.0))
+    saved = json.loads((tmp_path / "host_overhead_cpu.json").read_text())
+    assert [(r["pinned_cores"], r["step_ms"]) for r in saved["rows"]] == [(0, 3.0), (1, 2.0)]
+    assert "--out" not in saved["meta"]["command"]
+    assert "| phased | 1 | 2.00 |" in (tmp_path / "host_overhead_cpu.md").read_text()
+
+
+def test_bind_cores_takes_this_ranks_block(tools, monkeypatch):
+    import argparse
+
+    ep_overlap = tools[1]
+    bound = {}
+    monkeypatch.setattr(ep_overlap.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(
+        ep_overlap.os, "sched_setaffinity", lambda pid, cores: bound.update(c=cores)
+    )
+    monkeypatch.setattr(ep_overlap.torch, "set_num_threads", lambda n: None)
+    parser = argparse.ArgumentParser()
+    assert ep_overlap.bind_cores(1, 3, parser) == [3, 4, 5] == bound["c"]
+
+
+def test_bind_cores_refuses_more_cores_than_there_are(tools, monkeypatch, capsys):
+    import argparse
+
+    ep_overlap = tools[1]
+    monkeypatch.setattr(ep_overlap.os, "sched_getaffinity", lambda pid: set(range(8)))
+    with pytest.raises(SystemExit) as exit_info:
+        ep_overlap.bind_cores(2, 3, argparse.ArgumentParser())
+    assert exit_info.value.code == 2
+    assert "rank 2 needs cores 6..8 of the 8 allowed here" in capsys.readouterr().err

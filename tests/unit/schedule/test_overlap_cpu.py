@@ -44,6 +44,12 @@ TWO_RANKS = {
     "delay_wgrad_compute_ddp": dict(
         pattern="[*E]{2}", ddp=True, overlap_overrides=dict(delay_wgrad_compute=True)
     ),
+    "delay_wgrad_compute_ddp_mtp": dict(
+        pattern="[*-][*E]/*E",
+        ddp=True,
+        tolerant=("embedding.word_embeddings.weight",),
+        overlap_overrides=dict(delay_wgrad_compute=True),
+    ),
     "delay_wgrad_compute_gdn_shared_experts": dict(
         pattern="[GE][*E]",
         needs="fla",
