@@ -1,0 +1,37 @@
+"""``build_model_chunks`` wraps the model as training needs it (two gloo ranks, EP=2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def ddp_flag_worker(rank: int, world_size: int, delay: bool) -> bool:
+    """The DDP config's ``delay_wgrad_compute`` of a chunk built for a model config with it."""
+    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+    enable_cpu_emulation()
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.models import small_config
+    from megatron_hybrid.training.loop import build_model_chunks
+
+    pattern = "[*E]{2}"
+    pg = initialize_model_parallel(ep=2, seed=1)
+    config = small_config(
+        pattern, expert_model_parallel_size=2, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, overlap_moe_expert_parallel_comm=True,
+        delay_wgrad_compute=delay,
+    )  # fmt: skip
+    chunks = build_model_chunks(
+        config, pattern, pg, backend="local", vocab_size=128, max_sequence_length=16
+    )
+    return chunks[0].ddp_config.delay_wgrad_compute
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("delay", [True, False], ids=["delay-wgrad", "no-delay"])
+def test_ddp_follows_delay_wgrad_compute(delay):
+    """TE's delayed wgrad reaches main_grad only through the hooks DDP registers under this flag."""
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    assert run_distributed(ddp_flag_worker, 2, delay, timeout=300) == [delay, delay]
