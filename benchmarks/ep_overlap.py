@@ -319,7 +319,8 @@ _PER_RUN_ARGS = ("variants", "append", "gdn_kernel", "out", "repeats", "profile"
 def bind_cores(local_rank: int, count: int, parser: argparse.ArgumentParser) -> list[int]:
     """Bind this rank to the ``local_rank``-th block of ``count`` allowed cores.
 
-    Before CUDA, NCCL and the autograd engine start their threads, so they inherit the binding.
+    Binds the calling thread only, before CUDA, NCCL and the autograd engine start their threads,
+    which inherit the binding (threads already running, if any, keep theirs).
     """
     allowed = sorted(os.sched_getaffinity(0))
     cores = allowed[local_rank * count : (local_rank + 1) * count]
@@ -416,8 +417,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--bind-cores", type=int, default=0,
-        help="bind each rank, before it starts any thread, to its own N of the allowed cores "
-        "(rank r gets the r-th block of N; 0: leave the binding alone)",
+        help="bind each rank's main thread to its own N of the allowed cores before CUDA, NCCL and "
+        "the autograd engine start theirs, which inherit it (rank r gets the r-th block of N; "
+        "0: leave the binding alone)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.bind_cores < 0:

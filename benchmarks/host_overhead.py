@@ -49,8 +49,10 @@ class Block(nn.Module):
         return x + torch.nn.functional.gelu(self.linear(self.norm(x)))
 
 
-def _detached(x):
-    return x.detach().requires_grad_(True)
+def _node_input(x, position: int):
+    # A node's input is a leaf of its own graph, except the first node's (the micro-batch, which
+    # needs no gradient, as in ``phased``).
+    return x if position == 0 else x.detach().requires_grad_(True)
 
 
 def run_phased(nodes, inputs) -> None:
@@ -74,8 +76,8 @@ def run_split(nodes, inputs) -> None:
     """The interleaved mode's calls (a backward call per node) without the interleaving."""
     for x in inputs:
         records = []
-        for node in nodes:
-            x = _detached(x)
+        for position, node in enumerate(nodes):
+            x = _node_input(x, position)
             records.append((x, node(x)))
             x = records[-1][1]
         grad = None
@@ -90,7 +92,7 @@ def run_interleaved(nodes, inputs) -> None:
         current, grad = [], None
         for position in range(len(nodes)):
             if x is not None:
-                x = _detached(x)
+                x = _node_input(x, position)
                 current.append((x, nodes[position](x)))
                 x = current[-1][1]
             if previous is not None:
@@ -101,29 +103,42 @@ def run_interleaved(nodes, inputs) -> None:
 RUNNERS = {"phased": run_phased, "split": run_split, "interleaved": run_interleaved}
 
 
-def measure(mode: str, nodes, inputs, repeats: int) -> float:
-    """Median seconds of one pass over all micro-batches."""
-    run = RUNNERS[mode]
-    times = []
+def measure(nodes, inputs, repeats: int) -> dict[str, float]:
+    """Median seconds of one pass over all micro-batches, per mode, the modes taken in turn.
+
+    Round-robin, so drift of the machine spreads over all modes; two warm-up rounds.
+    """
+    times = {mode: [] for mode in MODES}
     for index in range(repeats + 2):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        run(nodes, inputs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if index >= 2:  # two warm-up passes
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+        for mode, run in RUNNERS.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            run(nodes, inputs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if index >= 2:
+                times[mode].append(time.perf_counter() - began)
+    return {mode: statistics.median(t) for mode, t in times.items()}
 
 
-def pin_cores(count: int) -> list[int]:
-    """Bind this process's thread (and the threads it starts later) to ``count`` allowed cores."""
+def pin_cores(count: int, parser: argparse.ArgumentParser) -> list[int]:
+    """Bind the calling thread to ``count`` allowed cores; threads it starts later inherit it."""
     allowed = sorted(os.sched_getaffinity(0))
     if count > len(allowed):
-        raise SystemExit(f"--pin {count}: only {len(allowed)} cores are available here")
+        parser.error(f"--pin {count}: only {len(allowed)} cores are available here; use fewer")
     os.sched_setaffinity(0, allowed[:count])
     return allowed[:count]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def main() -> None:
@@ -146,11 +161,15 @@ def main() -> None:
     if args.pin < 0:
         parser.error(f"--pin must be 0 or more, got {args.pin}")
     # Before CUDA and the first backward: the engine's device thread starts then and inherits it.
-    cores = pin_cores(args.pin) if args.pin else []
+    cores = pin_cores(args.pin, parser) if args.pin else []
     if cores:  # more intra-op threads than cores would spin against each other
         torch.set_num_threads(min(torch.get_num_threads(), len(cores)))
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:  # before measuring: results of other sizes would not fit in the same table
+        earlier_results(Path(args.out), device, args)
+    except ValueError as error:
+        parser.error(str(error))
     torch.manual_seed(0)
     nodes = nn.ModuleList(
         nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks))) for _ in range(args.nodes)
@@ -159,8 +178,7 @@ def main() -> None:
         torch.randn(args.tokens, args.hidden, device=device) for _ in range(args.microbatches)
     ]
     rows = []
-    for mode in MODES:
-        seconds = measure(mode, nodes, inputs, args.repeats)
+    for mode, seconds in measure(nodes, inputs, args.repeats).items():
         per_block = seconds / (args.nodes * args.blocks * args.microbatches) * 1e6
         rows.append(dict(mode=mode, pinned_cores=len(cores), step_ms=seconds * 1e3,
                          per_block_us=per_block))  # fmt: skip
@@ -170,34 +188,64 @@ def main() -> None:
     write_results(Path(args.out), device, args, rows)
 
 
+_SIZES = ("nodes", "blocks", "microbatches", "hidden", "tokens", "repeats")
+
+
 def _command(args) -> str:
     """The settings that shape the figures (not where they were written)."""
     flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out")
     return f"python benchmarks/host_overhead.py {flags}"
 
 
-def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
-    """Add ``rows`` to ``host_overhead_<device>.{json,md}``, replacing rows of the same setting."""
+def _results_path(out: Path, device: str) -> tuple[str, Path]:
     name = torch.cuda.get_device_name().replace(" ", "-") if device == "cuda" else "cpu"
-    path = out / f"host_overhead_{name}.json"
-    kept = []
-    if path.exists():
-        kept = [r for r in json.loads(path.read_text())["rows"]
-                if r["pinned_cores"] != args.pin]  # fmt: skip
+    return name, out / f"host_overhead_{name}.json"
+
+
+def earlier_results(out: Path, device: str, args) -> dict | None:
+    """The results already in ``out`` for this device, if any.
+
+    Raises:
+        ValueError: they were measured with other sizes.
+    """
+    _, path = _results_path(out, device)
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())
+    sizes = {k: getattr(args, k) for k in _SIZES}
+    if earlier["meta"]["sizes"] != sizes:
+        raise ValueError(
+            f"{path} holds rows measured with {earlier['meta']['sizes']}, not {sizes}: "
+            "use another --out or the same sizes"
+        )
+    return earlier
+
+
+def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
+    """Add ``rows`` to ``host_overhead_<device>.{json,md}``, replacing rows of the same pinning.
+
+    Raises:
+        ValueError: the file holds rows measured with other sizes.
+    """
+    name, path = _results_path(out, device)
+    sizes = {k: getattr(args, k) for k in _SIZES}
+    earlier = earlier_results(out, device, args)
+    kept = [r for r in earlier["rows"] if r["pinned_cores"] != args.pin] if earlier else []
+    commands = earlier["meta"]["commands"] if earlier else {}
+    commands[str(args.pin)] = _command(args)
     rows = sorted(kept + rows, key=lambda r: (r["pinned_cores"], MODES.index(r["mode"])))
-    command = _command(args)
-    meta = dict(date=datetime.date.today().isoformat(), device=name, torch=torch.__version__,
-                command=command, nodes=args.nodes, blocks=args.blocks,
-                microbatches=args.microbatches, hidden=args.hidden, tokens=args.tokens,
-                repeats=args.repeats)  # fmt: skip
+    meta = dict(date=datetime.date.today().isoformat(), device=name, cpu=_cpu_model(),
+                cores=len(os.sched_getaffinity(0)), torch=torch.__version__, sizes=sizes,
+                commands=dict(sorted(commands.items())))  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     lines = [
-        f"# Host cost per block: phased vs interleaved forward/backward, {name}", "",
-        f"Date {meta['date']}; torch {meta['torch']}; {args.nodes} nodes of {args.blocks} blocks "
-        f"(LayerNorm, Linear, "
-        f"GELU, add; hidden {args.hidden}, {args.tokens} tokens), {args.microbatches} "
-        f"micro-batches, median of {args.repeats} passes; last command `{command}`.", "",
+        f"# Host cost per block: phased, split and interleaved forward/backward, {name}", "",
+        f"Date {meta['date']}; {meta['cpu']}; torch {meta['torch']}; {args.nodes} nodes of "
+        f"{args.blocks} blocks (LayerNorm, Linear, GELU, add; hidden {args.hidden}, "
+        f"{args.tokens} tokens), {args.microbatches} micro-batches, median of {args.repeats} "
+        "passes per mode (modes round-robin). Commands: "
+        + "; ".join(f"`{c}`" for c in meta["commands"].values()) + ".", "",
         "| mode | pinned cores | pass (ms) | per block fwd+bwd (us) |",
         "| --- | ---: | ---: | ---: |",
     ]  # fmt: skip

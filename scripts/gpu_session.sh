@@ -28,29 +28,33 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU ($(python3 -c 'import torch; print(torch.cuda.get_device_name())'))"
 TSITE=/tmp/tsite
-with_tsite() { [ -d $TSITE/triton ] || { echo "no Triton in $TSITE: run the triton part first"; return 1; }
-  PYTHONPATH=$TSITE:$PYTHONPATH "$@"; }
+# Drops warnings and blank lines, line by line (a log cut off by a timeout keeps what came).
+quiet() { grep --line-buffered -v 'Warning\|warnings.warn\|DEPRECATED\|^\s*$'; }
+have_tsite() {
+  [ -d $TSITE/triton ] || { echo "no Triton in $TSITE: run the triton part first"; return 1; }
+}
+with_tsite() { have_tsite && PYTHONPATH=$TSITE:$PYTHONPATH "$@"; }
 status=0
 for part in "$@"; do
   start=$(date +%s)
   case $part in
     functional)
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|^\s*$" | tee "$OUT/functional.log"
+        tests/functional 2>&1 | quiet | tee "$OUT/functional.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     launcher)
       python3 -m pytest -q -s -p no:cacheprovider -W ignore -m launcher tests/functional 2>&1 \
-        | grep --line-buffered -v "Warning\|warnings.warn" | tee "$OUT/launcher.log"
+        | quiet | tee "$OUT/launcher.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
       torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \
-        ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" \
+        ${BENCH_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/bench_nvlink.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-nop2p)
       NCCL_P2P_DISABLE=1 torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label no-p2p --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
-        | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/bench_nop2p.log"
+        | quiet | tee "$OUT/bench_nop2p.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     triton)
       mkdir -p /tmp/tparts && cp .tparts/* /tmp/tparts/
@@ -64,6 +68,7 @@ for part in "$@"; do
         echo "Triton parts so far: $(ls /tmp/tparts | tr '\n' ' ')"
       fi ;;
     gdn-fla)
+      have_tsite || { status=1; continue; }
       # One process for the kernel tests: fla compiles and autotunes each kernel on first use.
       PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-300}" torchrun --nproc_per_node 1 \
         -m pytest -q -s -p no:cacheprovider -W ignore tests/functional/test_gdn_kernels_gpu.py \
@@ -77,7 +82,7 @@ for part in "$@"; do
       label=nvlink; p2p=0; [ $part = bench-ge-nop2p ] && { label=no-p2p; p2p=1; }
       NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label $label --out "$OUT" --variants ge_plain ge_overlap --gdn-kernel fla --append \
-        ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$part.log"
+        ${BENCH_ARGS:-} 2>&1 | quiet | tee "$OUT/$part.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     profile)
       p2ps=0; [ "${PROFILE_NOP2P:-0}" = 1 ] && p2ps="0 1"
@@ -86,7 +91,7 @@ for part in "$@"; do
         NCCL_P2P_DISABLE=$p2p with_tsite torchrun --nproc_per_node "$NGPU" \
           benchmarks/ep_overlap.py --label $label --out "$OUT" --gdn-kernel fla --profile \
           --variants grouped_plain grouped_overlap ge_plain ge_overlap ${BENCH_ARGS:-} 2>&1 \
-          | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
+          | quiet | tee "$OUT/$label.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done ;;
     host)
@@ -100,19 +105,22 @@ for part in "$@"; do
     ge-exp)
       # [GE] plain vs overlap with fla kernels, each configuration under its own label:
       # GE_EXPS="label|extra args;..." (default: as is, each rank bound to 4 cores, micro-batch 2).
+      have_tsite || { status=1; continue; }
       nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-      IFS=';' read -ra exps <<< "${GE_EXPS:-nvlink-ge|;nvlink-ge-bind4|--bind-cores 4;nvlink-ge-mbs2|--mbs 2}"
+      default="nvlink-ge|;nvlink-ge-bind4|--bind-cores 4;nvlink-ge-mbs2|--mbs 2"
+      IFS=';' read -ra exps <<< "${GE_EXPS:-$default}"
       for exp in "${exps[@]}"; do
+        [[ $exp == *"|"* ]] || { echo "GE_EXPS: '$exp' is not 'label|args'"; status=2; continue; }
         label=${exp%%|*}; extra=${exp#*|}
         PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GE_TIMEOUT:-240}" torchrun \
           --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label "$label" --out "$OUT" \
           --variants ge_plain ge_overlap --gdn-kernel fla $extra ${BENCH_ARGS:-} 2>&1 \
-          | grep --line-buffered -v "Warning\|warnings.warn\|DEPRECATED" | tee "$OUT/$label.log"
+          | quiet | tee "$OUT/$label.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done ;;
     te)
       torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
-        tests/functional/test_te_backend_gpu.py 2>&1 | grep --line-buffered -v "Warning\|warnings.warn\|^\s*$" \
+        tests/functional/test_te_backend_gpu.py 2>&1 | quiet \
         | tee "$OUT/te.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) echo "unknown part $part"; status=2 ;;

@@ -144,21 +144,30 @@ def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     assert loss == pytest.approx(reference_loss, rel=2e-2)
 
 
+# Gradients that GPTModel itself gets wrong under overlap + delay_wgrad_compute with TE 2.20.2 and
+# megatron-core 0.19.2 (seen on 4x H200 with MTP: the router weights of the last decoder layer and
+# of the MTP layer; docs/ep_overlap.md). Only these may differ, and only where GPTModel's do.
+UPSTREAM_OFF = "mlp.router.weight"
 DELAY_WGRAD = [
-    pytest.param("[*E]{2}", dict(moe_shared_expert_intermediate_size=128), id="moe-shared-experts"),
-    pytest.param("[*-][*E]/*E", {}, id="dense-moe-mtp"),
+    pytest.param(
+        "[*E]{2}", dict(moe_shared_expert_intermediate_size=128), None, id="moe-shared-experts"
+    ),
+    pytest.param("[*-][*E]/*E", {}, UPSTREAM_OFF, id="dense-moe-mtp"),
 ]
 
 
-@pytest.mark.parametrize("pattern, changes", DELAY_WGRAD)
-def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
+@pytest.mark.parametrize("pattern, changes, upstream_off", DELAY_WGRAD)
+def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes, upstream_off):
     """TE delays the weight gradients to ``backward_dw``: every slot must call it.
 
     Overlap with ``delay_wgrad_compute`` against the plain schedule, EP over all GPUs, two SGD
     steps, every step's gradients compared. A linear whose delayed wgrad no slot runs keeps no
     gradient (or a stale one), which this comparison cannot miss; the ``backward_dw`` calls of
     every TE linear of the grouped model are counted as well. GPTModel (same weights, same
-    schedule) sets the tolerance, and must itself be close to its plain schedule.
+    schedule) sets the tolerance, and must itself be close to its plain schedule — except, in
+    the MTP case, for the router weights (``UPSTREAM_OFF``): when GPTModel's are off, the case is
+    an expected failure, after every other check has passed and the grouped model is off in
+    those parameters only, and in no more of them than GPTModel.
 
     The chunks are wrapped in megatron's DDP with ``delay_wgrad_compute`` set, as in training:
     TE's ``backward_dw`` assigns each micro-batch's weight gradient to ``.grad`` (without
@@ -217,8 +226,12 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
         rel, off = 0.0, set()
         for ours, reference in zip(overlap["grads"], plain["grads"], strict=True):
             assert ours.keys() == reference.keys()
-            rel = max(rel, max_rel_diff(ours, reference))
-            off |= {k for k in reference if max_rel_diff({k: ours[k]}, {k: reference[k]}) > 1e-2}
+            for key, grad in reference.items():
+                error = max_rel_diff({key: ours[key]}, {key: grad})
+                if upstream_off and key.endswith(upstream_off):
+                    off |= {key} if error > 1e-2 else set()
+                else:  # the known upstream parameters stay out of the tolerance
+                    rel = max(rel, error)
         loss = max(abs(a - b) for a, b in zip(overlap["losses"], plain["losses"], strict=True))
         return rel, loss, len(plain["grads"][0]), sorted(off)
 
@@ -231,21 +244,19 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
            [("GPTModel max rel grad diff / max loss diff", f"{gpt_rel:.2e} / {gpt_loss:.2e}"),
             ("grouped max rel grad diff / max loss diff", f"{rel:.2e} / {loss:.2e}"),
             ("gradients compared per step", count), ("tolerance", f"{tolerance:.2e}"),
-            ("GPTModel gradients off by > 1e-2", gpt_off or "none"),
-            ("grouped gradients off by > 1e-2", off or "none"),
+            ("known upstream parameters off by > 1e-2: GPTModel", gpt_off or "none"),
+            ("known upstream parameters off by > 1e-2: grouped", off or "none"),
             ("TE linears counted", len(calls)),
             ("backward_dw calls per linear (min, max)",
              (min(calls.values(), default=0), max(calls.values(), default=0))),
             ("linears with fewer calls", short or "none")])  # fmt: skip
+    assert gpt_rel <= 1e-2, "GPTModel's own delayed wgrad disagrees with its plain schedule"
     assert rel <= tolerance
     assert loss <= max(2 * gpt_loss, 1e-3)
-    # Wrong only where GPTModel under the same schedule is wrong too.
-    assert len(off) == len(gpt_off), (off, gpt_off)
+    assert len(off) <= len(gpt_off), (off, gpt_off)
     assert calls, "no TE linear with backward_dw found: the te backend was not built"
     # Once per micro-batch and step (no losses without the last pipeline stage: EP only here).
     assert min(calls.values()) >= steps * microbatches, calls
     if gpt_off:
-        # Seen with MTP (megatron-core 0.19.2, TE 2.20.2): the router weights of the last decoder
-        # layer and of the MTP layer, in GPTModel and here alike (docs/ep_overlap.md).
         pytest.xfail(f"GPTModel's own overlap + delay_wgrad_compute disagrees with its plain "
-                     f"schedule in {gpt_off}")  # fmt: skip
+                     f"schedule in {gpt_off} (upstream; docs/ep_overlap.md)")  # fmt: skip

@@ -189,23 +189,51 @@ def test_host_overhead_modes_do_the_same_work(host_overhead, mode):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_host_overhead_results_replace_rows_of_the_same_pinning(host_overhead, tmp_path):
+def _host_args(**changes):
     import argparse
 
-    def rows(pin, ms):
-        return [dict(mode=m, pinned_cores=pin, step_ms=ms, per_block_us=ms) for m in ("phased",)]
+    sizes = dict(out="unused", nodes=1, blocks=1, microbatches=1, hidden=4, tokens=2, repeats=1)
+    return argparse.Namespace(**{**sizes, "pin": 0, **changes})
 
-    args = argparse.Namespace(out=str(tmp_path), nodes=1, blocks=1, microbatches=1, hidden=4,
-                              tokens=2, repeats=1, pin=0)  # fmt: skip
-    host_overhead.write_results(tmp_path, "cpu", args, rows(0, 1.0))
-    args.pin = 1
-    host_overhead.write_results(tmp_path, "cpu", args, rows(1, 2.0))
-    args.pin = 0
-    host_overhead.write_results(tmp_path, "cpu", args, rows(0, 3.0))
+
+def _host_rows(pin, ms):
+    return [dict(mode="phased", pinned_cores=pin, step_ms=ms, per_block_us=ms)]
+
+
+def test_host_overhead_results_replace_rows_of_the_same_pinning(host_overhead, tmp_path):
+    host_overhead.write_results(tmp_path, "cpu", _host_args(pin=0), _host_rows(0, 1.0))
+    host_overhead.write_results(tmp_path, "cpu", _host_args(pin=1), _host_rows(1, 2.0))
+    host_overhead.write_results(tmp_path, "cpu", _host_args(pin=0), _host_rows(0, 3.0))
     saved = json.loads((tmp_path / "host_overhead_cpu.json").read_text())
     assert [(r["pinned_cores"], r["step_ms"]) for r in saved["rows"]] == [(0, 3.0), (1, 2.0)]
-    assert "--out" not in saved["meta"]["command"]
+    assert sorted(saved["meta"]["commands"]) == ["0", "1"]
+    assert not any("--out" in c for c in saved["meta"]["commands"].values())
     assert "| phased | 1 | 2.00 |" in (tmp_path / "host_overhead_cpu.md").read_text()
+
+
+def test_host_overhead_refuses_to_mix_sizes(host_overhead, tmp_path):
+    host_overhead.write_results(tmp_path, "cpu", _host_args(), _host_rows(0, 1.0))
+    with pytest.raises(ValueError, match="measured with .*'hidden': 4.*use another --out"):
+        host_overhead.write_results(tmp_path, "cpu", _host_args(hidden=8), _host_rows(0, 1.0))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pin", "100000"], "--pin 100000: only .* cores are available here"),
+        (["--pin", "-1"], "--pin must be 0 or more"),
+        (["--nodes", "0"], "--nodes must be at least 1"),
+    ],
+    ids=["too-many-cores", "negative-pin", "no-nodes"],
+)
+def test_host_overhead_bad_arguments_exit_2(host_overhead, monkeypatch, capsys, argv, message):
+    import re
+
+    monkeypatch.setattr(sys, "argv", ["host_overhead.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        host_overhead.main()
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_bind_cores_takes_this_ranks_block(tools, monkeypatch):

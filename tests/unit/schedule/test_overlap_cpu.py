@@ -151,6 +151,18 @@ def overlap_worker(rank, world_size, cases):
             "inexact": inexact,
             "tolerant_errors": errors,
         }
+        if case.get("ddp"):
+            # The same runs on the bare model: DDP's main_grad (fp32) must hold each step's own
+            # gradients, so a step that kept the previous step's would stand out.
+            bare = compare_overlap(
+                _build({**case, "ddp": False}, pg), config, steps=2, lr=1e-2, num_microbatches=4
+            )["plain"]["grads"]
+            results[name]["ddp_vs_bare"] = max(
+                _relative_error(grads[key.replace("module.module.", "module.", 1)], grad)
+                for ddp_grads, grads in zip(plain["grads"], bare, strict=True)
+                for key, grad in ddp_grads.items()
+                if grads[key.replace("module.module.", "module.", 1)].norm() > 0
+            )
         if case.get("gpt_twin"):
             # GPTModel with the same weights under the same overlapped schedule.
             gpt = compare_overlap(
@@ -195,6 +207,8 @@ def _check(rank_results, name, case):
             assert overlap == plain
         if case.get("gpt_twin"):
             assert result["gpt_overlap_losses"] == overlap
+        if case.get("ddp"):  # bf16 .grad against fp32 main_grad accumulation of 4 micro-batches
+            assert result["ddp_vs_bare"] < 2e-2, result["ddp_vs_bare"]
     assert reported, "no rank reported losses"
 
 
