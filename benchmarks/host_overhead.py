@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from pattern_parse import cpu_name
 from torch import nn
 
 MODES = ("phased", "split", "interleaved")
@@ -131,16 +132,6 @@ def pin_cores(count: int, parser: argparse.ArgumentParser) -> list[int]:
     return allowed[:count]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -234,7 +225,7 @@ def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
     commands = earlier["meta"]["commands"] if earlier else {}
     commands[str(args.pin)] = _command(args)
     rows = sorted(kept + rows, key=lambda r: (r["pinned_cores"], MODES.index(r["mode"])))
-    meta = dict(date=datetime.date.today().isoformat(), device=name, cpu=_cpu_model(),
+    meta = dict(date=datetime.date.today().isoformat(), device=name, cpu=cpu_name(),
                 cores=len(os.sched_getaffinity(0)), torch=torch.__version__, sizes=sizes,
                 commands=dict(sorted(commands.items())))  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def compare_overlap(
                 with torch.no_grad():
                     for chunk in chunks:
                         for p in chunk.parameters():
-                            if parameter_grad(p) is not None:
-                                p.add_(parameter_grad(p).to(p.dtype), alpha=-lr)
+                            if (grad := parameter_grad(p)) is not None:
+                                p.add_(grad.to(p.dtype), alpha=-lr)
         results[name] = {"losses": losses, "grads": grads}
     return results
