@@ -69,10 +69,11 @@ for part in "$@"; do
       fi ;;
     gdn-fla)
       have_tsite || { status=1; continue; }
-      # One process for the kernel tests: fla compiles and autotunes each kernel on first use.
-      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-300}" torchrun --nproc_per_node 1 \
-        -m pytest -q -s -p no:cacheprovider -W ignore tests/functional/test_gdn_kernels_gpu.py \
-        2>&1 | tee "$OUT/gdn_kernels.log"
+      # One process for the kernel tests: fla compiles and autotunes each kernel on first use
+      # (minutes). A test still running after 120 s dumps every thread's stack into the log.
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 \
+        -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=120 \
+        tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \

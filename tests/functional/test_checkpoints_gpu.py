@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_CPU, device_inputs, max_rel_diff, report
+from conftest import ON_CPU, device_inputs, report
 from conftest import bf16_config as _config
 
 
@@ -131,26 +131,52 @@ def test_grouped_pp2_vpp2_checkpoint_loads_into_gpt_tp2(world, shared_dir):
 
 
 def test_gated_delta_net_group_forward_backward(world):
-    """[GE]{2}: fla's kernels and megatron's torch GDN path give the same loss and gradients.
+    """[GE]{2}: fla's kernels and megatron's torch GDN path against a float32 model, same weights.
+
+    Both bf16 paths are measured against the float32 torch-path model; fla's GatedDeltaNet
+    gradients (all of them together, and each) must stay within a few times the torch path's own
+    bf16 error. Every token goes to every expert (top-k = experts), so no routing decision can
+    flip between the paths: a flipped token moves its gradient between experts and makes an
+    otherwise correct path look O(1) off in them. Single gradients such as ``A_log`` are sums
+    with heavy cancellation that bf16 rounding alone moves by several percent, so the table lists
+    the worst parameters and the bound is relative to the yardstick.
 
     fla 0.6.0 refuses its gated backward kernel on Hopper with Triton >= 3.4 and < 3.7.1 (wrong
-    results there, fla issue #640). Where it refuses, only the forward pass is compared and the
-    table says so; with Triton >= 3.7.1 the gradients are compared too.
+    results there, fla issue #640). Where it refuses, only the loss is compared and the table says
+    so; with Triton >= 3.7.1 the gradients are compared too.
     """
     pytest.importorskip("fla")
     from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
-    from megatron_hybrid.testing.models import build_hybrid
+    from megatron_hybrid.testing.models import build_hybrid, small_config
 
     rank, world_size, device = world
     pattern = "[GE]{2}"
     inputs = device_inputs(device, batch=2, seq=64, seed=5)
-    losses, grads, rows = {}, {}, []
+    every_expert = dict(moe_router_topk=small_config(pattern).num_moe_experts)
+    losses, grads, rows, weights = {}, {}, [], None
     # Triton has no CPU driver, so the fla path runs on GPUs only.
-    for path in ("torch",) if ON_CPU else ("torch", "fla"):
+    for path in ("torch", "float32") if ON_CPU else ("torch", "float32", "fla"):
         pg = initialize_model_parallel(seed=4)
-        config = _config(pattern, deterministic_mode=path == "torch")
-        model = _chunks(build_hybrid, config, pattern, pg, device)[0]
+        if path == "float32":
+            config = small_config(
+                pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256,
+                deterministic_mode=True, **every_expert,
+            )  # fmt: skip
+            torch.manual_seed(1)
+            model = build_hybrid(config, pattern, pg).to(device)
+        else:
+            config = _config(pattern, deterministic_mode=path == "torch", **every_expert)
+            model = _chunks(build_hybrid, config, pattern, pg, device)[0]
+        module = getattr(model, "module", model)  # inside Float16Module
+        named = dict(module.named_parameters())
+        if weights is None:  # the first (bf16 torch) model's weights are everyone's
+            weights = {name: p.detach().clone() for name, p in named.items()}
+        else:
+            assert named.keys() == weights.keys()
+            with torch.no_grad():
+                for name, param in named.items():
+                    param.copy_(weights[name])
         loss = model(**inputs).float().mean()
         losses[path] = loss.item()
         try:
@@ -160,20 +186,51 @@ def test_gated_delta_net_group_forward_backward(world):
                 raise
             rows.append((f"{path} backward", "refused by fla: Triton < 3.7.1 on Hopper"))
             continue
-        grads[path] = {k: g.float() for k, g in grads_by_checkpoint_key(model.module).items()}
-        gdn = [g for (key, _), g in grads[path].items() if ".self_attention." in key]
-        assert gdn and all(torch.isfinite(g).all() for g in gdn)
+        grads[path] = {
+            key: g.float()
+            for (key, _), g in grads_by_checkpoint_key(module).items()
+            if ".self_attention." in key
+        }
+        assert grads[path] and all(torch.isfinite(g).all() for g in grads[path].values())
+
+    reference = grads["float32"]
+
+    def errors(path: str) -> tuple[float, dict[str, float]]:
+        """Error of all GDN gradients together, and of each, against the float32 model."""
+        diff = torch.cat([(grads[path][k] - r).flatten() for k, r in reference.items()])
+        ref = torch.cat([r.flatten() for r in reference.values()])
+        each = {
+            k: ((grads[path][k] - r).norm() / r.norm().clamp_min(1e-12)).item()
+            for k, r in reference.items()
+        }
+        return (diff.norm() / ref.norm()).item(), each
+
     rows = [(f"{path} loss", f"{value:.6f}") for path, value in losses.items()] + rows
-    if len(grads) == 2:
-        rel = max_rel_diff(grads["fla"], grads["torch"])
-        rows.append(("max rel grad diff fla vs torch", f"{rel:.2e}"))
-    report("[GE]{2} fla kernels vs megatron's torch GDN path (bf16)", rows)
-    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
-    if "fla" in losses:
-        assert losses["fla"] == pytest.approx(losses["torch"], rel=2e-2)
-    if len(grads) == 2:
-        # bf16 with different chunked reductions; a wrong kernel is off by O(1).
-        assert rel < 5e-2
+    yardstick, yard_each = errors("torch")
+    rows.append(("GDN grads vs float32, all together: torch bf16", f"{yardstick:.2e}"))
+    failures = []
+    if "fla" in grads:
+        together, each = errors("fla")
+        rows.append(("GDN grads vs float32, all together: fla bf16", f"{together:.2e}"))
+        rows.append(("worst GDN parameters (fla bf16 | torch bf16 vs float32)",))
+        for key in sorted(each, key=each.get, reverse=True)[:6]:
+            rows.append((f"  {key}", f"{each[key]:.2e}", f"{yard_each[key]:.2e}"))
+        # A wrong kernel is off by O(1) in all of them; fla keeps bf16 intermediates (a few more
+        # roundings than the torch path, see test_gdn_kernels_gpu.py).
+        if not together <= 4 * yardstick + 1e-2:
+            failures.append(f"all GDN grads: fla {together:.2e} > 4 x {yardstick:.2e} + 1e-2")
+        failures += [
+            f"{key}: fla {e:.2e} > 8 x torch {yard_each[key]:.2e} + 5e-2"
+            for key, e in each.items()
+            if not e <= 8 * yard_each[key] + 5e-2
+        ]
+    report("[GE]{2} GatedDeltaNet kernels: fla and torch path (bf16) vs float32", rows)
+    for path in ("torch", "fla"):
+        if path in losses:
+            assert losses[path] == pytest.approx(losses["float32"], rel=2e-2), path
+    # The torch path computes in float32 and only rounds its bf16 inputs and outputs.
+    assert yardstick < 5e-2
+    assert not failures, failures
 
 
 def test_gpt_and_grouped_train_the_same_from_one_checkpoint(world, shared_dir):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import time
 from collections.abc import Callable, Collection, Iterator
 
 import pytest
@@ -42,8 +43,13 @@ from megatron_hybrid.testing.gdn_reference import (
 GDN_INPUTS = ("q", "k", "v", "g", "beta")
 # The layer computes g in float32 (from A_log and alpha.float()); the rest come in the model dtype.
 FLOAT32_ALWAYS = {"g"}
-# About one real layer's head: batch 1, T = 1024 (16 chunks of 64), H = 4, K = V = 128.
-BATCH, SEQ, HEADS, HEAD_DIM, CONV_WIDTH = 1, 1024, 4, 128, 4
+CONV_WIDTH = 4
+# (batch, sequence, heads, head dim K = V). "benchmark": the heads of benchmarks/ep_overlap.py's
+# GatedDeltaNet layer, T = 1024 (16 chunks of 64); Triton specialises fla's kernels on H, K and V,
+# so a benchmark run after this test reuses its compiled and autotuned kernels. "small": what the
+# small test models (``small_config``: 2 heads of 16, two sequences of 64 tokens) feed the kernels.
+SHAPES = {"benchmark": (1, 1024, 16, 128), "small": (2, 64, 2, 16)}
+shapes = pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 FLA_REFUSAL = "#640"
 CPU_SKIP = "skipped: Triton kernels need a GPU (no CPU driver)"
 
@@ -71,6 +77,15 @@ def _exact_float32() -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[None]:
+    """Prints what runs and how long it took: a first fla call compiles and autotunes (minutes)."""
+    start = time.perf_counter()
+    print(f"\n  {label} ...", end=" ", flush=True)
+    yield
+    print(f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -134,7 +149,8 @@ def _measure(
         if label.startswith("fla") and ON_CPU:
             notes[label] = CPU_SKIP
             continue
-        result = _run(fn, inputs, grad_out, dtype, keep_float32)
+        with _progress(label):
+            result = _run(fn, inputs, grad_out, dtype, keep_float32)
         errors[label] = _compare(label, result, reference)
         if result[1] is None:
             notes[label] = "backward refused by fla (#640: Triton < 3.7.1 on Hopper)"
@@ -176,21 +192,23 @@ def _fla_versions() -> str:
     )
 
 
-def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
+@shapes
+def test_chunk_gated_delta_rule_matches_recurrent_reference(world, shape):
     """fla's ``chunk_gated_delta_rule`` and megatron's torch path vs the naive recurrence."""
     from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 
     *_, device = world
     if not ON_CPU:
         pytest.importorskip("fla")
+    batch, seq, heads, head_dim = shape
     # Every kernel gets the same values: round to bf16 first, so the reference sees the bf16
     # paths' actual inputs and input rounding is no one's error.
-    inputs = make_gdn_inputs(BATCH, SEQ, HEADS, HEAD_DIM, HEAD_DIM, seed=11, device=device)
+    inputs = make_gdn_inputs(batch, seq, heads, head_dim, head_dim, seed=11, device=device)
     inputs = {
         name: t if name in FLOAT32_ALWAYS else t.bfloat16().float() for name, t in inputs.items()
     }
     gen = torch.Generator().manual_seed(12)
-    grad_out = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=gen).bfloat16().float()
+    grad_out = torch.randn(batch, seq, heads, head_dim, generator=gen).bfloat16().float()
     grad_out = grad_out.to(device)
 
     # As megatron's GatedDeltaNet calls either kernel (it l2-normalises q and k itself).
@@ -205,7 +223,8 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
         return chunk_gated_delta_rule(**tensors, **call)
 
     with _exact_float32():
-        reference = _run(recurrent_gated_delta_rule, inputs, grad_out, torch.float32)
+        with _progress("recurrent reference fp32"):
+            reference = _run(recurrent_gated_delta_rule, inputs, grad_out, torch.float32)
         kernels = (
             ("megatron torch fp32", megatron_torch, torch.float32),
             ("megatron torch bf16", megatron_torch, torch.bfloat16),
@@ -222,7 +241,7 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
     rows = _table("kernel (fla bound: 8 x torch bf16 + 1e-2)", errors, notes, fla_bound)
     if not ON_CPU:
         rows.append((_fla_versions(),))
-    report(f"chunk_gated_delta_rule vs recurrence, B{BATCH} T{SEQ} H{HEADS} K=V{HEAD_DIM}", rows)
+    report(f"chunk_gated_delta_rule vs recurrence, B{batch} T{seq} H{heads} K=V{head_dim}", rows)
 
     failures = _failures("megatron torch fp32", errors["megatron torch fp32"], lambda _: FP32_TOL)
     failures += _failures("megatron torch bf16", yardstick, lambda _: BF16_ROUNDING_TOL)
@@ -233,21 +252,23 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world):
         pytest.skip("fla refused its gated backward (#640): gradients not compared")
 
 
-def test_causal_conv1d_matches_reference(world):
+@shapes
+def test_causal_conv1d_matches_reference(world, shape):
     """fla's ``causal_conv1d`` and ``F.conv1d`` (megatron's two conv paths) vs float32."""
     *_, device = world
     if not ON_CPU:
         pytest.importorskip("fla")
-    channels = HEADS * HEAD_DIM * 3  # q, k and v go through one convolution
+    batch, seq, heads, head_dim = shape
+    channels = heads * head_dim * 3  # q, k and v go through one convolution
     gen = torch.Generator().manual_seed(13)
     # nn.Conv1d's default init for a depthwise filter of width 4 is U(-1/2, 1/2).
     inputs = dict(
-        x=torch.randn(BATCH, SEQ, channels, generator=gen),
+        x=torch.randn(batch, seq, channels, generator=gen),
         weight=torch.rand(channels, CONV_WIDTH, generator=gen) - 0.5,
         bias=0.1 * torch.randn(channels, generator=gen),
     )
     inputs = {name: t.bfloat16().float().to(device) for name, t in inputs.items()}
-    grad_out = torch.randn(BATCH, SEQ, channels, generator=gen).bfloat16().float().to(device)
+    grad_out = torch.randn(batch, seq, channels, generator=gen).bfloat16().float().to(device)
 
     def torch_conv(x, weight, bias):
         return depthwise_causal_conv1d(x, weight, bias, activation="silu")
@@ -264,7 +285,7 @@ def test_causal_conv1d_matches_reference(world):
     def fla_conv_strided(x, weight, bias):
         # In the layer, x is a slice of the input projection's [S, B, *] output, transposed to
         # [B, S, *]: not contiguous, time stride larger than D. Same values, that layout.
-        wide = torch.cat([x.transpose(0, 1), x.new_zeros(SEQ, BATCH, 64)], dim=-1)
+        wide = torch.cat([x.transpose(0, 1), x.new_zeros(seq, batch, 64)], dim=-1)
         return fla_conv(wide.transpose(0, 1)[..., :channels], weight, bias)
 
     with _exact_float32():
@@ -283,8 +304,8 @@ def test_causal_conv1d_matches_reference(world):
         return CONV_FLA_FACTOR * min(yardstick[name], BF16_ROUNDING_TOL) + CONV_FLA_FLOOR
 
     rows = _table("conv (fla bound: 4 x F.conv1d bf16 + 1e-3)", errors, notes, fla_bound)
-    shape = f"B{BATCH} T{SEQ} D{channels} W{CONV_WIDTH}"
-    report(f"causal_conv1d (silu) vs F.conv1d fp32, {shape}", rows)
+    dims = f"B{batch} T{seq} D{channels} W{CONV_WIDTH}"
+    report(f"causal_conv1d (silu) vs F.conv1d fp32, {dims}", rows)
 
     # The reference is F.conv1d fp32 itself: that row is a determinism check, 0 expected.
     failures = _failures("F.conv1d fp32", errors["F.conv1d fp32"], lambda _: FP32_TOL)
