@@ -16,7 +16,8 @@
 #                PROFILE_NOP2P=1 also no-p2p-profile. $BENCH_ARGS come last, so a --variants
 #                there replaces the part's own list
 #   host         benchmarks/host_overhead.py (one GPU), not bound, then bound to 1 and 2 cores
-#   ge-exp       ge_plain / ge_overlap with fla kernels in several configurations ($GE_EXPS)
+#   ge-exp       ge_plain / ge_overlap with fla kernels in several configurations ($GE_EXPS;
+#                NCCL_P2P_DISABLE from the environment)
 #   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 set -uo pipefail

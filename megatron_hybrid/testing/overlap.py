@@ -83,6 +83,7 @@ def compare_overlap(
     lr: float = 0.0,
     seed: int = 11,
     overlap_overrides: dict | None = None,
+    schedules: tuple[str, ...] = ("plain", "overlap"),
 ) -> dict[str, Any]:
     """Losses and gradients of the plain and the overlapped schedule on the same weights.
 
@@ -100,15 +101,20 @@ def compare_overlap(
         lr: SGD learning rate; 0 keeps the weights fixed.
         seed: data seed.
         overlap_overrides: config changes for the overlapped run only (e.g. recompute).
+        schedules: which of ``"plain"`` and ``"overlap"`` to run, in this order.
 
     Returns:
-        ``{"plain": run, "overlap": run}``, each run ``{"losses": [...], "grads": [per step:
-        {name: grad}]}``.
+        ``{"plain": run, "overlap": run}`` (the schedules run), each run ``{"losses": [...],
+        "grads": [per step: {name: grad}]}``.
     """
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     results = {}
     state = None
-    for name, overlap in (("plain", False), ("overlap", True)):
+    unknown = set(schedules) - {"plain", "overlap"}
+    if unknown or not schedules:
+        raise ValueError(f"schedules must name 'plain' and/or 'overlap', got {schedules!r}")
+    for name in schedules:
+        overlap = name == "overlap"
         changes = dict(overlap_overrides or {}) if overlap else {}
         run_config = dataclasses.replace(
             config, overlap_moe_expert_parallel_comm=overlap, **changes

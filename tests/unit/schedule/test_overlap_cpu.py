@@ -51,6 +51,7 @@ TWO_RANKS = {
     "delay_wgrad_compute_ddp_mtp": dict(
         pattern="[*-][*E]/*E",
         ddp=True,
+        compare_bare=True,
         tolerant=("embedding.word_embeddings.weight",),
         overlap_overrides=dict(delay_wgrad_compute=True),
     ),
@@ -156,14 +157,21 @@ def overlap_worker(rank, world_size, cases):
             "tolerant_errors": errors,
         }
         if case.get("compare_bare"):
-            # The same runs on the bare model: DDP's main_grad (fp32) must hold each step's own
-            # gradients, so a step that kept the previous step's would stand out.
-            bare = compare_overlap(
-                _build({**case, "ddp": False}, pg), config, steps=2, lr=1e-2, num_microbatches=4
-            )["plain"]["grads"]
+            # DDP's main_grad (fp32) against the bare model's .grad, plain schedule, weights held
+            # (lr 0: after an update the two differ by bf16 rounding, which can flip a routing
+            # decision, e.g. in the MTP depth's MoE, and move gradient between experts). Each
+            # step's gradients must be that step's own: a main_grad kept from the step before
+            # would double them.
+            held = {}
+            for ddp in (True, False):
+                run = compare_overlap(
+                    _build({**case, "ddp": ddp}, pg), config, steps=2, lr=0.0,
+                    num_microbatches=4, schedules=("plain",),
+                )  # fmt: skip
+                held[ddp] = run["plain"]["grads"]
             results[name]["ddp_vs_bare"] = max(
                 _relative_error(grads[key.replace("module.module.", "module.", 1)], grad)
-                for ddp_grads, grads in zip(plain["grads"], bare, strict=True)
+                for ddp_grads, grads in zip(held[True], held[False], strict=True)
                 for key, grad in ddp_grads.items()
                 if grads[key.replace("module.module.", "module.", 1)].norm() > 0
             )
@@ -211,8 +219,8 @@ def _check(rank_results, name, case):
             assert overlap == plain
         if case.get("gpt_twin"):
             assert result["gpt_overlap_losses"] == overlap
-        if case.get("compare_bare"):  # bf16 .grad vs fp32 main_grad, 4 micro-batches accumulated
-            assert result["ddp_vs_bare"] < 2e-2, result["ddp_vs_bare"]
+        if case.get("compare_bare"):  # bf16 .grad vs fp32 main_grad: bf16 rounding (~4e-3)
+            assert result["ddp_vs_bare"] < 1e-2, result["ddp_vs_bare"]
     assert reported, "no rank reported losses"
 
 
@@ -221,3 +229,11 @@ def _check(rank_results, name, case):
 @pytest.mark.parametrize("name", list(TWO_RANKS))
 def test_overlap_matches_plain_ep2(two_rank_results, name):
     _check(two_rank_results, name, TWO_RANKS[name])
+
+
+@pytest.mark.parametrize("schedules", [(), ("plain", "fast")], ids=["none", "unknown"])
+def test_compare_overlap_refuses_unknown_schedules(schedules):
+    from megatron_hybrid.testing.overlap import compare_overlap
+
+    with pytest.raises(ValueError, match="schedules must name 'plain' and/or 'overlap'"):
+        compare_overlap(lambda config: [], None, schedules=schedules)
