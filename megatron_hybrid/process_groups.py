@@ -41,6 +41,31 @@ def init_single_process_world(backend: str = "gloo") -> None:
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
+# The gloo groups the last initialize_model_parallel made. megatron's destroy_model_parallel
+# destroys only the groups it created as gloo side groups and forgets the rest; on a gloo world
+# (the CPU) each forgotten group keeps its threads, about 60 per layout, so a process that sets
+# up many layouts (the CPU test suite, a few hundred) would pile up thousands of threads.
+_GLOO_GROUPS: list = []
+
+
+def _registered_groups() -> set:
+    """The process groups torch.distributed knows (empty where torch hides its registry)."""
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    return set(getattr(world, "pg_map", {}))
+
+
+def _destroy_gloo_groups() -> None:
+    import torch.distributed as dist
+
+    registered = _registered_groups()
+    for group in _GLOO_GROUPS:
+        if group in registered:  # not already destroyed by megatron
+            dist.destroy_process_group(group)
+    _GLOO_GROUPS.clear()
+
+
 def reset_megatron_state() -> None:
     """Destroy every piece of megatron-core global state this package's code touches."""
     from megatron.core import num_microbatches_calculator, parallel_state
@@ -49,6 +74,7 @@ def reset_megatron_state() -> None:
     from megatron.core.transformer.moe import moe_logging, moe_utils, token_dispatcher
 
     parallel_state.destroy_model_parallel()
+    _destroy_gloo_groups()
     moe_logging.destroy_moe_metrics_tracker()
     moe_utils.clear_aux_losses_tracker()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
@@ -94,6 +120,7 @@ def initialize_model_parallel(
             "initialize_model_parallel needs torch.distributed.init_process_group first"
         )
     reset_megatron_state()
+    before = _registered_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -101,6 +128,11 @@ def initialize_model_parallel(
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+    )
+    _GLOO_GROUPS.extend(
+        group
+        for group in _registered_groups() - before
+        if torch.distributed.get_backend(group) == "gloo"
     )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

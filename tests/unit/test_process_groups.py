@@ -1,0 +1,36 @@
+"""Setting up and tearing down megatron-core's parallel state on a one-rank gloo world."""
+
+from __future__ import annotations
+
+from megatron_hybrid.process_groups import reset_megatron_state
+
+
+def _registered() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def test_reset_destroys_the_groups_a_layout_made(model_parallel):
+    """Each layout's groups go with the reset: a process that sets up hundreds of layouts (this
+    test suite) would otherwise keep every gloo group and its threads."""
+    reset_megatron_state()
+    baseline = _registered()
+    for _ in range(3):
+        model_parallel()
+        assert _registered() > baseline  # the layout made groups
+        reset_megatron_state()
+        assert _registered() == baseline
+
+
+def test_reset_keeps_groups_it_did_not_make(model_parallel):
+    import torch
+    import torch.distributed as dist
+
+    mine = dist.new_group([0], backend="gloo")
+    model_parallel()
+    reset_megatron_state()
+    value = torch.ones(1)
+    dist.all_reduce(value, group=mine)  # still usable
+    assert value.item() == 1.0
+    dist.destroy_process_group(mine)
