@@ -41,25 +41,27 @@ def init_single_process_world(backend: str = "gloo") -> None:
     dist.init_process_group(backend, rank=0, world_size=1)
 
 
-# The gloo groups the last initialize_model_parallel made. megatron's destroy_model_parallel
-# destroys only the groups it created as gloo side groups and forgets the rest; on a gloo world
-# (the CPU) each forgotten group keeps its threads, about 60 per layout, so a process that sets
-# up many layouts (the CPU test suite, a few hundred) would pile up thousands of threads.
-_GLOO_GROUPS: list = []
+# The gloo groups the last initialize_model_parallel made, in creation order. megatron's
+# destroy_model_parallel destroys only the groups it created as gloo side groups and forgets the
+# rest; on a gloo world (the CPU) each forgotten group keeps its threads, about 60 per layout, so
+# a process that sets up many layouts (the CPU test suite, a few hundred) would pile up
+# thousands of threads.
+_GLOO_GROUPS: list[torch.distributed.ProcessGroup] = []
 
 
-def _registered_groups() -> set:
-    """The process groups torch.distributed knows (empty where torch hides its registry)."""
+def _registered_groups() -> list:
+    """The process groups torch.distributed knows, in creation order (empty where torch hides
+    its registry)."""
     from torch.distributed import distributed_c10d
 
     world = getattr(distributed_c10d, "_world", None)
-    return set(getattr(world, "pg_map", {}))
+    return list(getattr(world, "pg_map", {}))
 
 
 def _destroy_gloo_groups() -> None:
     import torch.distributed as dist
 
-    registered = _registered_groups()
+    registered = set(_registered_groups())
     for group in _GLOO_GROUPS:
         if group in registered:  # not already destroyed by megatron
             dist.destroy_process_group(group)
@@ -67,7 +69,13 @@ def _destroy_gloo_groups() -> None:
 
 
 def reset_megatron_state() -> None:
-    """Destroy every piece of megatron-core global state this package's code touches."""
+    """Destroy every piece of megatron-core global state this package's code touches.
+
+    On a gloo world this also destroys the process groups the last
+    :func:`initialize_model_parallel` made, so models and ``ProcessGroupCollection`` objects
+    from before the reset are unusable afterwards (megatron's own globals they rely on are gone
+    too); the groups' threads end once nothing refers to them any more.
+    """
     from megatron.core import num_microbatches_calculator, parallel_state
     from megatron.core.pipeline_parallel import utils as pp_utils
     from megatron.core.tensor_parallel import random as mrandom
@@ -120,20 +128,22 @@ def initialize_model_parallel(
             "initialize_model_parallel needs torch.distributed.init_process_group first"
         )
     reset_megatron_state()
-    before = _registered_groups()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
-    _GLOO_GROUPS.extend(
-        group
-        for group in _registered_groups() - before
-        if torch.distributed.get_backend(group) == "gloo"
-    )
+    before = set(_registered_groups())
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+        )
+    finally:  # also the groups of a setup that failed halfway
+        _GLOO_GROUPS.extend(
+            group
+            for group in _registered_groups()
+            if group not in before and torch.distributed.get_backend(group) == "gloo"
+        )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ProcessGroupCollection.use_mpu_process_groups()

@@ -71,9 +71,9 @@ for part in "$@"; do
     gdn-fla)
       have_tsite || { status=1; continue; }
       # One process for the kernel tests: fla compiles and autotunes each kernel on first use
-      # (minutes). A test still running after 120 s dumps every thread's stack into the log.
+      # (minutes). A test still running after 300 s dumps every thread's stack into the log.
       PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 \
-        -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=120 \
+        -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \

@@ -107,12 +107,14 @@ def compare_overlap(
         ``{"plain": run, "overlap": run}`` (the schedules run), each run ``{"losses": [...],
         "grads": [per step: {name: grad}]}``.
     """
+    valid = set(schedules) <= {"plain", "overlap"} and len(set(schedules)) == len(schedules)
+    if not schedules or not valid:
+        raise ValueError(
+            f"schedules must name 'plain' and/or 'overlap', each once, got {schedules!r}"
+        )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     results = {}
     state = None
-    unknown = set(schedules) - {"plain", "overlap"}
-    if unknown or not schedules:
-        raise ValueError(f"schedules must name 'plain' and/or 'overlap', got {schedules!r}")
     for name in schedules:
         overlap = name == "overlap"
         changes = dict(overlap_overrides or {}) if overlap else {}

@@ -10,7 +10,9 @@ CUDA calls emulated (numerics only; timings and NCCL are not exercised).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -70,6 +72,17 @@ def shared_dir(world, tmp_path_factory):
     path = [str(tmp_path_factory.mktemp("shared")) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """TF32 off in cuBLAS and cuDNN, so float32 references are float32 (cuDNN defaults to TF32)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def report(title: str, rows: list[tuple]) -> None:

@@ -6,9 +6,11 @@ parallel state, which ``initialize_model_parallel`` resets per layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from conftest import ON_CPU, device_inputs, report
+from conftest import ON_CPU, device_inputs, exact_float32, report
 from conftest import bf16_config as _config
 
 
@@ -146,7 +148,6 @@ def test_gated_delta_net_group_forward_backward(world):
     so; with Triton >= 3.7.1 the gradients are compared too.
     """
     pytest.importorskip("fla")
-    from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
 
@@ -177,19 +178,23 @@ def test_gated_delta_net_group_forward_backward(world):
             with torch.no_grad():
                 for name, param in named.items():
                     param.copy_(weights[name])
-        loss = model(**inputs).float().mean()
-        losses[path] = loss.item()
-        try:
-            loss.backward()
-        except RuntimeError as error:  # fla's own refusal (#640), nothing else
-            if "#640" not in str(error):
-                raise
-            rows.append((f"{path} backward", "refused by fla: Triton < 3.7.1 on Hopper"))
-            continue
+        # cuDNN's default TF32 would make the float32 model's convolution a TF32 one.
+        with exact_float32() if path == "float32" else contextlib.nullcontext():
+            loss = model(**inputs).float().mean()
+            losses[path] = loss.item()
+            try:
+                loss.backward()
+            except RuntimeError as error:  # fla's own refusal (#640), nothing else
+                if "#640" not in str(error):
+                    raise
+                rows.append((f"{path} backward", "refused by fla: Triton < 3.7.1 on Hopper"))
+                continue
+        # By parameter name (the same in all three models): every GatedDeltaNet parameter,
+        # in_proj and conv1d included, whose gradients the kernels' dq/dk/dv/dbeta feed.
         grads[path] = {
-            key: g.float()
-            for (key, _), g in grads_by_checkpoint_key(module).items()
-            if ".self_attention." in key
+            name: p.grad.float()
+            for name, p in named.items()
+            if ".self_attention." in name and p.grad is not None
         }
         assert grads[path] and all(torch.isfinite(g).all() for g in grads[path].values())
 
@@ -207,6 +212,7 @@ def test_gated_delta_net_group_forward_backward(world):
 
     rows = [(f"{path} loss", f"{value:.6f}") for path, value in losses.items()] + rows
     yardstick, yard_each = errors("torch")
+    rows.append(("GDN parameters compared", len(reference)))
     rows.append(("GDN grads vs float32, all together: torch bf16", f"{yardstick:.2e}"))
     failures = []
     if "fla" in grads:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import pytest
 import torch
-from conftest import ON_CPU, report
+from conftest import ON_CPU, exact_float32, report
 
 from megatron_hybrid.testing.gdn_reference import (
     depthwise_causal_conv1d,
@@ -69,23 +69,14 @@ CONV_FLA_FACTOR, CONV_FLA_FLOOR = 4.0, 1e-3
 
 
 @contextlib.contextmanager
-def _exact_float32() -> Iterator[None]:
-    """TF32 off in cuBLAS and cuDNN, so float32 references are float32 (cuDNN defaults to TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-@contextlib.contextmanager
 def _progress(label: str) -> Iterator[None]:
     """Prints what runs and how long it took: a first fla call compiles and autotunes (minutes)."""
     start = time.perf_counter()
     print(f"\n  {label} ...", end=" ", flush=True)
-    yield
-    print(f"{time.perf_counter() - start:.1f} s", flush=True)
+    try:
+        yield
+    finally:
+        print(f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -222,7 +213,7 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world, shape):
 
         return chunk_gated_delta_rule(**tensors, **call)
 
-    with _exact_float32():
+    with exact_float32():
         with _progress("recurrent reference fp32"):
             reference = _run(recurrent_gated_delta_rule, inputs, grad_out, torch.float32)
         kernels = (
@@ -288,7 +279,7 @@ def test_causal_conv1d_matches_reference(world, shape):
         wide = torch.cat([x.transpose(0, 1), x.new_zeros(seq, batch, 64)], dim=-1)
         return fla_conv(wide.transpose(0, 1)[..., :channels], weight, bias)
 
-    with _exact_float32():
+    with exact_float32():
         reference = _run(torch_conv, inputs, grad_out, torch.float32)
         kernels = (
             ("F.conv1d fp32", torch_conv, torch.float32),

@@ -156,6 +156,11 @@ DELAY_WGRAD = [
 ]
 
 
+def _parameters(off: dict[str, float]) -> set[str]:
+    """The parameter names of ``"step N: name"`` keys."""
+    return {key.split(": ", 1)[1] for key in off}
+
+
 @pytest.mark.parametrize("pattern, changes, upstream_off", DELAY_WGRAD)
 def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes, upstream_off):
     """TE delays the weight gradients to ``backward_dw``: every slot must call it.
@@ -259,7 +264,8 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes, upstream_
     assert gpt_rel <= 1e-2, "GPTModel's own delayed wgrad disagrees with its plain schedule"
     assert rel <= tolerance
     assert loss <= max(2 * gpt_loss, 1e-3)
-    assert len(off) <= len(gpt_off), (off, gpt_off)
+    # Parameters, whatever the step (GPTModel's module paths differ from ours: count them).
+    assert len(_parameters(off)) <= len(_parameters(gpt_off)), (off, gpt_off)
     assert calls, "no TE linear with backward_dw found: the te backend was not built"
     # Once per micro-batch and step (no losses without the last pipeline stage: EP only here).
     assert min(calls.values()) >= steps * microbatches, calls
