@@ -316,18 +316,23 @@ def write_outputs(out: Path, name: str, meta: dict, results: dict, ratios: dict)
 _PER_RUN_ARGS = ("variants", "append", "gdn_kernel", "out", "repeats", "profile")
 
 
-def bind_cores(local_rank: int, count: int, parser: argparse.ArgumentParser) -> list[int]:
+def bind_cores(
+    local_rank: int, count: int, parser: argparse.ArgumentParser, flag: str = "--bind-cores"
+) -> list[int]:
     """Bind this rank to the ``local_rank``-th block of ``count`` allowed cores.
 
     Binds the calling thread only, before CUDA, NCCL and the autograd engine start their threads,
-    which inherit the binding (threads already running, if any, keep theirs).
+    which inherit the binding (threads already running, if any, keep theirs). Intra-op threads
+    are capped at ``count``: more would spin against each other. ``flag`` names the option in
+    the error.
     """
     allowed = sorted(os.sched_getaffinity(0))
     cores = allowed[local_rank * count : (local_rank + 1) * count]
     if len(cores) < count:
         parser.error(
-            f"--bind-cores {count}: rank {local_rank} needs cores {local_rank * count}.."
-            f"{(local_rank + 1) * count - 1} of the {len(allowed)} allowed here; use fewer"
+            f"{flag} {count}: only {len(allowed)} cores are available here, but rank "
+            f"{local_rank} needs cores {local_rank * count}..{(local_rank + 1) * count - 1} of "
+            f"the {len(allowed)} allowed here; use fewer"
         )
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(min(torch.get_num_threads(), count))

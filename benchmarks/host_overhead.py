@@ -32,10 +32,13 @@ import time
 from pathlib import Path
 
 import torch
+from ep_overlap import bind_cores
 from pattern_parse import cpu_name
 from torch import nn
 
 MODES = ("phased", "split", "interleaved")
+# The settings a results file's rows must share (the pinning may differ between rows).
+_SIZES = ("nodes", "blocks", "microbatches", "hidden", "tokens", "repeats")
 
 
 class Block(nn.Module):
@@ -123,15 +126,6 @@ def measure(nodes, inputs, repeats: int) -> dict[str, float]:
     return {mode: statistics.median(t) for mode, t in times.items()}
 
 
-def pin_cores(count: int, parser: argparse.ArgumentParser) -> list[int]:
-    """Bind the calling thread to ``count`` allowed cores; threads it starts later inherit it."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if count > len(allowed):
-        parser.error(f"--pin {count}: only {len(allowed)} cores are available here; use fewer")
-    os.sched_setaffinity(0, allowed[:count])
-    return allowed[:count]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -146,15 +140,13 @@ def main() -> None:
         help="bind the process to this many cores before it starts any thread (0: leave it)",
     )  # fmt: skip
     args = parser.parse_args()
-    for name in ("nodes", "blocks", "microbatches", "hidden", "tokens", "repeats"):
+    for name in _SIZES:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.pin < 0:
         parser.error(f"--pin must be 0 or more, got {args.pin}")
     # Before CUDA and the first backward: the engine's device thread starts then and inherits it.
-    cores = pin_cores(args.pin, parser) if args.pin else []
-    if cores:  # more intra-op threads than cores would spin against each other
-        torch.set_num_threads(min(torch.get_num_threads(), len(cores)))
+    cores = bind_cores(0, args.pin, parser, flag="--pin") if args.pin else []
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:  # before measuring: results of other sizes would not fit in the same table
@@ -179,7 +171,8 @@ def main() -> None:
     write_results(Path(args.out), device, args, rows)
 
 
-_SIZES = ("nodes", "blocks", "microbatches", "hidden", "tokens", "repeats")
+def _sizes(args) -> dict[str, int]:
+    return {k: getattr(args, k) for k in _SIZES}
 
 
 def _command(args) -> str:
@@ -203,7 +196,7 @@ def earlier_results(out: Path, device: str, args) -> dict | None:
     if not path.exists():
         return None
     earlier = json.loads(path.read_text())
-    sizes = {k: getattr(args, k) for k in _SIZES}
+    sizes = _sizes(args)
     if earlier["meta"]["sizes"] != sizes:
         raise ValueError(
             f"{path} holds rows measured with {earlier['meta']['sizes']}, not {sizes}: "
@@ -219,14 +212,13 @@ def write_results(out: Path, device: str, args, rows: list[dict]) -> None:
         ValueError: the file holds rows measured with other sizes.
     """
     name, path = _results_path(out, device)
-    sizes = {k: getattr(args, k) for k in _SIZES}
     earlier = earlier_results(out, device, args)
     kept = [r for r in earlier["rows"] if r["pinned_cores"] != args.pin] if earlier else []
     commands = earlier["meta"]["commands"] if earlier else {}
     commands[str(args.pin)] = _command(args)
     rows = sorted(kept + rows, key=lambda r: (r["pinned_cores"], MODES.index(r["mode"])))
     meta = dict(date=datetime.date.today().isoformat(), device=name, cpu=cpu_name(),
-                cores=len(os.sched_getaffinity(0)), torch=torch.__version__, sizes=sizes,
+                cores=len(os.sched_getaffinity(0)), torch=torch.__version__, sizes=_sizes(args),
                 commands=dict(sorted(commands.items())))  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")

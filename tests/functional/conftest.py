@@ -113,10 +113,13 @@ def device_inputs(device, **kwargs) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in model_inputs(**kwargs).items()}
 
 
+def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``|a - r| / |r|`` in Frobenius norms, computed in float32."""
+    diff = (actual.float() - reference.float()).norm()
+    return (diff / reference.float().norm().clamp_min(1e-30)).item()
+
+
 def max_rel_diff(actual: dict, reference: dict) -> float:
-    """Largest ``|a - r| / |r|`` (Frobenius norms) over the tensors of two same-keyed dicts."""
+    """Largest :func:`rel_error` over the tensors of two same-keyed dicts."""
     assert actual.keys() == reference.keys() and actual
-    return max(
-        ((actual[k] - r).float().norm() / r.float().norm().clamp_min(1e-12)).item()
-        for k, r in reference.items()
-    )
+    return max(rel_error(actual[k], r) for k, r in reference.items())

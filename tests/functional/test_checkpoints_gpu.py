@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import ON_CPU, device_inputs, exact_float32, report
+from conftest import ON_CPU, device_inputs, exact_float32, rel_error, report
 from conftest import bf16_config as _config
 
 
@@ -202,13 +202,11 @@ def test_gated_delta_net_group_forward_backward(world):
 
     def errors(path: str) -> tuple[float, dict[str, float]]:
         """Error of all GDN gradients together, and of each, against the float32 model."""
-        diff = torch.cat([(grads[path][k] - r).flatten() for k, r in reference.items()])
-        ref = torch.cat([r.flatten() for r in reference.values()])
-        each = {
-            k: ((grads[path][k] - r).norm() / r.norm().clamp_min(1e-12)).item()
-            for k, r in reference.items()
-        }
-        return (diff.norm() / ref.norm()).item(), each
+        together = rel_error(
+            torch.cat([grads[path][k].flatten() for k in reference]),
+            torch.cat([r.flatten() for r in reference.values()]),
+        )
+        return together, {k: rel_error(grads[path][k], r) for k, r in reference.items()}
 
     rows = [(f"{path} loss", f"{value:.6f}") for path, value in losses.items()] + rows
     yardstick, yard_each = errors("torch")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import pytest
 import torch
-from conftest import ON_CPU, exact_float32, report
+from conftest import ON_CPU, exact_float32, rel_error, report
 
 from megatron_hybrid.testing.gdn_reference import (
     depthwise_causal_conv1d,
@@ -79,11 +79,6 @@ def _progress(label: str) -> Iterator[None]:
         print(f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
-def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    diff = (actual.float() - reference.float()).norm()
-    return (diff / reference.float().norm().clamp_min(1e-30)).item()
-
-
 def _run(
     fn: Callable[..., torch.Tensor | tuple],
     inputs: dict[str, torch.Tensor],
@@ -118,9 +113,9 @@ def _compare(
     """Norm-relative error of the output (``"out"``) and of each gradient (``None``: refused)."""
     (out, grads), (ref_out, ref_grads) = result, reference
     assert out.shape == ref_out.shape, (label, out.shape)
-    errors: dict[str, float | None] = {"out": _rel(out, ref_out)}
+    errors: dict[str, float | None] = {"out": rel_error(out, ref_out)}
     for name, ref_grad in ref_grads.items():
-        errors[f"d{name}"] = None if grads is None else _rel(grads[name], ref_grad)
+        errors[f"d{name}"] = None if grads is None else rel_error(grads[name], ref_grad)
     return errors
 
 

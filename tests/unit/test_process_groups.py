@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from megatron_hybrid.process_groups import reset_megatron_state
+from megatron_hybrid.process_groups import _registered_groups, reset_megatron_state
 
 
 def _registered() -> int:
-    from torch.distributed import distributed_c10d
-
-    return len(distributed_c10d._world.pg_map)
+    return len(_registered_groups())
 
 
 def test_reset_destroys_the_groups_a_layout_made(model_parallel):
