@@ -144,35 +144,26 @@ def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     assert loss == pytest.approx(reference_loss, rel=2e-2)
 
 
-# Gradients that GPTModel itself gets wrong under overlap + delay_wgrad_compute with TE 2.20.2 and
-# megatron-core 0.19.2 (seen on 4x H200 with MTP: the router weights of the last decoder layer and
-# of the MTP layer; docs/ep_overlap.md). Only these may differ, and only where GPTModel's do.
-UPSTREAM_OFF = "mlp.router.weight"
 DELAY_WGRAD = [
-    pytest.param(
-        "[*E]{2}", dict(moe_shared_expert_intermediate_size=128), None, id="moe-shared-experts"
-    ),
-    pytest.param("[*-][*E]/*E", {}, UPSTREAM_OFF, id="dense-moe-mtp"),
+    pytest.param("[*E]{2}", dict(moe_shared_expert_intermediate_size=128), id="moe-shared-experts"),
+    pytest.param("[*-][*E]/*E", {}, id="dense-moe-mtp"),
 ]
 
 
-def _parameters(off: dict[str, float]) -> set[str]:
-    """The parameter names of ``"step N: name"`` keys."""
-    return {key.split(": ", 1)[1] for key in off}
-
-
-@pytest.mark.parametrize("pattern, changes, upstream_off", DELAY_WGRAD)
-def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes, upstream_off):
+@pytest.mark.parametrize("pattern, changes", DELAY_WGRAD)
+def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
     """TE delays the weight gradients to ``backward_dw``: every slot must call it.
 
-    Overlap with ``delay_wgrad_compute`` against the plain schedule, EP over all GPUs, two SGD
-    steps, every step's gradients compared. A linear whose delayed wgrad no slot runs keeps no
-    gradient (or a stale one), which this comparison cannot miss; the ``backward_dw`` calls of
-    every TE linear of the grouped model are counted as well. GPTModel (same weights, same
-    schedule) sets the tolerance, and must itself be close to its plain schedule — except, in
-    the MTP case, for the router weights (``UPSTREAM_OFF``): when GPTModel's are off, the case is
-    an expected failure, after every other check has passed and the grouped model is off in
-    those parameters only, and in no more of them than GPTModel.
+    Overlap with ``delay_wgrad_compute`` against the plain schedule, EP over all GPUs, two steps
+    on different batches with the weights held between them, every step's gradients compared. A
+    linear whose delayed wgrad no slot runs keeps no gradient (or a stale one from the step
+    before), which this comparison cannot miss; the ``backward_dw`` calls of every TE linear of
+    the grouped model are counted as well. GPTModel (same weights, same schedule) sets the
+    tolerance and must itself be close to its plain schedule. The weights are held because after
+    an update the two schedules' bf16 rounding differences can flip routing decisions (seen on
+    2x H200 with MTP and one SGD step between: the router weights off by 6e-2 in the second step
+    only, in GPTModel and here alike), which would hide a real gradient error behind a tolerance
+    wide enough for the flips.
 
     The chunks are wrapped in megatron's DDP with ``delay_wgrad_compute`` set, as in training:
     TE's ``backward_dw`` assigns each micro-batch's weight gradient to ``.grad`` (without
@@ -222,53 +213,46 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes, upstream_
             build,
             config,
             steps=steps,
-            lr=1e-3,
+            lr=0.0,
             num_microbatches=microbatches,
             seq_length=128,
             overlap_overrides=dict(delay_wgrad_compute=True),
         )
         plain, overlap = out["plain"], out["overlap"]
-        # off: "step N: key" -> error of the known upstream parameters off by more than 1e-2,
-        # per step, to tell a gradient missing from the first step (about 1.0 there) from one
-        # that only a later step, after an update, gets wrong.
-        rel, off = 0.0, {}
-        for step, (ours, reference) in enumerate(
-            zip(overlap["grads"], plain["grads"], strict=True)
-        ):
+        # Per step: the largest relative difference and the parameter it is in, to tell a
+        # gradient missing from every step from one that only the second step (stale buffers)
+        # gets wrong.
+        worst = []
+        for ours, reference in zip(overlap["grads"], plain["grads"], strict=True):
             assert ours.keys() == reference.keys()
-            for key, grad in reference.items():
-                error = max_rel_diff({key: ours[key]}, {key: grad})
-                if upstream_off and key.endswith(upstream_off):
-                    if error > 1e-2:
-                        off[f"step {step}: {key}"] = round(error, 4)
-                else:  # the known upstream parameters stay out of the tolerance
-                    rel = max(rel, error)
+            errors = {key: max_rel_diff({key: ours[key]}, {key: grad})
+                      for key, grad in reference.items()}  # fmt: skip
+            key = max(errors, key=errors.get)
+            worst.append((errors[key], key))
         loss = max(abs(a - b) for a, b in zip(overlap["losses"], plain["losses"], strict=True))
-        return rel, loss, len(plain["grads"][0]), off
+        return max(error for error, _ in worst), loss, len(plain["grads"][0]), worst
 
-    gpt_rel, gpt_loss, _, gpt_off = run(build_gpt_twin)
+    def per_step(worst) -> str:
+        return "; ".join(f"step {i}: {e:.2e} ({key})" for i, (e, key) in enumerate(worst))
+
+    gpt_rel, gpt_loss, _, gpt_worst = run(build_gpt_twin)
     calls: dict[str, int] = {}
-    rel, loss, count, off = run(build_hybrid, calls)
+    rel, loss, count, worst = run(build_hybrid, calls)
     tolerance = max(2 * gpt_rel, 1e-3)
     short = sorted(n for n, c in calls.items() if c < steps * microbatches)
     report(f"te, EP={world_size}, overlap + delay_wgrad_compute vs plain: {pattern}",
            [("GPTModel max rel grad diff / max loss diff", f"{gpt_rel:.2e} / {gpt_loss:.2e}"),
             ("grouped max rel grad diff / max loss diff", f"{rel:.2e} / {loss:.2e}"),
+            ("GPTModel worst per step", per_step(gpt_worst)),
+            ("grouped worst per step", per_step(worst)),
             ("gradients compared per step", count), ("tolerance", f"{tolerance:.2e}"),
-            ("known upstream parameters off by > 1e-2: GPTModel", gpt_off or "none"),
-            ("known upstream parameters off by > 1e-2: grouped", off or "none"),
             ("TE linears counted", len(calls)),
             ("backward_dw calls per linear (min, max)",
              (min(calls.values(), default=0), max(calls.values(), default=0))),
             ("linears with fewer calls", short or "none")])  # fmt: skip
     assert gpt_rel <= 1e-2, "GPTModel's own delayed wgrad disagrees with its plain schedule"
-    assert rel <= tolerance
+    assert rel <= tolerance, per_step(worst)
     assert loss <= max(2 * gpt_loss, 1e-3)
-    # Parameters, whatever the step (GPTModel's module paths differ from ours: count them).
-    assert len(_parameters(off)) <= len(_parameters(gpt_off)), (off, gpt_off)
     assert calls, "no TE linear with backward_dw found: the te backend was not built"
     # Once per micro-batch and step (no losses without the last pipeline stage: EP only here).
     assert min(calls.values()) >= steps * microbatches, calls
-    if gpt_off:
-        pytest.xfail(f"GPTModel's own overlap + delay_wgrad_compute disagrees with its plain "
-                     f"schedule in {gpt_off} (upstream; docs/ep_overlap.md)")  # fmt: skip
