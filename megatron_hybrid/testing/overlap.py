@@ -15,13 +15,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["compare_overlap", "parameter_grad", "run_schedule"]
+__all__ = ["compare_overlap", "parameter_grad", "rel_error", "run_schedule"]
 
 
 def parameter_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient megatron accumulated for ``param``: ``main_grad`` under DDP, else ``grad``."""
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
+
+
+def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """``|a - r| / |r|`` in Frobenius norms, computed in float32."""
+    diff = (actual.float() - reference.float()).norm()
+    return (diff / reference.float().norm().clamp_min(1e-30)).item()
 
 
 def _zero_grads(chunk) -> None:

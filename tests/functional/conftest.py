@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from megatron_hybrid.testing.overlap import rel_error
+
 ON_CPU = os.environ.get("MH_FUNCTIONAL_ON_CPU") == "1"
 
 
@@ -96,13 +98,17 @@ def report(title: str, rows: list[tuple]) -> None:
         print("   " + " | ".join(str(c) for c in row))
 
 
+# The model sizes the checkpoint and TE tests share.
+TEST_SIZES = dict(hidden_size=128, num_attention_heads=8, ffn_hidden_size=256)
+
+
 def bf16_config(pattern: str, **changes):
-    """The small bf16 model config the checkpoint and TE tests share (hidden 128, 8 heads)."""
+    """The small bf16 model config of the checkpoint and TE tests (:data:`TEST_SIZES`)."""
     from megatron_hybrid.testing.models import small_config
 
     return small_config(
-        pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, bf16=True,
-        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **changes,
+        pattern, **TEST_SIZES, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, **changes,
     )  # fmt: skip
 
 
@@ -111,12 +117,6 @@ def device_inputs(device, **kwargs) -> dict:
     from megatron_hybrid.testing.models import model_inputs
 
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in model_inputs(**kwargs).items()}
-
-
-def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """``|a - r| / |r|`` in Frobenius norms, computed in float32."""
-    diff = (actual.float() - reference.float()).norm()
-    return (diff / reference.float().norm().clamp_min(1e-30)).item()
 
 
 def max_rel_diff(actual: dict, reference: dict) -> float:

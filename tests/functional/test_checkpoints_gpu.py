@@ -10,7 +10,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import ON_CPU, device_inputs, exact_float32, rel_error, report
+from conftest import ON_CPU, TEST_SIZES, device_inputs, exact_float32, rel_error, report
 from conftest import bf16_config as _config
 
 
@@ -160,10 +160,7 @@ def test_gated_delta_net_group_forward_backward(world):
     for path in ("torch", "float32") if ON_CPU else ("torch", "float32", "fla"):
         pg = initialize_model_parallel(seed=4)
         if path == "float32":
-            config = small_config(
-                pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256,
-                deterministic_mode=True, **every_expert,
-            )  # fmt: skip
+            config = small_config(pattern, **TEST_SIZES, deterministic_mode=True, **every_expert)
             torch.manual_seed(1)
             model = build_hybrid(config, pattern, pg).to(device)
         else:

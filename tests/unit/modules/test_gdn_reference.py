@@ -17,16 +17,13 @@ from megatron_hybrid.testing.gdn_reference import (
     make_gdn_inputs,
     recurrent_gated_delta_rule,
 )
+from megatron_hybrid.testing.overlap import rel_error
 
 NAMES = ("q", "k", "v", "g", "beta")
 
 # Both sides are float32 throughout and measured ~1e-7 apart (norm-relative) at these sizes; a
 # wrong decay, scale, chunk boundary or gradient is off by far more than 1e-5.
 FP32_REL_TOL = 1e-5
-
-
-def _rel(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((actual - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
 def _forward_backward(fn, inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,7 +121,7 @@ def test_megatron_torch_chunked_path_matches_reference(batch, seq, heads, key_di
         )
 
     chunked = _forward_backward(megatron, inputs, grad_out)
-    errors = {name: _rel(chunked[name], reference[name]) for name in reference}
+    errors = {name: rel_error(chunked[name], reference[name]) for name in reference}
     assert all(e < FP32_REL_TOL for e in errors.values()), errors
 
 

@@ -93,17 +93,13 @@ def _build(case, pg, gpt=False):
     return build
 
 
-def _relative_error(a, b) -> float:
-    return ((a - b).norm() / (b.norm() + 1e-30)).item()
-
-
 def overlap_worker(rank, world_size, cases):
     from megatron_hybrid.testing.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import small_config
-    from megatron_hybrid.testing.overlap import compare_overlap
+    from megatron_hybrid.testing.overlap import compare_overlap, rel_error
 
     results = {}
     for name, case in cases.items():
@@ -143,7 +139,7 @@ def overlap_worker(rank, world_size, cases):
             ours, ref = overlap["grads"][step], plain["grads"][step]
             for key, grad in ref.items():
                 if key.endswith(tolerant):
-                    errors[f"step{step}.{key}"] = _relative_error(ours[key], grad)
+                    errors[f"step{step}.{key}"] = rel_error(ours[key], grad)
                 elif not torch.equal(ours.get(key), grad):
                     inexact.append(f"step{step}.{key}")
         results[name] = {
@@ -170,7 +166,7 @@ def overlap_worker(rank, world_size, cases):
                 )  # fmt: skip
                 held[ddp] = run["plain"]["grads"]
             results[name]["ddp_vs_bare"] = max(
-                _relative_error(grad, grads[key.replace("module.module.", "module.", 1)])
+                rel_error(grad, grads[key.replace("module.module.", "module.", 1)])
                 for ddp_grads, grads in zip(held[True], held[False], strict=True)
                 for key, grad in ddp_grads.items()
             )
