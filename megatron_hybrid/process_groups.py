@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "free_port",
     "init_single_process_world",
+    "init_world",
     "initialize_model_parallel",
     "reset_megatron_state",
 ]
@@ -39,6 +40,34 @@ def init_single_process_world(backend: str = "gloo") -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def init_world() -> tuple[int, int]:
+    """Join the job's ``torch.distributed`` world (torchrun), or start a one-process one.
+
+    NCCL with one GPU per process where CUDA is available (the device is ``LOCAL_RANK``), gloo
+    otherwise. Does nothing if a world exists.
+
+    Returns:
+        ``(rank, world_size)``.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()),
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+            )
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
 # The gloo groups the last initialize_model_parallel made, in creation order. megatron's

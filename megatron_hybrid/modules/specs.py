@@ -14,6 +14,7 @@ like GPT's TE spec with fused layer norms).
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -146,16 +147,26 @@ def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_hybrid.modules.norms import local_norm_impl
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_hybrid.modules.attention import MLACoreAttention
+    from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 
     norm = local_norm_impl()
 
     def gpt_submodules(**kwargs):
         sub = get_gpt_layer_local_submodules(normalization=opts.normalization, **kwargs)
-        # GPT's local spec takes its norm from megatron's LNImpl; use the SP-capable one.
+        # GPT's local spec takes its norms from megatron's LNImpl (WrappedTorchNorm without
+        # apex), which refuses sequence parallelism and zero-centred gains: use the package's.
         for name in ("input_layernorm", "pre_mlp_layernorm"):
             if getattr(sub, name) is not IdentityOp:
                 setattr(sub, name, norm)
+        attention = sub.self_attention.submodules
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if getattr(attention, name, None) is WrappedTorchNorm:
+                setattr(attention, name, norm)
+        if kwargs.get("multi_latent_attention"):
+            attention.core_attention = MLACoreAttention
         return sub
 
     layers = _gpt_derived_layers(gpt_submodules, opts)
@@ -172,7 +183,9 @@ def _local_layers(opts: _SpecOptions) -> dict:
         self_attention=ModuleSpec(
             module=GatedDeltaNet,
             submodules=GatedDeltaNetSubmodules(
-                in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear
+                in_proj=ColumnParallelLinear,
+                out_norm=plain_gamma_norm(norm),
+                out_proj=RowParallelLinear,
             ),
         ),
         self_attn_bda=get_bias_dropout_add,
@@ -214,8 +227,16 @@ def _te_layers(opts: _SpecOptions) -> dict:
     layers = _gpt_derived_layers(get_gpt_layer_with_transformer_engine_submodules, opts)
     layers["dsa_layer"] = _dsa_layer(TESpecProvider(), TENorm, opts)
     # Mamba and GatedDeltaNet have no GPT counterpart: megatron-core's hybrid TE specs.
+    from megatron_hybrid.modules.norms import plain_gamma_norm
+
     layers["mamba_layer"] = mcore_spec.submodules.mamba_layer
-    layers["gdn_layer"] = mcore_spec.submodules.gdn_layer
+    # GatedDeltaNet's gated output norm is a plain gain in fla and transformers, also when the
+    # model's other norms are zero-centred (Qwen3.5, Qwen3-Next).
+    gdn = copy.deepcopy(mcore_spec.submodules.gdn_layer)
+    gdn.submodules.self_attention.submodules.out_norm = plain_gamma_norm(
+        gdn.submodules.self_attention.submodules.out_norm
+    )
+    layers["gdn_layer"] = gdn
     layers["final_norm"] = TENorm
     layers["mtp_block_spec"] = _mtp_block_spec(TENorm, TEColumnParallelLinear)
     return layers

@@ -1,0 +1,326 @@
+"""The public entry points: build a model from a Hugging Face folder, check a conversion before
+copying anything, and write a Hugging Face checkpoint back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_hybrid.hf.config import HFConversion, family_for, hf_config_to_megatron, text_config
+from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
+from megatron_hybrid.hf.plan import PlanReport, check_plan
+from megatron_hybrid.hf.weights import HFWeightsError, build_plan, iter_hf_weights, model_chunks
+
+__all__ = [
+    "conversion_for",
+    "dry_run",
+    "load_hf_model",
+    "save_hf_checkpoint",
+]
+
+#: Files next to the weights that a Hugging Face model folder needs to be used (tokenizer,
+#: generation defaults); copied on export when the model came from a folder.
+_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+
+
+def conversion_for(
+    source, *, mtp: bool | None = None, ignore_config_fields=()
+) -> HFConversion:
+    """The :class:`HFConversion` of a Hugging Face folder (or an open ``HFCheckpoint``).
+
+    Raises:
+        HFConfigError: the family is unknown or a config field cannot be mapped.
+    """
+    source = source if isinstance(source, HFCheckpoint) else HFCheckpoint(source)
+    conversion = hf_config_to_megatron(
+        source.config,
+        mtp=mtp,
+        ignore_config_fields=ignore_config_fields,
+        has_tensor=lambda name: name in source,
+    )
+    family = family_for(source.config)
+    for prefix in family.text_prefixes:
+        if f"{prefix}embed_tokens.weight" in source or f"{prefix}embeddings.weight" in source:
+            conversion.hf_prefix = prefix
+            break
+    return conversion
+
+
+def _expected_key_shapes(conversion: HFConversion, backend: str) -> dict:
+    from megatron_hybrid.checkpointing.inspect import expected_checkpoint_tensors
+    from megatron_hybrid.hf.weights import SHARDED_METADATA
+
+    config = conversion.transformer_config(**_cpu_or_gpu_overrides(), params_dtype=torch.float32)
+    kwargs = dict(conversion.model_kwargs)
+    vocab, length = kwargs.pop("vocab_size"), kwargs.pop("max_sequence_length")
+    return expected_checkpoint_tensors(
+        config,
+        conversion.pattern.pattern,
+        vocab_size=vocab,
+        max_sequence_length=length,
+        backend=backend,
+        metadata=dict(SHARDED_METADATA),
+        **kwargs,
+    )
+
+
+def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_config_fields=()):
+    """Check a conversion before anything is copied.
+
+    Builds the model the folder describes on the meta device (no memory) and lists unsupported
+    config fields, model tensors without a source, Hugging Face tensors the model would not use
+    and shape mismatches.
+
+    Returns:
+        ``(conversion or None, PlanReport)``; the conversion is None when the config is refused.
+    """
+    from megatron_hybrid.hf.config import HFConfigError
+
+    source = HFCheckpoint(path)
+    report = PlanReport()
+    try:
+        conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
+    except HFConfigError:
+        family = family_for(source.config)
+        conversion = family.to_megatron(
+            text_config(source.config), mtp=mtp, has_tensor=lambda n: n in source
+        )
+        report.unsupported_config = [
+            (k, m) for k, m in conversion.unsupported if k not in set(ignore_config_fields)
+        ]
+        return None, report
+    key_shapes = _expected_key_shapes(conversion, backend)
+    plan, unresolved = build_plan(conversion, key_shapes)
+    info = {name: source.info(name) for name in source.names()}
+    checked = check_plan(plan, unresolved, info)
+    checked.missing_hf = [n for n in checked.missing_hf if n not in plan.shared_copies]
+    return conversion, checked
+
+
+def _cpu_or_gpu_overrides() -> dict:
+    if torch.cuda.is_available():
+        return {}
+    from megatron_hybrid.testing.cpu import cpu_config_overrides
+
+    return cpu_config_overrides()
+
+
+def _ensure_process_groups(tp: int, pp: int, ep: int):
+    """The current process groups, set up first if nothing is (plain process or torchrun)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
+
+    if not torch.cuda.is_available():
+        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+        enable_cpu_emulation()
+    init_world()
+    if parallel_state.model_parallel_is_initialized():
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        if have != (tp, pp, ep):
+            raise ValueError(
+                f"model parallelism is already set up as TP/PP/EP {have}, but load_hf_model was "
+                f"asked for {(tp, pp, ep)}; pass the sizes of the current setup"
+            )
+        return ProcessGroupCollection.use_mpu_process_groups()
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(
+            f"{world} processes cannot hold tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {tp * pp}"
+        )
+    return initialize_model_parallel(tp=tp, pp=pp, ep=ep)
+
+
+def build_model(
+    conversion: HFConversion,
+    pg_collection,
+    *,
+    transformer_impl: str = "local",
+    params_dtype: torch.dtype | None = None,
+    parallel_output: bool = False,
+    **config_overrides,
+):
+    """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
+    from megatron_hybrid import HybridModel, hybrid_stack_spec
+
+    if transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(
+            f"transformer_impl={transformer_impl!r}: choose 'local' or 'transformer_engine'"
+        )
+    dtype = params_dtype or conversion.dtype
+    pp = pg_collection.pp
+    config = conversion.transformer_config(
+        **_cpu_or_gpu_overrides(),
+        tensor_model_parallel_size=pg_collection.tp.size(),
+        pipeline_model_parallel_size=pp.size(),
+        expert_model_parallel_size=pg_collection.ep.size(),
+        expert_tensor_parallel_size=pg_collection.expt_tp.size(),
+        # megatron-core wants sequence parallelism with MoE under TP; the package's norms support
+        # it for every layer type, so it is on whenever TP is.
+        sequence_parallel=pg_collection.tp.size() > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        transformer_impl=transformer_impl,
+        **config_overrides,
+    )
+    vocab = conversion.model_kwargs["vocab_size"]
+    if vocab % pg_collection.tp.size():
+        raise ValueError(
+            f"vocab_size {vocab} is not divisible by tensor_model_parallel_size "
+            f"{pg_collection.tp.size()}; choose a TP size that divides it"
+        )
+    backend = "te" if transformer_impl == "transformer_engine" else "local"
+    kwargs = dict(conversion.model_kwargs)
+    model = HybridModel(
+        config,
+        hybrid_stack_spec(backend, config=config),
+        vocab_size=kwargs.pop("vocab_size"),
+        max_sequence_length=kwargs.pop("max_sequence_length"),
+        hybrid_layer_pattern=conversion.pattern.pattern,
+        pre_process=pp.rank() == 0,
+        post_process=pp.rank() == pp.size() - 1,
+        parallel_output=parallel_output,
+        pg_collection=pg_collection,
+        **kwargs,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def load_hf_model(
+    path,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    transformer_impl: str = "local",
+    params_dtype: torch.dtype | None = None,
+    mtp: bool | None = None,
+    ignore_config_fields=(),
+    progress=None,
+):
+    """Build the model a Hugging Face folder describes and load its weights strictly.
+
+    Sets up the process groups if none exist (a plain process: a one-rank world; under
+    torchrun: the job's world), as ``train`` does; otherwise uses the current ones, which must
+    have the requested sizes.
+
+    Args:
+        path: folder with config.json and safetensors (sharded with an index or not).
+        tensor_model_parallel_size: TP size (expert TP follows it).
+        pipeline_model_parallel_size: PP size; the pattern is split by physical layers.
+        expert_model_parallel_size: EP size.
+        transformer_impl: ``"local"`` (Megatron-Core modules) or ``"transformer_engine"``.
+        params_dtype: parameter dtype (default: the checkpoint's).
+        mtp: load the MTP layers the config declares (None: when the checkpoint holds them).
+        ignore_config_fields: config fields to accept although they are not mapped.
+        progress: optional ``(done, total)`` callback while weights are copied.
+
+    Returns:
+        This rank's HybridModel (``model(input_ids, position_ids, None)`` gives logits
+        ``[batch, seq, vocab]`` on the last pipeline stage), with ``hf_conversion`` attached.
+    """
+    source = HFCheckpoint(path)
+    conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
+    pg = _ensure_process_groups(
+        tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    )
+    model = build_model(
+        conversion, pg, transformer_impl=transformer_impl, params_dtype=params_dtype
+    )
+    from megatron_hybrid.hf.weights import load_hf_weights
+
+    load_hf_weights(model, source, conversion, progress=progress)
+    for chunk in model_chunks(model):
+        chunk.hf_source_path = str(source.path)
+    return model
+
+
+def save_hf_checkpoint(
+    model,
+    out,
+    *,
+    conversion: HFConversion | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    group=None,
+    source_path=None,
+) -> Path | None:
+    """Write the model as a Hugging Face folder: sharded safetensors, index and config.json.
+
+    Call on every rank; rank 0 writes. Tensors stream through :func:`iter_hf_weights`, so no
+    rank holds the whole model. Tokenizer and generation files of the source folder are copied.
+
+    Args:
+        model: the model (chunks) on this rank.
+        out: output folder (created).
+        conversion: the model's conversion (default: the one attached by ``load_hf_model``).
+        dtype: output dtype (default: the source checkpoint's dtype per tensor).
+        max_shard_size: largest safetensors file, e.g. ``"5GB"``.
+        group: process group over all model ranks (default: the world).
+        source_path: Hugging Face folder whose side files (tokenizer, ...) to copy.
+
+    Returns:
+        The folder on rank 0, None elsewhere.
+    """
+    import torch.distributed as dist
+
+    chunks = model_chunks(model)
+    conversion = conversion or getattr(chunks[0], "hf_conversion", None)
+    if conversion is None:
+        raise HFWeightsError("save_hf_checkpoint needs conversion=... for a model not from HF")
+    writer_rank = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out)
+    writer = HFCheckpointWriter(out, max_shard_size) if writer_rank else None
+    for name, tensor in iter_hf_weights(model, conversion=conversion, dtype=dtype, group=group):
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is None:
+        return None
+    writer.close()
+    family = family_for({"model_type": _family_model_type(conversion)})
+    config = family.to_hf_config(conversion)
+    if dtype is not None:
+        from megatron_hybrid.hf.config import dtype_name
+
+        config["dtype"] = dtype_name(dtype)
+        config.pop("torch_dtype", None)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    source_path = source_path or getattr(chunks[0], "hf_source_path", None)
+    if source_path:
+        for name in _SIDE_FILES:
+            src = Path(source_path) / name
+            if src.is_file() and os.path.realpath(src) != os.path.realpath(out / name):
+                shutil.copyfile(src, out / name)
+    return out
+
+
+def _family_model_type(conversion: HFConversion) -> str:
+    from megatron_hybrid.hf.weights import _model_type
+
+    return _model_type(conversion)

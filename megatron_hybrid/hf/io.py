@@ -1,0 +1,223 @@
+"""Reading and writing Hugging Face checkpoint folders (``config.json`` + safetensors).
+
+:class:`HFCheckpoint` opens a folder lazily: it reads the index (or the one safetensors file's
+header) up front and a tensor, or a slice of one, only when asked, so each rank reads only what
+its shards need. :class:`HFCheckpointWriter` writes tensors as they come into safetensors files
+of bounded size and finishes with ``model.safetensors.index.json``, the layout
+``save_pretrained`` writes and inference engines load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+__all__ = ["HFCheckpoint", "HFCheckpointError", "HFCheckpointWriter", "parse_size"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face folder that cannot be read as a checkpoint."""
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint folder, read lazily.
+
+    Args:
+        path: folder with ``config.json`` and ``model.safetensors`` or a sharded set with
+            ``model.safetensors.index.json``.
+
+    Raises:
+        HFCheckpointError: the folder, its config or its index is missing or malformed.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise HFCheckpointError(f"{self.path} is not a folder (expected a Hugging Face model)")
+        config_file = self.path / CONFIG_FILE
+        if not config_file.is_file():
+            raise HFCheckpointError(f"{self.path} has no {CONFIG_FILE}; is it a Hugging Face model?")
+        try:
+            self.config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise HFCheckpointError(f"{config_file} is not valid JSON: {error}") from None
+        index_file = self.path / INDEX_FILE
+        if index_file.is_file():
+            try:
+                weight_map = json.loads(index_file.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise HFCheckpointError(f"{index_file} has no valid weight_map: {error}") from None
+        elif (self.path / SINGLE_FILE).is_file():
+            with safe_open(self.path / SINGLE_FILE, "pt") as handle:
+                weight_map = {name: SINGLE_FILE for name in handle.keys()}
+        else:
+            raise HFCheckpointError(
+                f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
+                "checkpoints are read (convert .bin files with transformers first)"
+            )
+        missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+        if missing:
+            raise HFCheckpointError(f"{index_file} names files that do not exist: {missing}")
+        self.weight_map: dict[str, str] = dict(weight_map)
+        self._handles: dict[str, object] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise HFCheckpointError(f"{self.path} has no tensor {name!r}") from None
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.path / file, "pt")
+        return self._handles[file]
+
+    def names(self) -> list[str]:
+        """Every tensor name, in the index's order."""
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """``(dtype, shape)`` of a tensor, from the file header (no data read)."""
+        if name not in self._meta:
+            sl = self._handle(name).get_slice(name)
+            self._meta[name] = (sl.get_dtype(), tuple(sl.get_shape()))
+        dtype, shape = self._meta[name]
+        return _DTYPES[dtype], shape
+
+    def get(self, name: str) -> torch.Tensor:
+        """A whole tensor."""
+        return self._handle(name).get_tensor(name)
+
+    def get_rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` (a step-1 slice of dim 0) of a tensor, reading only those."""
+        return self._handle(name).get_slice(name)[rows]
+
+    def close(self) -> None:
+        """Release the open files."""
+        self._handles.clear()
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB``/``500MB``/``4096`` (decimal units, as ``save_pretrained``).
+
+    >>> parse_size("5GB"), parse_size("2MiB"), parse_size(1000)
+    (5000000000, 2097152, 1000)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        text = str(size).strip().upper()
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+        for unit, factor in units.items():
+            if text.endswith(unit) and text[: -len(unit)].strip().isascii():
+                try:
+                    value = int(float(text[: -len(unit)]) * factor)
+                except ValueError:
+                    break
+                break
+        else:
+            value = int(text) if text.isascii() and text.isdigit() else -1
+    if value <= 0:
+        raise ValueError(f"shard size {size!r} is not a positive size such as '5GB' or '500MB'")
+    return value
+
+
+class HFCheckpointWriter:
+    """Write tensors into safetensors shards of at most ``max_shard_size`` bytes, plus the index.
+
+    Tensors are buffered until a shard is full, so memory stays below one shard. ``close`` writes
+    the last shard, renames the shards to ``model-0000i-of-0000n.safetensors`` and writes the index
+    (a single shard is named ``model.safetensors``, with no index, as ``save_pretrained`` does).
+    """
+
+    def __init__(self, out: str | os.PathLike, max_shard_size: int | str = "5GB") -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.max_shard_size = parse_size(max_shard_size)
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffered = 0
+        self._shards: list[list[str]] = []
+        self._total = 0
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor (moved to CPU, made contiguous)."""
+        if name in self._seen:
+            raise ValueError(f"tensor {name!r} written twice")
+        self._seen.add(name)
+        size = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffered + size > self.max_shard_size:
+            self._flush()
+        self._buffer[name] = tensor.detach().to("cpu").contiguous()
+        self._buffered += size
+        self._total += size
+
+    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Queue every ``(name, tensor)`` of ``items``."""
+        for name, tensor in items:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        index = len(self._shards)
+        save_file(self._buffer, self.out / f".shard-{index}.tmp", metadata={"format": "pt"})
+        self._shards.append(list(self._buffer))
+        self._buffer, self._buffered = {}, 0
+
+    def close(self) -> list[str]:
+        """Finish the checkpoint; returns the file names written."""
+        if self._buffer or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        names = (
+            [SINGLE_FILE]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+        for i, name in enumerate(names):
+            os.replace(self.out / f".shard-{i}.tmp", self.out / name)
+        index = self.out / INDEX_FILE
+        if count > 1:
+            weight_map = {t: names[i] for i, shard in enumerate(self._shards) for t in shard}
+            index.write_text(
+                json.dumps(
+                    {"metadata": {"total_size": self._total}, "weight_map": weight_map},
+                    indent=2,
+                    sort_keys=True,
+                )
+                + "\n"
+            )
+        elif index.exists():
+            index.unlink()
+        return names

@@ -1,0 +1,358 @@
+"""Weights in and out: ``load_hf_weights`` and the streaming ``iter_hf_weights``.
+
+Both walk the model's *sharded* state dict (``docs/checkpoints.md``): for every tensor a rank
+holds, megatron-core says which box of which global checkpoint tensor it is, fused TP layouts
+(SwiGLU halves, GatedDeltaNet's in_proj pieces) and expert placement included. Loading fills
+each box from the Hugging Face rows the :class:`~megatron_hybrid.hf.plan.Plan` names, reading
+only those rows (a rank reads its experts, its layers and, for contiguous layouts, its slice).
+Exporting assembles one Hugging Face tensor at a time from the boxes of all ranks: no rank ever
+holds more than the tensor being yielded and the checkpoint tensors it is cut from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_hybrid.hf.config import HFConversion
+from megatron_hybrid.hf.io import HFCheckpoint
+from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Plan, PlanBuilder, check_plan
+
+__all__ = ["HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
+
+#: Sharded-state-dict metadata used for conversion: always the indexed (per-layer) key form,
+#: so that a key names one layer whatever the pattern.
+SHARDED_METADATA = {"non_homogeneous_layers": True}
+
+
+class HFWeightsError(ValueError):
+    """Hugging Face weights that do not fit the model."""
+
+
+def model_chunks(model) -> list:
+    """The unwrapped model chunks (DDP / Float16Module wrappers removed)."""
+    from megatron.core.utils import unwrap_model
+
+    chunks = model if isinstance(model, list | tuple) else [model]
+    return unwrap_model(list(chunks))
+
+
+def _sharded_tensors(chunk):
+    """``(sharded dict, factories)`` of a chunk with factories applied (ShardedTensors only)."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory, apply_factories
+
+    sharded = chunk.sharded_state_dict(metadata=dict(SHARDED_METADATA))
+    factories, _ = extract_matching_values(sharded, lambda x: isinstance(x, ShardedTensorFactory))
+    apply_factories(sharded)
+    return sharded, factories
+
+
+def _leaves(x):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return list(nested_values(x))
+
+
+def _expert(st) -> int | None:
+    if EXPERT_KEY_MARK in st.key:
+        if st.prepend_axis_num != 1:  # internal invariant of megatron's SequentialMLP form
+            raise AssertionError(f"{st.key}: expected one expert axis")
+        return int(st.global_offset[0])
+    if st.prepend_axis_num:
+        raise AssertionError(f"{st.key}: unexpected leading axes {st.prepend_axis_num}")
+    return None
+
+
+def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple[Plan, list[str]]:
+    """The conversion plan for a model with checkpoint tensors ``key_shapes``.
+
+    Returns:
+        ``(plan, unresolved)``: unresolved are key variants no model tensor matched.
+    """
+    from megatron_hybrid.hf.config import family_for
+
+    family = family or family_for({"model_type": _model_type(conversion)})
+    builder = PlanBuilder(key_shapes)
+    family.plan(builder, conversion)
+    return builder.build(), builder.unresolved
+
+
+def _model_type(conversion: HFConversion) -> str:
+    from megatron_hybrid.hf.config import FAMILIES, _load_families
+
+    _load_families()
+    for model_type, family in FAMILIES.items():
+        if family.name == conversion.family:
+            return model_type
+    raise AssertionError(conversion.family)
+
+
+def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
+    if isinstance(rows, slice):
+        return source._handle(name).get_slice(name)[(rows, *rest)]
+    low, high = min(rows), max(rows) + 1
+    span = source._handle(name).get_slice(name)[(slice(low, high), *rest)]
+    return span[torch.tensor([r - low for r in rows])]
+
+
+def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
+    """The Hugging Face values of the box a ShardedTensor stands for."""
+    expert = _expert(st)
+    axis = st.prepend_axis_num
+    start = st.global_offset[axis]
+    size = st.local_shape[0]
+    rest = tuple(
+        slice(o, o + n) for o, n in zip(st.global_offset[axis + 1 :], st.local_shape[1:], strict=True)
+    )
+    out = torch.empty(st.local_shape, dtype=st.data.dtype)
+    covered = 0
+    for link in plan.by_key.get((st.key, expert), ()):
+        low = max(start, link.key_rows.start)
+        high = min(start + size, link.key_rows.stop)
+        if low >= high:
+            continue
+        i0, i1 = low - link.key_rows.start, high - link.key_rows.start
+        if isinstance(link.hf_rows, slice):
+            rows = slice(link.hf_rows.start + i0, link.hf_rows.start + i1)
+        else:
+            rows = link.hf_rows[i0:i1]
+        out[low - start : high - start] = _read_rows(source, link.hf_name, rows, rest)
+        covered += high - low
+    if covered != size:
+        label = st.key if expert is None else f"{st.key} [expert {expert}]"
+        raise HFWeightsError(f"no Hugging Face source for {size - covered} rows of {label}")
+    return out
+
+
+def load_hf_weights(model, path, conversion: HFConversion | None = None, *, progress=None):
+    """Load a Hugging Face checkpoint into ``model`` (its chunks on this rank), strictly.
+
+    Each rank reads only the Hugging Face rows behind its own shards.
+
+    Args:
+        model: a HybridModel, a list of model chunks, or wrapped ones (DDP, Float16Module).
+        path: the Hugging Face folder.
+        conversion: the :class:`HFConversion` the model was built from (default: from the
+            folder's config.json).
+        progress: optional callable ``(done, total)`` called after each tensor.
+
+    Raises:
+        HFWeightsError: a model tensor has no source, or shapes do not fit.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
+
+    from megatron_hybrid.hf.api import conversion_for
+
+    source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    conversion = conversion or conversion_for(source)
+    chunks = model_chunks(model)
+    states = [_sharded_tensors(chunk) for chunk in chunks]
+    key_shapes = {
+        st.key: tuple(st.global_shape)
+        for sharded, _ in states
+        for st in _leaves(sharded)
+        if isinstance(st, ShardedTensor)
+    }
+    plan, _ = build_plan(conversion, key_shapes)
+    info = {name: source.info(name) for name in plan.hf_shapes if name in source}
+    for name, shape in plan.hf_shapes.items():
+        if name in plan.shared_copies:
+            continue
+        if name not in info:
+            raise HFWeightsError(f"{source.path} has no tensor {name!r}, which the model needs")
+        if tuple(info[name][1]) != shape:
+            raise HFWeightsError(
+                f"{source.path}: {name} has shape {tuple(info[name][1])}, the model needs {shape}"
+            )
+    total = sum(1 for sharded, _ in states for st in _leaves(sharded) if isinstance(st, ShardedTensor))
+    done = 0
+
+    def fill(x):
+        nonlocal done
+        if not isinstance(x, ShardedTensor):
+            return x
+        value = _fill_box(x, plan, source)
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        return value
+
+    with torch.no_grad():
+        for chunk, (sharded, factories) in zip(chunks, states, strict=True):
+            loaded = apply_factory_merges(dict_list_map_outplace(fill, sharded), factories)
+            current = chunk.state_dict()
+            state = {}
+            for name, value in current.items():
+                new = loaded.get(name)
+                if isinstance(new, torch.Tensor):
+                    state[name] = new.to(device=value.device)
+                elif name.endswith("_extra_state"):
+                    state[name] = value
+                else:
+                    raise HFWeightsError(f"model tensor {name} has no Hugging Face source")
+            chunk.load_state_dict(state, strict=True)
+    for chunk in chunks:
+        chunk.hf_source_dtypes = {name: dtype for name, (dtype, _) in info.items()}
+        chunk.hf_conversion = conversion
+    return model
+
+
+@dataclass(frozen=True)
+class _Piece:
+    key: str
+    expert: int | None
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rank: int
+
+
+def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece_dtype):
+    if name in plan.keep_fp32:
+        return torch.float32
+    if dtype is not None:
+        return dtype
+    if source_dtypes and name in source_dtypes:
+        return source_dtypes[name]
+    if piece_dtype == torch.float32 and conversion.dtype != torch.float32:
+        return torch.float32  # kept in fp32 by the model (moe_router_dtype, expert bias)
+    return conversion.dtype
+
+
+def iter_hf_weights(
+    model,
+    *,
+    conversion: HFConversion | None = None,
+    dtype: torch.dtype | None = None,
+    group=None,
+    device=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
+
+    Call it on every rank of ``group`` (default: the world) at the same time: tensors are
+    assembled from the shards of all TP / expert-TP / EP / PP / DP ranks one Hugging Face tensor
+    at a time (broadcast from the rank that holds each piece), and every rank receives every
+    tensor. Memory beyond the model is one Hugging Face tensor plus the checkpoint tensors it is
+    cut from. With one rank and no reordering the yielded tensors are views of the parameters
+    (no copy): copy them if you keep them across an optimizer step.
+
+    Args:
+        model: a HybridModel or a list of (wrapped) model chunks built by this package.
+        conversion: the :class:`HFConversion` (default: the one ``load_hf_model`` attached).
+        dtype: output dtype (default: each tensor's dtype in the source checkpoint, else the
+            config's; router expert biases stay float32 always).
+        group: process group spanning all ranks that hold the model (default: the world).
+        device: where tensors are assembled and yielded (default: the current CUDA device, or
+            CPU without CUDA).
+    """
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    chunks = model_chunks(model)
+    conversion = conversion or getattr(chunks[0], "hf_conversion", None)
+    if conversion is None:
+        raise HFWeightsError(
+            "iter_hf_weights needs the model's HFConversion: pass conversion=... (from "
+            "megatron_hybrid.hf.conversion_for) or build the model with load_hf_model"
+        )
+    source_dtypes = getattr(chunks[0], "hf_source_dtypes", None)
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    world = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local: dict[tuple, torch.Tensor] = {}
+    meta: list[_Piece] = []
+    key_shapes: dict[str, tuple[int, ...]] = {}
+    for chunk in chunks:
+        sharded, _ = _sharded_tensors(chunk)
+        for st in _leaves(sharded):
+            if not isinstance(st, ShardedTensor):
+                continue
+            key_shapes[st.key] = tuple(st.global_shape)
+            expert = _expert(st)
+            offset = tuple(st.global_offset[st.prepend_axis_num :])
+            if (st.key, expert, offset) in local or not is_main_replica(st.replica_id):
+                continue
+            local[(st.key, expert, offset)] = st.data
+            meta.append(_Piece(st.key, expert, offset, tuple(st.local_shape), st.data.dtype, rank))
+    if world:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (meta, key_shapes), group=group)
+    else:
+        gathered = [(meta, key_shapes)]
+    pieces: dict[tuple[str, int | None], dict[tuple, _Piece]] = {}
+    key_shapes = {}
+    for rank_meta, rank_shapes in gathered:
+        key_shapes.update(rank_shapes)
+        for piece in rank_meta:  # lowest rank wins among replicas
+            pieces.setdefault((piece.key, piece.expert), {}).setdefault(piece.offset, piece)
+    plan, unresolved = build_plan(conversion, key_shapes)
+    report = check_plan(plan, unresolved, None)
+    if report.unmapped_model or report.shape_errors:
+        raise HFWeightsError("the model does not fit the conversion:\n" + "\n".join(report.lines()))
+
+    def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
+        shape = key_shapes[key][1:] if expert is not None else key_shapes[key]
+        parts = pieces[(key, expert)]
+        only = next(iter(parts.values()))
+        if not world and len(parts) == 1 and only.shape == tuple(shape):
+            return local[(key, expert, only.offset)].to(device), only.dtype
+        out = torch.empty(shape, dtype=only.dtype, device=device)
+        for offset, piece in parts.items():
+            box = tuple(slice(o, o + n) for o, n in zip(offset, piece.shape, strict=True))
+            if world:
+                if piece.rank == rank:
+                    buf = local[(key, expert, offset)].to(device).contiguous()
+                else:
+                    buf = torch.empty(piece.shape, dtype=piece.dtype, device=device)
+                dist.broadcast(buf, src=piece.rank, group=group)
+            else:
+                buf = local[(key, expert, offset)]
+            out[box] = buf
+        return out, only.dtype
+
+    cache: dict[tuple[str, int | None], tuple[torch.Tensor, torch.dtype]] = {}
+    produced: dict[str, torch.Tensor] = {}
+    copies_of = set(plan.shared_copies.values())
+
+    @torch.no_grad()
+    def make(name: str) -> torch.Tensor:
+        if name in plan.shared_copies:
+            return produced.pop(plan.shared_copies[name]).clone()
+        links = plan.by_hf[name]
+        needed = {(link.key, link.expert) for link in links}
+        for stale in set(cache) - needed:
+            del cache[stale]
+        for k in sorted(needed, key=str):  # the same order on every rank
+            if k not in cache:
+                cache[k] = assemble(*k)
+        shape = plan.hf_shapes[name]
+        first = links[0]
+        full, piece_dtype = cache[(first.key, first.expert)]
+        target = _target_dtype(name, plan, conversion, dtype, source_dtypes, piece_dtype)
+        if (
+            len(links) == 1
+            and isinstance(first.hf_rows, slice)
+            and first.hf_rows.stop - first.hf_rows.start == shape[0]
+        ):
+            tensor = full[first.key_rows]
+        else:
+            tensor = torch.empty(shape, dtype=full.dtype, device=full.device)
+            for link in links:
+                values = cache[(link.key, link.expert)][0][link.key_rows]
+                if isinstance(link.hf_rows, slice):
+                    tensor[link.hf_rows] = values
+                else:
+                    index = torch.tensor(link.hf_rows, device=tensor.device)
+                    tensor.index_copy_(0, index, values)
+        tensor = tensor.to(target)
+        if name in copies_of:
+            produced[name] = tensor
+        return tensor
+
+    for name in plan.hf_names():
+        yield name, make(name)
