@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_hybrid.cli.describe",
     "megatron_hybrid.cli.train",
     "megatron_hybrid.cli.check_checkpoint",
+    "megatron_hybrid.cli.convert",
 )
 
 #: Exit code for bad input, as argparse uses.

@@ -1,0 +1,255 @@
+"""``convert``: Hugging Face checkpoints to and from ``torch_dist``.
+
+    python -m megatron_hybrid convert --from-hf HF_DIR --save CKPT
+    python -m megatron_hybrid convert --load CKPT --to-hf OUT_DIR
+    python -m megatron_hybrid convert --from-hf HF_DIR --dry-run
+
+``--from-hf`` checks the conversion first (unsupported config fields, tensors without a source
+or without a use, shapes) and copies nothing if it finds a problem. Runs in one process (CPU or
+one GPU) or under ``torchrun`` with TP/PP/EP for models that do not fit one device. Exit codes:
+0 done, 1 the dry run found problems, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_hybrid.cli.main import Command, CommandError
+
+__all__ = ["COMMAND"]
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("what to convert (one direction)")
+    source.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to read")
+    source.add_argument("--save", metavar="CKPT", help="torch_dist checkpoint to write")
+    source.add_argument("--load", metavar="CKPT", help="torch_dist checkpoint to read")
+    source.add_argument("--to-hf", metavar="OUT_DIR", help="Hugging Face folder to write")
+    options = parser.add_argument_group("options")
+    options.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --from-hf: only list unsupported config fields and unmapped, unused or "
+        "mismatched tensors (exit 1 if there are any)",
+    )
+    options.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="with --load: config.json (or its folder) describing the model, for checkpoints "
+        "that do not store one",
+    )
+    options.add_argument(
+        "--ignore-hf-config-field",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="accept this unmapped config field (repeatable); only for fields known not to "
+        "change the math",
+    )
+    options.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="leave out the MTP layers the config declares",
+    )
+    options.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="auto",
+        help="parameter dtype (--from-hf) or output dtype (--to-hf); auto: the source's, with "
+        "float32 router biases kept (default: %(default)s)",
+    )
+    options.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file with --to-hf (default: %(default)s)",
+    )
+    options.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="module implementation used while converting (default: %(default)s)",
+    )
+    for flag, name in (
+        ("--tensor-model-parallel-size", "TP"),
+        ("--pipeline-model-parallel-size", "PP"),
+        ("--expert-model-parallel-size", "EP"),
+    ):
+        options.add_argument(
+            flag, type=int, default=1, help=f"{name} size under torchrun (default: %(default)s)"
+        )
+
+
+def _check(args: argparse.Namespace) -> None:
+    forward = args.from_hf is not None
+    backward = args.load is not None or args.to_hf is not None
+    if forward == backward:
+        raise CommandError(
+            "give one direction: --from-hf HF_DIR --save CKPT, or --load CKPT --to-hf OUT_DIR"
+        )
+    if forward and not args.save and not args.dry_run:
+        raise CommandError("--from-hf needs --save CKPT (or --dry-run)")
+    if backward and not (args.load and args.to_hf):
+        raise CommandError("--to-hf and --load go together: --load CKPT --to-hf OUT_DIR")
+    if args.dry_run and not forward:
+        raise CommandError("--dry-run checks a --from-hf conversion")
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be >= 1")
+
+
+def _dtype(args):
+    import torch
+
+    return None if args.dtype == "auto" else getattr(torch, args.dtype)
+
+
+def _progress(label: str, rank: int):
+    if rank != 0:
+        return None
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    from megatron_hybrid.hf import dry_run
+
+    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
+    conversion, report = dry_run(
+        args.from_hf,
+        backend=backend,
+        mtp=False if args.no_mtp else None,
+        ignore_config_fields=args.ignore_hf_config_field,
+    )
+    if conversion is not None:
+        print(f"family {conversion.family} | pattern {conversion.pattern.pattern}")
+        for note in conversion.notes:
+            print(f"note: {note}")
+    for line in report.lines():
+        print(line)
+    print("dry run: OK, every tensor maps" if report.ok else "dry run: problems found")
+    return 0 if report.ok else 1
+
+
+def _from_hf(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from megatron_hybrid.hf import HFWeightsError, dry_run, load_hf_model
+    from megatron_hybrid.hf.dist import save_model_state
+
+    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
+    conversion, report = dry_run(
+        args.from_hf, backend=backend, mtp=False if args.no_mtp else None,
+        ignore_config_fields=args.ignore_hf_config_field,
+    )
+    if not report.ok:
+        raise CommandError(
+            f"{args.from_hf} does not convert cleanly; nothing was written:\n"
+            + "\n".join(report.lines())
+        )
+    try:
+        model = load_hf_model(
+            args.from_hf,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            transformer_impl=args.transformer_impl,
+            params_dtype=_dtype(args),
+            mtp=False if args.no_mtp else None,
+            ignore_config_fields=args.ignore_hf_config_field,
+            progress=_progress("loading", _rank()),
+        )
+    except HFWeightsError as error:
+        raise CommandError(str(error)) from None
+    try:
+        folder = save_model_state(model, args.save, model.hf_conversion)
+    except FileExistsError as error:
+        raise CommandError(str(error)) from None
+    if dist.get_rank() == 0:
+        print(f"converted {args.from_hf} ({conversion.family}, {conversion.pattern.pattern}) "
+              f"-> {folder}")
+    return 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _to_hf(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_hybrid.hf.api import _ensure_process_groups, build_model
+    from megatron_hybrid.hf.dist import conversion_of_checkpoint, load_model_state
+    from megatron_hybrid.hf.io import CONFIG_FILE
+    from megatron_hybrid.hf.api import save_hf_checkpoint
+
+    hf_config = None
+    if args.hf_config:
+        path = Path(args.hf_config)
+        path = path / CONFIG_FILE if path.is_dir() else path
+        try:
+            hf_config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise CommandError(f"--hf-config {args.hf_config}: {error}") from None
+    try:
+        conversion = conversion_of_checkpoint(
+            args.load, hf_config, ignore_config_fields=args.ignore_hf_config_field
+        )
+    except FileNotFoundError as error:
+        raise CommandError(str(error)) from None
+    if args.no_mtp and conversion.mtp_layers:
+        raise CommandError("--no-mtp: the checkpoint holds MTP layers; they are always exported")
+    pg = _ensure_process_groups(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+    )
+    model = build_model(conversion, pg, transformer_impl=args.transformer_impl)
+    load_model_state(model, args.load)
+    out = save_hf_checkpoint(
+        model, args.to_hf, conversion=conversion, dtype=_dtype(args),
+        max_shard_size=args.max_shard_size,
+    )
+    if dist.get_rank() == 0:
+        print(f"wrote {out} ({conversion.family})")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.dry_run:
+        return _dry_run(args)
+    code = _from_hf(args) if args.from_hf else _to_hf(args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+COMMAND = Command(
+    name="convert",
+    help="convert Hugging Face checkpoints to and from torch_dist",
+    configure=_configure,
+    run=_run,
+    description=__doc__,
+)

@@ -1,0 +1,121 @@
+"""``torch_dist`` checkpoints of models converted from Hugging Face.
+
+``convert --from-hf`` writes Megatron-LM's *release* layout (``<root>/release/`` and a tracker
+that says ``release``): model weights only, under the package's checkpoint keys, plus the source
+``config.json`` in the common state, so the checkpoint can be turned back into a Hugging Face
+folder, and ``train --load`` starts fine-tuning from it (iteration 0, fresh optimizer).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_hybrid.checkpointing.inspect import (
+    TRACKER_FILE,
+    iteration_folder_name,
+    resolve_checkpoint_dir,
+)
+from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
+from megatron_hybrid.hf.weights import model_chunks
+
+__all__ = [
+    "MODEL_ONLY_FORMAT",
+    "conversion_of_checkpoint",
+    "hf_config_of_checkpoint",
+    "load_model_state",
+    "save_model_state",
+]
+
+#: ``megatron_hybrid.format`` of a weights-only checkpoint.
+MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
+
+
+def _model_state(model) -> dict:
+    chunks = model_chunks(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool = False) -> Path:
+    """Write the model's weights as a release ``torch_dist`` checkpoint; every rank calls it.
+
+    Raises:
+        FileExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    folder = root / iteration_folder_name("release")
+    if (folder.exists() or (root / TRACKER_FILE).exists()) and not overwrite:
+        raise FileExistsError(
+            f"{root} already holds a checkpoint; choose another --save folder or remove it"
+        )
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = {
+        **_model_state(model),
+        "iteration": 0,
+        "megatron_hybrid": {
+            "format": MODEL_ONLY_FORMAT,
+            "hybrid_layer_pattern": conversion.pattern.pattern,
+            "hf_config": conversion.hf_config,
+        },
+    }
+    dist_checkpointing.save(state, str(folder))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = root / f".{TRACKER_FILE}.tmp"
+        tmp.write_text("release")
+        os.replace(tmp, root / TRACKER_FILE)
+    dist.barrier()
+    return folder
+
+
+def _stored(root) -> dict:
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(root)))
+    return common.get("megatron_hybrid") or {}
+
+
+def hf_config_of_checkpoint(root) -> dict | None:
+    """The Hugging Face config stored in a checkpoint (None if it has none)."""
+    return _stored(root).get("hf_config")
+
+
+def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> HFConversion:
+    """The conversion of a checkpoint, from ``hf_config`` or the one it stores.
+
+    Raises:
+        ValueError: neither is there.
+    """
+    stored = _stored(root)
+    config = hf_config or stored.get("hf_config")
+    if config is None:
+        raise ValueError(
+            f"{root} records no Hugging Face config (it was not written by convert --from-hf or "
+            "train --load-hf); pass --hf-config with the config.json of the model"
+        )
+    pattern = stored.get("hybrid_layer_pattern")
+    # The stored pattern says whether MTP layers were converted (HF configs declare them even
+    # where the weights were dropped).
+    mtp = None if pattern is None else "/" in pattern
+    return hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
+
+
+def load_model_state(model, root) -> None:
+    """Load a checkpoint's model weights (no optimizer state) into ``model``, strictly."""
+    from megatron.core import dist_checkpointing
+
+    folder = resolve_checkpoint_dir(root)
+    chunks = model_chunks(model)
+    state = dist_checkpointing.load(_model_state(model), str(folder))
+    with torch.no_grad():
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
