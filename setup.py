@@ -33,10 +33,14 @@ setup(
         "psutil",
         "einops",
         "numpy",
+        # Hugging Face checkpoints in and out (megatron_hybrid.hf); convert's progress bars.
+        "safetensors>=0.4",
+        "tqdm",
     ],
     extras_require={
         # fla-core: GatedDeltaNet ('G') layers run in the CPU tests (megatron's torch path).
-        "test": ["pytest>=8", "hypothesis>=6", "fla-core==0.6.0"],
+        # transformers: the reference the Hugging Face conversion tests compare against.
+        "test": ["pytest>=8", "hypothesis>=6", "fla-core==0.6.0", "transformers==5.23.0"],
         "viz": ["matplotlib>=3.7"],
         # GatedDeltaNet ('G') layers; pure-Python wheels.
         "gdn": ["fla-core==0.6.0", "flash-linear-attention==0.6.0"],

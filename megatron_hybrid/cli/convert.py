@@ -198,7 +198,11 @@ def _to_hf(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from megatron_hybrid.hf.api import _ensure_process_groups, build_model
-    from megatron_hybrid.hf.dist import conversion_of_checkpoint, load_model_state
+    from megatron_hybrid.hf.dist import (
+        conversion_of_checkpoint,
+        hf_dtypes_of_checkpoint,
+        load_model_state,
+    )
     from megatron_hybrid.hf.io import CONFIG_FILE
     from megatron_hybrid.hf.api import save_hf_checkpoint
 
@@ -225,6 +229,7 @@ def _to_hf(args: argparse.Namespace) -> int:
     )
     model = build_model(conversion, pg, transformer_impl=args.transformer_impl)
     load_model_state(model, args.load)
+    model.hf_source_dtypes = hf_dtypes_of_checkpoint(args.load)
     out = save_hf_checkpoint(
         model, args.to_hf, conversion=conversion, dtype=_dtype(args),
         max_shard_size=args.max_shard_size,

@@ -207,6 +207,12 @@ def build_model(
         pg_collection=pg_collection,
         **kwargs,
     )
+    if dtype != torch.float32:
+        # As Float16Module does for training: torch norms are built in float32. Buffers (the
+        # router's expert bias) stay float32, as megatron-core keeps them.
+        for param in model.parameters():
+            if param.dtype == torch.float32:
+                param.data = param.data.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -25,6 +25,7 @@ __all__ = [
     "MODEL_ONLY_FORMAT",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
+    "hf_dtypes_of_checkpoint",
     "load_model_state",
     "save_model_state",
 ]
@@ -65,6 +66,11 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
             "format": MODEL_ONLY_FORMAT,
             "hybrid_layer_pattern": conversion.pattern.pattern,
             "hf_config": conversion.hf_config,
+            # Each tensor's dtype in the source folder, so that the export writes it back so.
+            "hf_dtypes": {
+                name: str(dtype).removeprefix("torch.")
+                for name, dtype in (getattr(model_chunks(model)[0], "hf_source_dtypes", None) or {}).items()
+            },
         },
     }
     dist_checkpointing.save(state, str(folder))
@@ -82,6 +88,11 @@ def _stored(root) -> dict:
 
     common = dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(root)))
     return common.get("megatron_hybrid") or {}
+
+
+def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
+    """The source Hugging Face dtype of each tensor, as ``convert --from-hf`` recorded it."""
+    return {name: getattr(torch, dtype) for name, dtype in (_stored(root).get("hf_dtypes") or {}).items()}
 
 
 def hf_config_of_checkpoint(root) -> dict | None:

@@ -168,6 +168,16 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
             raise HFWeightsError(
                 f"{source.path}: {name} has shape {tuple(info[name][1])}, the model needs {shape}"
             )
+    for name, original in plan.shared_copies.items():
+        # Stored copies of a shared tensor (DeepSeek's MTP embedding and head) must be copies:
+        # the model holds one tensor for both.
+        if name in source and original in source and not torch.equal(
+            source.get(name), source.get(original)
+        ):
+            raise HFWeightsError(
+                f"{source.path}: {name} differs from {original}, which the model shares it with; "
+                "megatron's MTP uses the main embedding and output layer"
+            )
     total = sum(1 for sharded, _ in states for st in _leaves(sharded) if isinstance(st, ShardedTensor))
     done = 0
 

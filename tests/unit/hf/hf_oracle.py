@@ -601,6 +601,13 @@ def add_fake_mtp_tensors(path: str | Path, family: str, *, seed: int = 1) -> dic
         else:
             value = 1 + 0.1 * noise
         new[name] = value.to(dtype).contiguous()
+    # DeepSeek's MTP layer stores copies of the shared embedding and output head.
+    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+    originals = read_tensors(path) if family == "deepseek_v3" else {}
+    for name in new:
+        for suffix, original in copies.items():
+            if family == "deepseek_v3" and name.endswith(suffix):
+                new[name] = originals[original].clone()
 
     index_path = path / "model.safetensors.index.json"
     if index_path.exists():
