@@ -207,6 +207,7 @@ def build_model(
         pg_collection=pg_collection,
         **kwargs,
     )
+    model.hf_conversion = conversion
     if dtype != torch.float32:
         # As Float16Module does for training: torch norms are built in float32. Buffers (the
         # router's expert bias) stay float32, as megatron-core keeps them.
@@ -229,6 +230,7 @@ def load_hf_model(
     mtp: bool | None = None,
     ignore_config_fields=(),
     progress=None,
+    config_overrides: dict | None = None,
 ):
     """Build the model a Hugging Face folder describes and load its weights strictly.
 
@@ -246,6 +248,8 @@ def load_hf_model(
         mtp: load the MTP layers the config declares (None: when the checkpoint holds them).
         ignore_config_fields: config fields to accept although they are not mapped.
         progress: optional ``(done, total)`` callback while weights are copied.
+        config_overrides: further ``TransformerConfig`` fields (e.g. ``deterministic_mode``
+            for GatedDeltaNet's torch path on a GPU, recompute settings).
 
     Returns:
         This rank's HybridModel (``model(input_ids, position_ids, None)`` gives logits
@@ -257,7 +261,11 @@ def load_hf_model(
         tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     )
     model = build_model(
-        conversion, pg, transformer_impl=transformer_impl, params_dtype=params_dtype
+        conversion,
+        pg,
+        transformer_impl=transformer_impl,
+        params_dtype=params_dtype,
+        **(config_overrides or {}),
     )
     from megatron_hybrid.hf.weights import load_hf_weights
 

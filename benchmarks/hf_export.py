@@ -1,0 +1,170 @@
+"""Throughput and memory of ``iter_hf_weights`` (what RL weight sync consumes), one device.
+
+    python benchmarks/hf_export.py --out benchmarks/results            # GPU if there is one
+    python benchmarks/hf_export.py --preset tiny --device cpu          # a quick check
+
+Builds a Qwen3.5-MoE-shaped model (the ``qwen35moe-3b`` preset: hidden 2048, 12 layers
+``([GE]{3}[*E]){3}``, 64 experts of 512, vocab 151936: 3.3 B parameters) in bf16, without
+initialising its weights (values do not change the cost), and streams it out twice per round:
+
+* ``views`` — consume each yielded tensor as it is (where the on-disk layout is a plain slice
+  of a parameter, the tensor is a view and nothing is copied: the cost is the plan walk and the
+  reorders that QKV and GatedDeltaNet need);
+* ``copies`` — clone every yielded tensor into its own buffer, as a sender that must own its
+  data does, and release it before the next one.
+
+Reports GB/s (yielded bytes / wall time; medians over ``--repeats`` rounds) and the peak device
+memory above the model during the stream, against the largest single tensor yielded (the
+"bucket" the exporter works in). Writes ``hf_export_<device>.{json,md}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "qwen35moe-3b": dict(
+        hidden_size=2048, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=64,
+        num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, vocab_size=256,
+    ),
+}  # fmt: skip
+
+
+def hf_config(preset: str) -> dict:
+    """A qwen3_5_moe_text config.json dict of the preset's sizes."""
+    return dict(
+        model_type="qwen3_5_moe_text",
+        dtype="bfloat16",
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        **PRESETS[preset],
+    )
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(model, device, mode: str) -> dict:
+    """One streamed export: seconds, bytes, tensors, largest tensor, peak extra memory."""
+    from megatron_hybrid.hf import iter_hf_weights
+
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    total, count, largest = 0, 0, 0
+    began = time.perf_counter()
+    for _, tensor in iter_hf_weights(model, device=device):
+        if mode == "copies":
+            tensor = tensor.clone()
+        size = tensor.numel() * tensor.element_size()
+        total, count, largest = total + size, count + 1, max(largest, size)
+        del tensor
+    _sync(device)
+    seconds = time.perf_counter() - began
+    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
+    return dict(seconds=seconds, bytes=total, tensors=count, largest=largest, peak_extra=peak)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen35moe-3b")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the results files")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else
+        ("cpu" if args.device == "auto" else args.device)
+    )  # fmt: skip
+    if device.type == "cpu" and torch.cuda.is_available():
+        parser.error("--device cpu on a CUDA machine is not supported (CPU emulation refuses it)")
+
+    from megatron_hybrid.hf.api import _ensure_process_groups, build_model
+    from megatron_hybrid.hf.config import hf_config_to_megatron
+
+    conversion = hf_config_to_megatron(hf_config(args.preset))
+    pg = _ensure_process_groups(1, 1, 1)
+    model = build_model(conversion, pg, perform_initialization=False).eval()
+    params = sum(p.numel() for p in model.parameters())
+    rows = {"views": [], "copies": []}
+    for _ in range(args.repeats):
+        for mode in rows:
+            rows[mode].append(measure(model, device, mode))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    result = dict(
+        benchmark="hf_export",
+        date=datetime.date.today().isoformat(),
+        command="python " + " ".join(["benchmarks/hf_export.py", *(argv or sys.argv[1:])]),
+        device=name,
+        preset=args.preset,
+        parameters=params,
+        modes={},
+    )
+    for mode, runs in rows.items():
+        gbps = [r["bytes"] / r["seconds"] / 1e9 for r in runs]
+        peaks = [r["peak_extra"] for r in runs if r["peak_extra"] is not None]
+        result["modes"][mode] = dict(
+            gb_per_s_median=statistics.median(gbps),
+            gb_per_s=gbps,
+            seconds_median=statistics.median(r["seconds"] for r in runs),
+            bytes=runs[0]["bytes"],
+            tensors=runs[0]["tensors"],
+            largest_tensor_bytes=runs[0]["largest"],
+            peak_extra_bytes=max(peaks) if peaks else None,
+        )
+    lines = [
+        f"# iter_hf_weights export ({result['date']}, {name})",
+        "",
+        f"`{result['command']}`: {args.preset}, {params / 1e9:.2f} B parameters, bf16, "
+        f"{args.repeats} rounds (medians).",
+        "",
+        "| mode | GB/s | s | GB yielded | tensors | peak extra memory | largest tensor |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, m in result["modes"].items():
+        peak = "n/a (CPU)" if m["peak_extra_bytes"] is None else f"{m['peak_extra_bytes'] / 1e6:.1f} MB"
+        lines.append(
+            f"| {mode} | {m['gb_per_s_median']:.1f} | {m['seconds_median']:.3f} | "
+            f"{m['bytes'] / 1e9:.2f} | {m['tensors']} | {peak} | "
+            f"{m['largest_tensor_bytes'] / 1e6:.1f} MB |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"hf_export_{name.replace(' ', '-')}"
+        (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (args.out / f"{stem}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
