@@ -18,7 +18,7 @@ import torch
 
 from megatron_hybrid.hf.config import HFConversion
 from megatron_hybrid.hf.io import HFCheckpoint
-from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Plan, PlanBuilder, check_plan
+from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
 __all__ = ["HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
 
@@ -233,47 +233,31 @@ def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece
     return conversion.dtype
 
 
-def iter_hf_weights(
-    model,
-    *,
-    conversion: HFConversion | None = None,
-    dtype: torch.dtype | None = None,
-    group=None,
-    device=None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
+@dataclass
+class _ExportState:
+    """What one model needs for every export: its pieces, the plan, cached index tensors."""
 
-    Call it on every rank of ``group`` (default: the world) at the same time: tensors are
-    assembled from the shards of all TP / expert-TP / EP / PP / DP ranks one Hugging Face tensor
-    at a time (broadcast from the rank that holds each piece), and every rank receives every
-    tensor. Memory beyond the model is one Hugging Face tensor plus the checkpoint tensors it is
-    cut from. With one rank and no reordering the yielded tensors are views of the parameters
-    (no copy): copy them if you keep them across an optimizer step.
+    plan: Plan
+    key_shapes: dict
+    pieces: dict
+    local: dict
+    params: list
+    ptrs: list
+    indices: dict
 
-    Args:
-        model: a HybridModel or a list of (wrapped) model chunks built by this package.
-        conversion: the :class:`HFConversion` (default: the one ``load_hf_model`` attached).
-        dtype: output dtype (default: each tensor's dtype in the source checkpoint, else the
-            config's; router expert biases stay float32 always).
-        group: process group spanning all ranks that hold the model (default: the world).
-        device: where tensors are assembled and yielded (default: the current CUDA device, or
-            CPU without CUDA).
-    """
+    def valid(self) -> bool:
+        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.ptrs, strict=True))
+
+
+def _export_state(chunks, conversion, group, world: bool, rank: int) -> _ExportState:
+    """The export state of ``chunks``, built once and reused while the parameters stay put
+    (repeated RL weight syncs skip the sharded-state-dict walk and the all-gather)."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-    chunks = model_chunks(model)
-    conversion = conversion or getattr(chunks[0], "hf_conversion", None)
-    if conversion is None:
-        raise HFWeightsError(
-            "iter_hf_weights needs the model's HFConversion: pass conversion=... (from "
-            "megatron_hybrid.hf.conversion_for) or build the model with load_hf_model"
-        )
-    source_dtypes = getattr(chunks[0], "hf_source_dtypes", None)
-    if device is None:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    world = dist.is_initialized() and dist.get_world_size(group) > 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    cached = getattr(chunks[0], "_hf_export_state", None)
+    if cached is not None and cached[0] is conversion and cached[1].valid():
+        return cached[1]
     local: dict[tuple, torch.Tensor] = {}
     meta: list[_Piece] = []
     key_shapes: dict[str, tuple[int, ...]] = {}
@@ -304,6 +288,59 @@ def iter_hf_weights(
     report = check_plan(plan, unresolved, None)
     if report.unmapped_model or report.shape_errors:
         raise HFWeightsError("the model does not fit the conversion:\n" + "\n".join(report.lines()))
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    state = _ExportState(
+        plan, key_shapes, pieces, local, params, [p.data_ptr() for p in params], {}
+    )
+    for chunk in chunks:
+        chunk._hf_export_state = (conversion, state)
+    return state
+
+
+def iter_hf_weights(
+    model,
+    *,
+    conversion: HFConversion | None = None,
+    dtype: torch.dtype | None = None,
+    group=None,
+    device=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
+
+    Call it on every rank of ``group`` (default: the world) at the same time: tensors are
+    assembled from the shards of all TP / expert-TP / EP / PP / DP ranks one Hugging Face tensor
+    at a time (broadcast from the rank that holds each piece), and every rank receives every
+    tensor. Memory beyond the model is one Hugging Face tensor plus the checkpoint tensors it is
+    cut from. Where a tensor is a plain slice of one parameter on this rank (one rank, no
+    reordering) it is yielded as a view, without a copy: copy it if you keep it across an
+    optimizer step. The plan is built on the first call and reused while the parameters stay
+    where they are.
+
+    Args:
+        model: a HybridModel or a list of (wrapped) model chunks built by this package.
+        conversion: the :class:`HFConversion` (default: the one ``load_hf_model`` attached).
+        dtype: output dtype (default: each tensor's dtype in the source checkpoint, else the
+            config's; router expert biases stay float32 always).
+        group: process group spanning all ranks that hold the model (default: the world).
+        device: where tensors are assembled and yielded (default: the current CUDA device, or
+            CPU without CUDA).
+    """
+    import torch.distributed as dist
+
+    chunks = model_chunks(model)
+    conversion = conversion or getattr(chunks[0], "hf_conversion", None)
+    if conversion is None:
+        raise HFWeightsError(
+            "iter_hf_weights needs the model's HFConversion: pass conversion=... (from "
+            "megatron_hybrid.hf.conversion_for) or build the model with load_hf_model"
+        )
+    source_dtypes = getattr(chunks[0], "hf_source_dtypes", None)
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    world = dist.is_initialized() and dist.get_world_size(group) > 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = _export_state(chunks, conversion, group, world, rank)
+    plan, key_shapes, pieces, local = state.plan, state.key_shapes, state.pieces, state.local
 
     def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
         shape = key_shapes[key][1:] if expert is not None else key_shapes[key]
@@ -325,9 +362,41 @@ def iter_hf_weights(
             out[box] = buf
         return out, only.dtype
 
+    def local_rows(link: Link):
+        """The link's rows as a view of one local piece, or None (world > 1, or split)."""
+        if world:
+            return None
+        shape = key_shapes[link.key][1:] if link.expert is not None else key_shapes[link.key]
+        for offset, piece in pieces[(link.key, link.expert)].items():
+            start = offset[0]
+            if (
+                start <= link.key_rows.start
+                and link.key_rows.stop <= start + piece.shape[0]
+                and tuple(piece.shape[1:]) == tuple(shape[1:])
+            ):
+                data = local[(link.key, link.expert, offset)].to(device)
+                return data[link.key_rows.start - start : link.key_rows.stop - start], piece.dtype
+        return None
+
     cache: dict[tuple[str, int | None], tuple[torch.Tensor, torch.dtype]] = {}
     produced: dict[str, torch.Tensor] = {}
     copies_of = set(plan.shared_copies.values())
+
+    def rows_of(link: Link):
+        found = local_rows(link)
+        if found is not None:
+            return found
+        k = (link.key, link.expert)
+        if k not in cache:
+            cache[k] = assemble(*k)
+        full, piece_dtype = cache[k]
+        return full[link.key_rows], piece_dtype
+
+    def index_of(link: Link, device) -> torch.Tensor:
+        k = (id(link), str(device))
+        if k not in state.indices:
+            state.indices[k] = torch.tensor(link.hf_rows, device=device)
+        return state.indices[k]
 
     @torch.no_grad()
     def make(name: str) -> torch.Tensor:
@@ -337,28 +406,28 @@ def iter_hf_weights(
         needed = {(link.key, link.expert) for link in links}
         for stale in set(cache) - needed:
             del cache[stale]
-        for k in sorted(needed, key=str):  # the same order on every rank
-            if k not in cache:
-                cache[k] = assemble(*k)
+        if world:  # the same collectives in the same order on every rank
+            for k in sorted(needed, key=str):
+                if k not in cache:
+                    cache[k] = assemble(*k)
         shape = plan.hf_shapes[name]
         first = links[0]
-        full, piece_dtype = cache[(first.key, first.expert)]
-        target = _target_dtype(name, plan, conversion, dtype, source_dtypes, piece_dtype)
         if (
             len(links) == 1
             and isinstance(first.hf_rows, slice)
             and first.hf_rows.stop - first.hf_rows.start == shape[0]
         ):
-            tensor = full[first.key_rows]
+            tensor, piece_dtype = rows_of(first)
         else:
-            tensor = torch.empty(shape, dtype=full.dtype, device=full.device)
-            for link in links:
-                values = cache[(link.key, link.expert)][0][link.key_rows]
+            values = [rows_of(link) for link in links]
+            piece_dtype = values[0][1]
+            tensor = torch.empty(shape, dtype=values[0][0].dtype, device=values[0][0].device)
+            for link, (value, _) in zip(links, values, strict=True):
                 if isinstance(link.hf_rows, slice):
-                    tensor[link.hf_rows] = values
+                    tensor[link.hf_rows] = value
                 else:
-                    index = torch.tensor(link.hf_rows, device=tensor.device)
-                    tensor.index_copy_(0, index, values)
+                    tensor.index_copy_(0, index_of(link, tensor.device), value)
+        target = _target_dtype(name, plan, conversion, dtype, source_dtypes, piece_dtype)
         tensor = tensor.to(target)
         if name in copies_of:
             produced[name] = tensor

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.slow
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A fresh process: no torch.distributed rendezvous left in the environment by other tests.
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "megatron_hybrid", "convert", *args],
         capture_output=True,
