@@ -9,11 +9,14 @@ spec of the same backend rather than written again: module classes, fused norms 
 ``[*E]`` checkpoints under the very keys of a GPT MoE layer.
 
 Backends are a registry (``"local"``: Megatron-Core modules only; ``"te"``: TransformerEngine,
-like GPT's TE spec with fused layer norms).
+like GPT's TE spec with fused layer norms). In both, ``M`` layers use megatron-core's
+``MambaMixer`` where mamba_ssm's kernels can run and the torch Mamba2 path elsewhere
+(``mamba_impl``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -30,6 +33,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
 
 __all__ = [
     "BACKENDS",
@@ -61,6 +66,7 @@ class _SpecOptions:
     qk_layernorm: bool
     qk_l2_norm: bool
     normalization: str
+    mamba_impl: str = "kernels"
 
 
 def _halves(gpt: TransformerLayerSubmodules) -> tuple[dict, dict]:
@@ -139,6 +145,18 @@ def _unavailable(reason: str) -> ModuleSpec:
     return ModuleSpec(module=UnavailableLayer, params={"reason": reason})
 
 
+def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
+    """``mamba_layer`` with its mixer swapped for the torch Mamba2 path when ``mamba_impl`` is
+    ``"torch"``; the in/out projections (and the TE spec's fused input norm) are kept."""
+    if mamba_impl == "kernels":
+        return mamba_layer
+    from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
+
+    mixer = dataclasses.replace(mamba_layer.submodules.mixer, module=TorchMambaMixer)
+    submodules = dataclasses.replace(mamba_layer.submodules, mixer=mixer)
+    return dataclasses.replace(mamba_layer, submodules=submodules)
+
+
 def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -177,18 +195,21 @@ def _local_layers(opts: _SpecOptions) -> dict:
         ),
         self_attn_bda=get_bias_dropout_add,
     )
-    layers["mamba_layer"] = ModuleSpec(
-        module=MambaLayer,
-        submodules=MambaLayerSubmodules(
-            norm=norm,
-            mixer=ModuleSpec(
-                module=MambaMixer,
-                submodules=MambaMixerSubmodules(
-                    in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+    layers["mamba_layer"] = _with_mamba_impl(
+        ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(
+                norm=norm,
+                mixer=ModuleSpec(
+                    module=MambaMixer,
+                    submodules=MambaMixerSubmodules(
+                        in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+                    ),
                 ),
+                mamba_bda=get_bias_dropout_add,
             ),
-            mamba_bda=get_bias_dropout_add,
         ),
+        opts.mamba_impl,
     )
     layers["final_norm"] = norm
     layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
@@ -214,7 +235,7 @@ def _te_layers(opts: _SpecOptions) -> dict:
     layers = _gpt_derived_layers(get_gpt_layer_with_transformer_engine_submodules, opts)
     layers["dsa_layer"] = _dsa_layer(TESpecProvider(), TENorm, opts)
     # Mamba and GatedDeltaNet have no GPT counterpart: megatron-core's hybrid TE specs.
-    layers["mamba_layer"] = mcore_spec.submodules.mamba_layer
+    layers["mamba_layer"] = _with_mamba_impl(mcore_spec.submodules.mamba_layer, opts.mamba_impl)
     layers["gdn_layer"] = mcore_spec.submodules.gdn_layer
     layers["final_norm"] = TENorm
     layers["mtp_block_spec"] = _mtp_block_spec(TENorm, TEColumnParallelLinear)
@@ -268,6 +289,7 @@ def hybrid_stack_spec(
     qk_layernorm: bool | None = None,
     qk_l2_norm: bool | None = None,
     normalization: str | None = None,
+    mamba_impl: str = "auto",
 ) -> ModuleSpec:
     """Spec of a :class:`~megatron_hybrid.HybridStack` whose layers mirror GPTModel's.
 
@@ -280,6 +302,11 @@ def hybrid_stack_spec(
         qk_layernorm: layer norm on queries and keys.
         qk_l2_norm: L2 norm on queries and keys.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        mamba_impl: how ``M`` layers compute: ``"kernels"`` (megatron-core's ``MambaMixer``:
+            mamba_ssm and causal_conv1d on a GPU), ``"torch"`` (the torch Mamba2 path,
+            :class:`~megatron_hybrid.modules.mamba_torch.TorchMambaMixer`: same parameters and
+            checkpoints, runs anywhere, slower) or ``"auto"`` (the kernels where they can run,
+            else torch). ``metainfo["mamba_impl"]`` records the choice.
 
     Returns:
         A ``ModuleSpec`` for ``HybridStack`` with :class:`HybridStackSubmodules`; its
@@ -287,7 +314,8 @@ def hybrid_stack_spec(
         config.
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend or ``mamba_impl``, or ``mamba_impl="kernels"`` where the
+            kernels cannot run.
         ImportError: backend ``"te"`` without TransformerEngine.
     """
     if backend not in BACKENDS:
@@ -306,6 +334,7 @@ def hybrid_stack_spec(
         qk_layernorm=bool(pick(qk_layernorm, "qk_layernorm", False)),
         qk_l2_norm=bool(pick(qk_l2_norm, "qk_l2_norm", False)),
         normalization=pick(normalization, "normalization", "LayerNorm"),
+        mamba_impl=resolve_mamba_impl(mamba_impl),
     )
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 
