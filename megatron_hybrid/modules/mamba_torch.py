@@ -1,4 +1,4 @@
-"""A torch Mamba2 mixer with megatron-core's ``MambaMixer`` parameters, for where mamba_ssm cannot run.
+"""Mamba2 in torch with megatron-core's ``MambaMixer`` parameters, for where its kernels can't run.
 
 megatron-core 0.19.2's ``MambaMixer`` (``megatron/core/ssm/mamba_mixer.py``) refuses to build
 without mamba_ssm and has no torch path, so a pattern with ``M`` could not run on a CPU or on a
@@ -305,7 +305,7 @@ class TorchMambaMixer(MegatronModule):
         if problems:
             raise ValueError("Mamba layer sizes: " + "; ".join(problems))
 
-    def _init_ssm_parameters(self, config, A_init_range, dt_min, dt_max, dt_init_floor) -> None:
+    def _init_ssm_parameters(self, config, a_init_range, dt_min, dt_max, dt_init_floor) -> None:
         """conv, dt_bias, A_log and D, created and initialised in megatron-core's order."""
         device = self._device()
         conv_dim = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state  # x B C
@@ -342,7 +342,7 @@ class TorchMambaMixer(MegatronModule):
             self.dt_bias = _tp_param(nn.Parameter(dt + torch.log(-torch.expm1(-dt))))
             a = torch.empty(self.nheads_local_tp, dtype=torch.float32, device=device)
             if config.perform_initialization:
-                a = a.uniform_(*A_init_range)
+                a = a.uniform_(*a_init_range)
             self.A_log = _tp_param(nn.Parameter(torch.log(a)))  # float32, as in megatron-core
         d_size = self.d_inner_local_tp if self.D_has_hdim else self.nheads_local_tp
         self.D = _tp_param(nn.Parameter(torch.ones(d_size, device=device)))  # float32
@@ -395,7 +395,7 @@ class TorchMambaMixer(MegatronModule):
             b.unflatten(-1, (groups, state)),
             c.unflatten(-1, (groups, state)),
             self.chunk_size,
-            D=d.unflatten(0, (heads, self.headdim)) if self.D_has_hdim else d,
+            d=d.unflatten(0, (heads, self.headdim)) if self.D_has_hdim else d,
             seq_idx=seq_idx,
         ).flatten(-2)
         return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)

@@ -19,7 +19,7 @@ whatever the input dtype, as in the kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import conv1d, pad, silu
 
 __all__ = ["causal_conv1d", "gated_rms_norm", "ssd_chunk_scan"]
 
@@ -46,18 +46,19 @@ def causal_conv1d(
     xf, wf = x.float(), weight.float()
     bf = bias.float() if bias is not None else None
     if seq_idx is None:
-        y = F.conv1d(F.pad(xf.transpose(1, 2), (width - 1, 0)), wf.unsqueeze(1), bf, groups=wf.shape[0])
-        return F.silu(y).transpose(1, 2).to(x.dtype)
+        padded = pad(xf.transpose(1, 2), (width - 1, 0))  # left only: step t sees t-W+1..t
+        y = conv1d(padded, wf.unsqueeze(1), bf, groups=wf.shape[0])
+        return silu(y).transpose(1, 2).to(x.dtype)
     # Shifted sums, so that taps reaching into a previous sequence can be masked out.
     y = torch.zeros_like(xf) if bf is None else bf.expand_as(xf).clone()
     for tap in range(width):
         shift = width - 1 - tap
         if shift >= x.shape[1]:
             continue
-        src = F.pad(xf, (0, 0, shift, 0))[:, : x.shape[1]]
-        same = seq_idx == F.pad(seq_idx, (shift, 0), value=-1)[:, : x.shape[1]]
+        src = pad(xf, (0, 0, shift, 0))[:, : x.shape[1]]
+        same = seq_idx == pad(seq_idx, (shift, 0), value=-1)[:, : x.shape[1]]
         y = y + src * wf[:, tap] * same.unsqueeze(-1)
-    return F.silu(y).to(x.dtype)
+    return silu(y).to(x.dtype)
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -69,23 +70,24 @@ def _segment_sums(a: torch.Tensor) -> torch.Tensor:
     size = a.shape[-1]
     below = torch.ones(size, size, dtype=torch.bool, device=a.device).tril(-1)
     sums = a.unsqueeze(-1).expand(*a.shape, size).masked_fill(~below, 0).cumsum(dim=-2)
-    return sums.masked_fill(~below.logical_or(torch.eye(size, dtype=torch.bool, device=a.device)), -torch.inf)
+    on_or_below = below.logical_or(torch.eye(size, dtype=torch.bool, device=a.device))
+    return sums.masked_fill(~on_or_below, -torch.inf)
 
 
-def _chunks(t: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:
-    """``[B, T, ...]`` zero-padded to ``T + pad`` and cut into ``[B, C, chunk_size, ...]``."""
-    padded = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+def _chunks(t: torch.Tensor, extra: int, chunk_size: int) -> torch.Tensor:
+    """``[B, T, ...]`` zero-padded to ``T + extra`` and cut into ``[B, C, chunk_size, ...]``."""
+    padded = pad(t, (0, 0) * (t.dim() - 2) + (0, extra))
     return padded.reshape(t.shape[0], -1, chunk_size, *t.shape[2:])
 
 
 def ssd_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
     chunk_size: int,
-    D: torch.Tensor | None = None,
+    d: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba2's selective scan in chunks of ``chunk_size`` steps, in float32.
@@ -93,11 +95,11 @@ def ssd_chunk_scan(
     Args:
         x: ``[B, T, H, P]``.
         dt: ``[B, T, H]`` step sizes, already through ``softplus(dt + dt_bias)``.
-        A: ``[H]``, negative.
-        B: ``[B, T, G, N]``; head ``h`` reads group ``h // (H // G)``.
-        C: ``[B, T, G, N]``.
+        a: ``A``, ``[H]``, negative.
+        b: ``B``, ``[B, T, G, N]``; head ``h`` reads group ``h // (H // G)``.
+        c: ``C``, ``[B, T, G, N]``.
         chunk_size: steps per chunk; need not divide ``T`` (the last chunk is zero-padded).
-        D: skip weights ``[H]`` or ``[H, P]``, or None.
+        d: ``D``, skip weights ``[H]`` or ``[H, P]``, or None.
         seq_idx: optional ``[B, T]`` non-decreasing sequence ids: the state restarts from zero
             where the id changes (packed sequences).
 
@@ -105,11 +107,11 @@ def ssd_chunk_scan(
         ``y`` ``[B, T, H, P]``, float32.
     """
     batch, seq, heads, head_dim = x.shape
-    groups = B.shape[2]
+    groups = b.shape[2]
     if heads % groups:
         raise ValueError(f"{heads} heads cannot be split into {groups} groups of B and C")
     per_group = heads // groups
-    pad = (-seq) % chunk_size
+    extra = (-seq) % chunk_size  # zero steps after the end: they change no earlier output
     xf = x.float()
     dtf = dt.float()
 
@@ -118,25 +120,25 @@ def ssd_chunk_scan(
 
     # b batch, c chunk, l/s step in chunk (target/source), g group, r head in group,
     # p head dim, n state dim, z/y chunk boundaries (target/source).
-    xdt = _chunks(grouped(xf * dtf.unsqueeze(-1)), pad, chunk_size)  # b c l g r p
-    Bc = _chunks(B.float(), pad, chunk_size)  # b c l g n
-    Cc = _chunks(C.float(), pad, chunk_size)
-    log_decay = _chunks(grouped(dtf * A.float()), pad, chunk_size).permute(0, 3, 4, 1, 2)
+    xdt = _chunks(grouped(xf * dtf.unsqueeze(-1)), extra, chunk_size)  # b c l g r p
+    bc = _chunks(b.float(), extra, chunk_size)  # b c l g n
+    cc = _chunks(c.float(), extra, chunk_size)
+    log_decay = _chunks(grouped(dtf * a.float()), extra, chunk_size).permute(0, 3, 4, 1, 2)
     cum = log_decay.cumsum(dim=-1)  # b g r c l
 
     decay_in_chunk = torch.exp(_segment_sums(log_decay))  # b g r c l s
     decay_to_end = torch.exp(cum[..., -1:] - cum)  # b g r c s
     decay_from_start = torch.exp(cum)  # b g r c l
-    chunk_ends = F.pad(cum[..., -1], (1, 0))  # b g r (c+1): log decay of every whole chunk
+    chunk_ends = pad(cum[..., -1], (1, 0))  # b g r (c+1): log decay of every whole chunk
     decay_between = torch.exp(_segment_sums(chunk_ends))  # b g r z y
     if seq_idx is not None:
         # Padded steps get id -1; they come after every real step, so nothing real reads them.
-        ids = F.pad(seq_idx, (0, pad), value=-1).reshape(batch, -1, chunk_size)  # b c l
+        ids = pad(seq_idx, (0, extra), value=-1).reshape(batch, -1, chunk_size)  # b c l
         end_ids = ids[:, :, -1]
-        boundary_ids = F.pad(end_ids, (1, 0), value=-2)  # state after chunk y-1; y=0: initial
+        boundary_ids = pad(end_ids, (1, 0), value=-2)  # state after chunk y-1; y=0: initial
 
-        def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # broadcast over g, r
-            return (a == b)[:, None, None].float()
+        def same(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # broadcast over g, r
+            return (u == v)[:, None, None].float()
 
         decay_in_chunk = decay_in_chunk * same(ids[..., :, None], ids[..., None, :])
         decay_to_end = decay_to_end * same(ids, end_ids[..., None])
@@ -144,20 +146,20 @@ def ssd_chunk_scan(
         decay_between = decay_between * same(boundary_ids[:, :, None], boundary_ids[:, None, :])
 
     # 1. Within chunks: y_l = sum_{s <= l} (C_l . B_s) decay(s -> l) dt_s x_s.
-    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", cc, bc)
     weights = scores.unsqueeze(2) * decay_in_chunk  # b g r c l s
     y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, xdt)
     # 2. Each chunk's own contribution to the state at its end.
-    states = torch.einsum("bcsgn,bgrcs,bcsgrp->bcgrpn", Bc, decay_to_end, xdt)
+    states = torch.einsum("bcsgn,bgrcs,bcsgrp->bcgrpn", bc, decay_to_end, xdt)
     # 3. States at chunk starts: decayed sums over all earlier chunks (zero initial state).
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
     states = torch.einsum("bgrzy,bygrpn->bzgrpn", decay_between, states)[:, :-1]
     # 4. What the carried-in state adds to every step of the chunk.
-    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, states, decay_from_start)
+    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", cc, states, decay_from_start)
 
-    y = y.reshape(batch, seq + pad, heads, head_dim)[:, :seq]
-    if D is not None:
-        skip = D.float() if D.dim() == 2 else D.float().unsqueeze(-1)
+    y = y.reshape(batch, seq + extra, heads, head_dim)[:, :seq]
+    if d is not None:
+        skip = d.float() if d.dim() == 2 else d.float().unsqueeze(-1)
         y = y + skip * xf
     return y
 
@@ -189,7 +191,7 @@ def gated_rms_norm(
         raise ValueError(f"group size {group_size} does not divide {y.shape[-1]} channels")
     out = y.float()
     if z is not None:
-        out = out * F.silu(z.float())
+        out = out * silu(z.float())
     grouped = out.unflatten(-1, (-1, group_size))
     grouped = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + eps)
     out = grouped.flatten(-2)

@@ -102,9 +102,7 @@ FLAGS: tuple[Flag, ...] = (
         action="store_true",
         help="separate output layer weights",
     ),
-    _flag(
-        "--mamba-state-dim", _MODEL, type=int, default=16, help="Mamba ('M') SSM state size"
-    ),
+    _flag("--mamba-state-dim", _MODEL, type=int, default=16, help="Mamba ('M') SSM state size"),
     _flag("--mamba-head-dim", _MODEL, type=int, default=16, help="Mamba ('M') head dimension"),
     _flag(
         "--mamba-num-groups",
