@@ -362,9 +362,16 @@ class TorchMambaMixer(MegatronModule):
                 "inference; use megatron-core's MambaMixer (mamba_impl='kernels', needs "
                 "mamba-ssm and causal-conv1d on a GPU)"
             )
+        seq_idx = None
+        if packed_seq_params is not None:
+            seq_idx = packed_seq_params.seq_idx
+            if seq_idx is None:
+                raise ValueError(
+                    "packed (THD) input to a Mamba layer needs packed_seq_params.seq_idx, which "
+                    "PackedSeqParams builds only when total_tokens is set; set total_tokens"
+                )
         zxbcdt, _ = self.in_proj(hidden_states)
         zxbcdt = self.cp.pre_conv_ssm(zxbcdt, packed_seq_params)
-        seq_idx = packed_seq_params.seq_idx if packed_seq_params is not None else None
         y = self._ssm(zxbcdt.transpose(0, 1), seq_idx).transpose(0, 1)
         y = self.cp.post_conv_ssm(y, packed_seq_params)
         if self.rmsnorm:

@@ -36,7 +36,7 @@ def _config(groups: int, **overrides):
     )
 
 
-def _mixer(pg, groups: int, seed: int = 3, cls=None, **kwargs):
+def _mixer(pg, groups: int, seed: int = 3, cls=None, config: dict | None = None, **kwargs):
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
     from megatron.core.tensor_parallel import (
         ColumnParallelLinear,
@@ -53,7 +53,9 @@ def _mixer(pg, groups: int, seed: int = 3, cls=None, **kwargs):
         module=cls or TorchMambaMixer,
         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
     )
-    return build_module(spec, _config(groups), d_model=HIDDEN, pg_collection=pg, **kwargs)
+    return build_module(
+        spec, _config(groups, **(config or {})), d_model=HIDDEN, pg_collection=pg, **kwargs
+    )
 
 
 def _stepwise_mixer(mixer, hidden: torch.Tensor, bug: str | None = None) -> torch.Tensor:
@@ -120,9 +122,10 @@ def _randomise(mixer, seed: int) -> None:
 
 
 def _outputs_and_grads(fn, mixer, hidden, grad_out) -> dict[str, torch.Tensor]:
+    """Output of ``fn`` (None: the mixer's own forward) and the gradients of input and params."""
     mixer.zero_grad(set_to_none=True)
     leaf = hidden.detach().clone().requires_grad_()
-    out = fn(leaf)
+    out = mixer(leaf)[0] if fn is None else fn(leaf)
     out.backward(grad_out)
     # A planted bug can leave a parameter out of the graph: its gradient is then zero.
     grads = {
@@ -136,7 +139,7 @@ def _compare(mixer, seq: int, seed: int, bug: str | None = None) -> dict[str, fl
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
     grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
-    chunked = _outputs_and_grads(lambda h: mixer(h)[0], mixer, hidden, grad_out)
+    chunked = _outputs_and_grads(None, mixer, hidden, grad_out)
     stepwise = _outputs_and_grads(lambda h: _stepwise_mixer(mixer, h, bug), mixer, hidden, grad_out)
     return {name: rel_error(chunked[name], stepwise[name]) for name in stepwise}
 
@@ -292,3 +295,93 @@ def test_unsupported_options_are_refused(pg, kwargs, match):
 def test_bad_sizes_are_refused(pg):
     with pytest.raises(ValueError, match=r"8 Mamba heads do not split into 3 groups"):
         _mixer(pg, 3)
+
+
+def test_mixer_packed_input_equals_separate_sequences(pg):
+    """THD input (``PackedSeqParams`` with ``total_tokens``) = each sequence run on its own."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    mixer = _mixer(pg, 2, chunk_size=8)
+    _randomise(mixer, seed=9)
+    cu_seqlens = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, total_tokens=24
+    )
+    hidden = torch.randn(24, 1, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = mixer(hidden, packed_seq_params=packed)[0]
+        alone = [
+            mixer(hidden[s:e])[0] for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)
+        ]
+        unpacked = mixer(hidden)[0]
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-5, atol=1e-6)
+    assert rel_error(unpacked[7:], out[7:]) > 1e-2  # the packing changed something
+
+    packed.seq_idx = None
+    with pytest.raises(ValueError, match=r"needs packed_seq_params.seq_idx"):
+        mixer(hidden, packed_seq_params=packed)
+
+
+def _tp_shard(name: str, full: torch.Tensor, mixer, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of a TP1 parameter (or gradient) of the mixer."""
+    d_inner, gn, heads = mixer.d_inner, mixer.ngroups * mixer.d_state, mixer.nheads
+    if name == "out_proj.weight":
+        return full.chunk(tp, dim=1)[rank]
+    sizes = {
+        "in_proj.weight": [d_inner, d_inner, gn, gn, heads],  # z x B C dt, each split over TP
+        "conv1d_weight": [d_inner, gn, gn],
+        "conv1d_bias": [d_inner, gn, gn],
+    }.get(name, [full.shape[0]])
+    return torch.cat([part.chunk(tp)[rank] for part in full.split(sizes)])
+
+
+def _tp_worker(rank: int, world_size: int) -> dict[str, float]:
+    """TP2 (with and without SP) against TP1 on the same weights: output and every gradient."""
+    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.testing.megatron_state import (
+        initialize_model_parallel,
+        reset_megatron_state,
+    )
+
+    enable_cpu_emulation()
+    torch.set_num_threads(1)
+    errors = {}
+    for groups in (2, 4):
+        gen = torch.Generator().manual_seed(groups)
+        seq = 12
+        hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
+        grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
+        reference = _mixer(initialize_model_parallel(tp=1), groups, chunk_size=5)
+        _randomise(reference, seed=groups)
+        expected = _outputs_and_grads(None, reference, hidden, grad_out)
+        params = {name: p.detach().clone() for name, p in reference.named_parameters()}
+        reset_megatron_state()
+        for sp in (False, True):
+            pg = initialize_model_parallel(tp=world_size)
+            config = dict(tensor_model_parallel_size=world_size, sequence_parallel=sp)
+            mixer = _mixer(pg, groups, config=config, chunk_size=5)
+            with torch.no_grad():
+                for name, param in mixer.named_parameters():
+                    param.copy_(_tp_shard(name, params[name], reference, rank, world_size))
+            part = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
+            local = slice(None) if not sp else part
+            actual = _outputs_and_grads(None, mixer, hidden[local], grad_out[local])
+            for name, value in actual.items():
+                if name in ("out", "dhidden"):
+                    want = expected[name][local]
+                else:
+                    want = _tp_shard(name[1:], expected[name], reference, rank, world_size)
+                errors[f"g{groups}-sp{int(sp)}-{name}"] = rel_error(value, want)
+            reset_megatron_state()
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tensor_parallel_matches_single_rank():
+    """Heads and B/C groups split over TP2 (each rank norms its own groups), with and without SP."""
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    for errors in run_distributed(_tp_worker, 2, timeout=300):
+        assert len(errors) == 2 * 2 * 10  # groups x SP x (output, input, 8 parameters)
+        assert all(e < FP32_REL_TOL for e in errors.values()), errors
