@@ -135,7 +135,8 @@ def expected_checkpoint_tensors(
         **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
     """
     import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
     from megatron_hybrid.pattern import parse_pattern
@@ -175,7 +176,11 @@ def expected_checkpoint_tensors(
         )
         # A copy: megatron adds process groups to the metadata dict it is given.
         sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
-    return {v.key: tuple(v.global_shape) for v in sharded.values() if isinstance(v, ShardedTensor)}
+        # Factories (Mamba's in_proj and conv1d split into z/x/B/C/dt) save their parts.
+        apply_factories(sharded)
+    return {
+        v.key: tuple(v.global_shape) for v in nested_values(sharded) if isinstance(v, ShardedTensor)
+    }
 
 
 def checkpoint_model_tensors(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:
