@@ -76,7 +76,7 @@ def resolve_mamba_impl(mamba_impl: str) -> str:
         raise ValueError(
             f"mamba_impl='kernels' needs megatron-core's MambaMixer kernels, but {reason}. "
             "Install mamba-ssm and causal-conv1d on a CUDA machine, or use mamba_impl='auto' "
-            "(or 'torch') for the torch Mamba2 path."
+            "or 'torch' (train: --mamba-impl auto) for the torch Mamba2 path."
         )
     if mamba_impl == "auto":
         return "kernels" if available else "torch"

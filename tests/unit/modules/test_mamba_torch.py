@@ -335,16 +335,13 @@ def _tp_shard(name: str, full: torch.Tensor, mixer, rank: int, tp: int) -> torch
     return torch.cat([part.chunk(tp)[rank] for part in full.split(sizes)])
 
 
-def _tp_worker(rank: int, world_size: int) -> dict[str, float]:
+def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
     """TP2 (with and without SP) against TP1 on the same weights: output and every gradient."""
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
     from megatron_hybrid.testing.megatron_state import (
         initialize_model_parallel,
         reset_megatron_state,
     )
 
-    enable_cpu_emulation()
-    torch.set_num_threads(1)
     errors = {}
     for groups in (2, 4):
         gen = torch.Generator().manual_seed(groups)
@@ -376,12 +373,65 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, float]:
     return errors
 
 
+def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
+    """CP2 (megatron-core's all-to-all: heads split, whole sequence per rank) against CP1.
+
+    Each rank holds sequence chunks ``rank`` and ``2 cp - 1 - rank`` (attention's load
+    balancing); gradients of the replicated parameters are summed over CP, as DDP does.
+    """
+    import torch.distributed as dist
+
+    from megatron_hybrid.testing.megatron_state import (
+        initialize_model_parallel,
+        reset_megatron_state,
+    )
+
+    errors = {}
+    seq, groups = 16, 2
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
+    grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
+    reference = _mixer(initialize_model_parallel(), groups, chunk_size=5)
+    _randomise(reference, seed=7)
+    expected = _outputs_and_grads(None, reference, hidden, grad_out)
+    params = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    reset_megatron_state()
+
+    pg = initialize_model_parallel(cp=world_size)
+    mixer = _mixer(pg, groups, config=dict(context_parallel_size=world_size), chunk_size=5)
+    with torch.no_grad():
+        for name, param in mixer.named_parameters():
+            param.copy_(params[name])
+    size = seq // (2 * world_size)
+    chunks = [rank, 2 * world_size - 1 - rank]
+    local = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+    actual = _outputs_and_grads(None, mixer, hidden[local], grad_out[local])
+    for name, value in actual.items():
+        if name in ("out", "dhidden"):
+            errors[f"cp-{name}"] = rel_error(value, expected[name][local])
+        else:
+            dist.all_reduce(value, group=pg.cp)
+            errors[f"cp-{name}"] = rel_error(value, expected[name])
+    reset_megatron_state()
+    return errors
+
+
+def _parallel_worker(rank: int, world_size: int) -> dict[str, float]:
+    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+    enable_cpu_emulation()
+    torch.set_num_threads(1)
+    return {**_tp_errors(rank, world_size), **_cp_errors(rank, world_size)}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tensor_parallel_matches_single_rank():
-    """Heads and B/C groups split over TP2 (each rank norms its own groups), with and without SP."""
+def test_tensor_and_context_parallel_match_single_rank():
+    """TP2 splits heads and B/C groups (each rank norms its own groups), with and without SP;
+    CP2 exchanges sequence for heads. Both must compute the single-rank layer."""
     from megatron_hybrid.testing.spawn import run_distributed
 
-    for errors in run_distributed(_tp_worker, 2, timeout=300):
-        assert len(errors) == 2 * 2 * 10  # groups x SP x (output, input, 8 parameters)
+    for errors in run_distributed(_parallel_worker, 2, timeout=300):
+        # TP: groups x SP x (output, input, 8 parameters); CP: (output, input, 8 parameters).
+        assert len(errors) == 2 * 2 * 10 + 10, sorted(errors)
         assert all(e < FP32_REL_TOL for e in errors.values()), errors
