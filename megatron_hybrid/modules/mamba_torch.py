@@ -15,8 +15,11 @@ Which class a spec uses is decided by :func:`resolve_mamba_impl` (``hybrid_stack
 causal_conv1d importable) and this class elsewhere; ``"torch"`` forces this class (to check the
 kernels against it on a GPU); ``"kernels"`` forces megatron-core's class.
 
-Not covered: inference (no decode state is kept; ``inference_context`` is refused) and
-``mamba_training_ssm_states_dtype`` other than float32 (the torch scan keeps float32 states).
+Covered: TP and SP (the linears' own sharding; each rank norms the groups it holds), CP
+(megatron-core's ``MambaContextParallel`` all-to-all, as in ``MambaMixer``) and packed (THD)
+input through ``PackedSeqParams.seq_idx``. Not covered: inference (no decode state is kept;
+``inference_context`` is refused) and ``mamba_training_ssm_states_dtype`` other than float32
+(the torch scan keeps float32 states).
 """
 
 from __future__ import annotations

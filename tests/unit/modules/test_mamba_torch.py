@@ -7,6 +7,8 @@ gradients of the input and every parameter. Deliberately wrong references (no D 
 group, heads assigned to B/C groups round-robin) must not match. megatron-core's own
 ``MambaMixer`` is then built on the CPU (its mamba_ssm import check and gated norm stubbed) to
 check that both classes make the same parameters from the same seed and the same checkpoint keys.
+Packed input must equal separate runs per sequence; TP2 (with and without SP) and CP2 on two
+gloo ranks must equal the single-rank layer.
 """
 
 from __future__ import annotations
