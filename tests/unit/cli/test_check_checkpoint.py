@@ -38,8 +38,7 @@ def checkpoints(tmp_path_factory, megatron_cpu):
     # Mamba's in_proj and conv1d are saved as split parts (ShardedTensorFactory): z/x/B/C/dt.
     mamba_dir = root / "mamba"
     mamba_dir.mkdir()
-    sizes = dict(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)  # train's defaults
-    mamba = build_hybrid(small_config("M*-", **sizes), "M*-", initialize_model_parallel())
+    mamba = build_hybrid(small_config("M*-"), "M*-", initialize_model_parallel())
     dist_checkpointing.save(mamba.sharded_state_dict(), str(mamba_dir))
     return {"gpt": root / "gpt", "hybrid": hybrid_dir, "mamba": mamba_dir}
 
