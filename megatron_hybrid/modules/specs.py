@@ -34,8 +34,6 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
-
 __all__ = [
     "BACKENDS",
     "HybridStackSubmodules",
@@ -146,8 +144,10 @@ def _unavailable(reason: str) -> ModuleSpec:
 
 
 def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
-    """``mamba_layer`` with its mixer swapped for the torch Mamba2 path when ``mamba_impl`` is
-    ``"torch"``; the in/out projections (and the TE spec's fused input norm) are kept."""
+    """``mamba_layer``, its mixer swapped for the torch Mamba2 path if ``mamba_impl == "torch"``.
+
+    The in/out projection specs (and the TE spec's input norm fused into ``in_proj``) are kept.
+    """
     if mamba_impl == "kernels":
         return mamba_layer
     from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
@@ -328,6 +328,8 @@ def hybrid_stack_spec(
         if value is not None:
             return value
         return getattr(config, attr, default) if config is not None else default
+
+    from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
 
     opts = _SpecOptions(
         moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
