@@ -192,18 +192,19 @@ class TorchMambaMixer(MegatronModule):
         self.headdim = config.mamba_head_dim
         self.ngroups = config.mamba_num_groups
         self.activation = "silu"
+        valid_head_dim = isinstance(self.headdim, int) and self.headdim > 0  # else: _check_sizes
         if config.mamba_num_heads is not None:
             self.nheads = config.mamba_num_heads
-            self.d_inner = self.nheads * self.headdim
+            self.d_inner = self.nheads * self.headdim if valid_head_dim else 0
         else:
             self.d_inner = int(expand * d_model)
-            if self.d_inner % self.headdim:
+            if valid_head_dim and self.d_inner % self.headdim:
                 raise ValueError(
                     f"Mamba: d_inner = expand * hidden_size = {self.d_inner} is not a multiple "
                     f"of mamba_head_dim {self.headdim}; change mamba_head_dim or set "
                     "mamba_num_heads"
                 )
-            self.nheads = self.d_inner // self.headdim
+            self.nheads = self.d_inner // self.headdim if valid_head_dim else 0
         self._check_sizes(config)
         tp = self.tp_group.size()
         self.nheads_local_tp = self.nheads // tp

@@ -28,14 +28,8 @@ HIDDEN, HEAD_DIM, STATE, BATCH = 16, 4, 8, 2  # 2 * 16 / 4 = 8 heads
 def _config(groups: int, **overrides):
     from megatron_hybrid.testing.models import small_config
 
-    return small_config(
-        "M",
-        hidden_size=HIDDEN,
-        mamba_head_dim=HEAD_DIM,
-        mamba_state_dim=STATE,
-        mamba_num_groups=groups,
-        **overrides,
-    )
+    sizes = dict(mamba_head_dim=HEAD_DIM, mamba_state_dim=STATE, mamba_num_groups=groups)
+    return small_config("M", hidden_size=HIDDEN, **{**sizes, **overrides})
 
 
 def _mixer(pg, groups: int, seed: int = 3, cls=None, config: dict | None = None, **kwargs):
@@ -294,9 +288,21 @@ def test_unsupported_options_are_refused(pg, kwargs, match):
         _mixer(pg, 1, **kwargs)
 
 
-def test_bad_sizes_are_refused(pg):
-    with pytest.raises(ValueError, match=r"8 Mamba heads do not split into 3 groups"):
-        _mixer(pg, 3)
+@pytest.mark.parametrize(
+    "groups, config, match",
+    [
+        pytest.param(3, {}, r"8 Mamba heads do not split into 3 groups", id="groups"),
+        pytest.param(2, dict(mamba_head_dim=None), r"mamba_head_dim must be a positive integer",
+                     id="no-head-dim"),
+        pytest.param(2, dict(mamba_head_dim=5), r"32 is not a multiple of mamba_head_dim 5",
+                     id="head-dim"),
+        pytest.param(2, dict(mamba_state_dim=0), r"mamba_state_dim must be a positive integer",
+                     id="state-dim"),
+    ],
+)  # fmt: skip
+def test_bad_sizes_are_refused(pg, groups, config, match):
+    with pytest.raises(ValueError, match=match):
+        _mixer(pg, groups, config=config)
 
 
 def test_mixer_packed_input_equals_separate_sequences(pg):
