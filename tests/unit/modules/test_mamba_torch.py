@@ -204,6 +204,36 @@ def test_packed_sequences_restart_state_and_conv():
     assert rel_error(unpacked[:, 7:], packed_y[:, 7:]) > 1e-2
 
 
+@pytest.mark.parametrize("seq", [24, 21], ids=["divides", "ragged"])
+def test_matches_transformers_nemotron_h_mixer(pg, seq):
+    """transformers' NemotronH Mamba2 mixer (its torch path) computes the same function.
+
+    An independent implementation with HF's parameter names (``conv1d`` an ``nn.Conv1d``);
+    ``time_step_min=0`` because megatron-core does not clamp the step size from below (HF's
+    default ``time_step_limit`` does), and eps 1e-5 as megatron-core's gated norm.
+    """
+    nemotron = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+
+    mixer = _mixer(pg, 2, chunk_size=8)
+    _randomise(mixer, seed=13)
+    config = NemotronHConfig(
+        hidden_size=HIDDEN, mamba_num_heads=mixer.nheads, mamba_head_dim=HEAD_DIM,
+        ssm_state_size=STATE, n_groups=2, conv_kernel=mixer.d_conv, chunk_size=8,
+        layer_norm_epsilon=1e-5, time_step_min=0.0, num_hidden_layers=1,
+        hybrid_override_pattern="M",
+    )  # fmt: skip
+    hf = nemotron.NemotronHMamba2Mixer(config, layer_idx=0)
+    renames = {"conv1d_weight": "conv1d.weight", "conv1d_bias": "conv1d.bias"}
+    ours = {renames.get(k, k): v for k, v in mixer.state_dict().items() if "_extra_state" not in k}
+    hf.load_state_dict(ours, strict=True)
+    hidden = torch.randn(seq, BATCH, HIDDEN, generator=torch.Generator().manual_seed(seq))
+    with torch.no_grad():
+        expected = hf(hidden.transpose(0, 1)).transpose(0, 1)
+        actual = mixer(hidden)[0]
+    assert rel_error(actual, expected) < FP32_REL_TOL
+
+
 def _megatron_mixer(pg, monkeypatch, groups: int):
     """megatron-core's MambaMixer built on CPU: import check off, the Triton norm replaced."""
     from megatron.core.ssm import mamba_mixer
