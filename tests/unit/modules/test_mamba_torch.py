@@ -373,8 +373,38 @@ def _tp_shard(name: str, full: torch.Tensor, mixer, rank: int, tp: int) -> torch
     return torch.cat([part.chunk(tp)[rank] for part in full.split(sizes)])
 
 
+def _checkpoint_tensors(mixer) -> dict:
+    """The mixer's distributed-checkpoint tensors (factories split into their saved parts)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded = mixer.sharded_state_dict(prefix="mixer.")
+    apply_factories(sharded)
+    return {t.key: t for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
+
+
+def _checkpoint_mismatches(tp_mixer, reference: dict) -> list[str]:
+    """Keys whose TP shard is not the slice of the TP1 tensor at its global offset."""
+    bad = []
+    for key, shard in _checkpoint_tensors(tp_mixer).items():
+        full = reference[key]
+        region = tuple(
+            slice(o, o + n) for o, n in zip(shard.global_offset, shard.local_shape, strict=True)
+        )
+        if shard.global_shape != full.global_shape or not torch.equal(
+            shard.data, full.data[region]
+        ):
+            bad.append(key)
+    return bad if len(reference) == len(_checkpoint_tensors(tp_mixer)) else ["key sets differ"]
+
+
 def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
-    """TP2 (with and without SP) against TP1 on the same weights: output and every gradient."""
+    """TP2 (with and without SP) against TP1 on the same weights: output and every gradient.
+
+    Also the checkpoint layout: every TP2 shard is the slice of the TP1 tensor at its global
+    offset (``in_proj``'s z/x/B/C/dt parts, conv parts, the norm weight), so TP1 and TP2
+    checkpoints are interchangeable.
+    """
     from megatron_hybrid.testing.megatron_state import (
         initialize_model_parallel,
         reset_megatron_state,
@@ -390,6 +420,8 @@ def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
         _randomise(reference, seed=groups)
         expected = _outputs_and_grads(None, reference, hidden, grad_out)
         params = {name: p.detach().clone() for name, p in reference.named_parameters()}
+        reference_checkpoint = _checkpoint_tensors(reference)
+        assert len(reference_checkpoint) == 16  # in_proj: 5 parts, conv: 2 x 3, 5 others
         reset_megatron_state()
         for sp in (False, True):
             pg = initialize_model_parallel(tp=world_size)
@@ -407,6 +439,9 @@ def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
                 else:
                     want = _tp_shard(name[1:], expected[name], reference, rank, world_size)
                 errors[f"g{groups}-sp{int(sp)}-{name}"] = rel_error(value, want)
+            if not sp:
+                bad = _checkpoint_mismatches(mixer, reference_checkpoint)
+                assert not bad, f"TP{world_size} checkpoint shards differ from TP1: {bad}"
             reset_megatron_state()
     return errors
 
