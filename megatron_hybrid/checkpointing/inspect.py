@@ -176,13 +176,11 @@ def expected_checkpoint_tensors(
         )
         # A copy: megatron adds process groups to the metadata dict it is given.
         sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
-        # Factories (SwiGLU halves, GatedDeltaNet's in_proj pieces) store their tensors under
-        # the keys they build, not the parameter's.
+        # Factories store their parts under keys of their own (SwiGLU halves, GatedDeltaNet's
+        # in_proj pieces, Mamba's in_proj and conv1d split into z/x/B/C/dt).
         apply_factories(sharded)
     return {
-        v.key: tuple(v.global_shape)
-        for v in nested_values(sharded)
-        if isinstance(v, ShardedTensor)
+        v.key: tuple(v.global_shape) for v in nested_values(sharded) if isinstance(v, ShardedTensor)
     }
 
 

@@ -9,12 +9,15 @@ spec of the same backend rather than written again: module classes, fused norms 
 ``[*E]`` checkpoints under the very keys of a GPT MoE layer.
 
 Backends are a registry (``"local"``: Megatron-Core modules only; ``"te"``: TransformerEngine,
-like GPT's TE spec with fused layer norms).
+like GPT's TE spec with fused layer norms). In both, ``M`` layers use megatron-core's
+``MambaMixer`` where mamba_ssm's kernels can run and the torch Mamba2 path elsewhere
+(``mamba_impl``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -62,6 +65,7 @@ class _SpecOptions:
     qk_layernorm: bool
     qk_l2_norm: bool
     normalization: str
+    mamba_impl: str = "kernels"
 
 
 def _halves(gpt: TransformerLayerSubmodules) -> tuple[dict, dict]:
@@ -140,6 +144,20 @@ def _unavailable(reason: str) -> ModuleSpec:
     return ModuleSpec(module=UnavailableLayer, params={"reason": reason})
 
 
+def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
+    """``mamba_layer``, its mixer swapped for the torch Mamba2 path if ``mamba_impl == "torch"``.
+
+    The in/out projection specs (and the TE spec's input norm fused into ``in_proj``) are kept.
+    """
+    if mamba_impl == "kernels":
+        return mamba_layer
+    from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
+
+    mixer = dataclasses.replace(mamba_layer.submodules.mixer, module=TorchMambaMixer)
+    submodules = dataclasses.replace(mamba_layer.submodules, mixer=mixer)
+    return dataclasses.replace(mamba_layer, submodules=submodules)
+
+
 def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -190,18 +208,21 @@ def _local_layers(opts: _SpecOptions) -> dict:
         ),
         self_attn_bda=get_bias_dropout_add,
     )
-    layers["mamba_layer"] = ModuleSpec(
-        module=MambaLayer,
-        submodules=MambaLayerSubmodules(
-            norm=norm,
-            mixer=ModuleSpec(
-                module=MambaMixer,
-                submodules=MambaMixerSubmodules(
-                    in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+    layers["mamba_layer"] = _with_mamba_impl(
+        ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(
+                norm=norm,
+                mixer=ModuleSpec(
+                    module=MambaMixer,
+                    submodules=MambaMixerSubmodules(
+                        in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+                    ),
                 ),
+                mamba_bda=get_bias_dropout_add,
             ),
-            mamba_bda=get_bias_dropout_add,
         ),
+        opts.mamba_impl,
     )
     layers["final_norm"] = norm
     layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
@@ -229,7 +250,7 @@ def _te_layers(opts: _SpecOptions) -> dict:
     # Mamba and GatedDeltaNet have no GPT counterpart: megatron-core's hybrid TE specs.
     from megatron_hybrid.modules.norms import plain_gamma_norm
 
-    layers["mamba_layer"] = mcore_spec.submodules.mamba_layer
+    layers["mamba_layer"] = _with_mamba_impl(mcore_spec.submodules.mamba_layer, opts.mamba_impl)
     # GatedDeltaNet's gated output norm is a plain gain in fla and transformers, also when the
     # model's other norms are zero-centred (Qwen3.5, Qwen3-Next).
     gdn = copy.deepcopy(mcore_spec.submodules.gdn_layer)
@@ -289,6 +310,7 @@ def hybrid_stack_spec(
     qk_layernorm: bool | None = None,
     qk_l2_norm: bool | None = None,
     normalization: str | None = None,
+    mamba_impl: str = "auto",
 ) -> ModuleSpec:
     """Spec of a :class:`~megatron_hybrid.HybridStack` whose layers mirror GPTModel's.
 
@@ -301,6 +323,11 @@ def hybrid_stack_spec(
         qk_layernorm: layer norm on queries and keys.
         qk_l2_norm: L2 norm on queries and keys.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        mamba_impl: how ``M`` layers compute: ``"kernels"`` (megatron-core's ``MambaMixer``:
+            mamba_ssm and causal_conv1d on a GPU), ``"torch"`` (the torch Mamba2 path,
+            :class:`~megatron_hybrid.modules.mamba_torch.TorchMambaMixer`: same parameters and
+            checkpoints, runs anywhere, slower) or ``"auto"`` (the kernels where they can run,
+            else torch). ``metainfo["mamba_impl"]`` records the choice.
 
     Returns:
         A ``ModuleSpec`` for ``HybridStack`` with :class:`HybridStackSubmodules`; its
@@ -308,7 +335,8 @@ def hybrid_stack_spec(
         config.
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend or ``mamba_impl``, or ``mamba_impl="kernels"`` where the
+            kernels cannot run.
         ImportError: backend ``"te"`` without TransformerEngine.
     """
     if backend not in BACKENDS:
@@ -322,11 +350,14 @@ def hybrid_stack_spec(
             return value
         return getattr(config, attr, default) if config is not None else default
 
+    from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
+
     opts = _SpecOptions(
         moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
         qk_layernorm=bool(pick(qk_layernorm, "qk_layernorm", False)),
         qk_l2_norm=bool(pick(qk_l2_norm, "qk_l2_norm", False)),
         normalization=pick(normalization, "normalization", "LayerNorm"),
+        mamba_impl=resolve_mamba_impl(mamba_impl),
     )
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 

@@ -34,7 +34,10 @@ each citing the megatron-core 0.19.2 source lines it rests on (paths relative to
     L1490-1506) and ``packed_seq_params.seq_idx``, which ``PackedSeqParams.__post_init__``
     builds only when ``total_tokens`` is set (packed_seq_params.py L30-70; our packer always sets
     it). With cp > 1 it partitions through TE's ``thd_get_partitioned_indices`` and asserts
-    TE >= 1.10 (ssm/mamba_context_parallel.py L377-380), so CP needs TransformerEngine.
+    TE >= 1.10 (ssm/mamba_context_parallel.py L377-380), so CP needs TransformerEngine. The
+    package's torch Mamba2 path (``modules/mamba_torch.py``, used where mamba_ssm cannot run)
+    reads the same ``seq_idx`` and restarts its conv and scan at every sequence start; the
+    ``use_mamba_mem_eff_path`` rule above is the kernels' and is kept for both paths.
 ``-`` MLP, ``E`` MoE
     Token-wise; the layout does not matter (MoE reads ``padding_mask`` to ignore pads).
 """

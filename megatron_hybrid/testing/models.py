@@ -49,6 +49,9 @@ def small_config(pattern: str, **overrides: Any):
             moe_token_dispatcher_type="alltoall",
             moe_aux_loss_coeff=0.0,
         )
+    if "M" in symbols:
+        # train's defaults; megatron-core's (128/64/8) do not fit hidden size 64.
+        kwargs.update(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2)
     if "G" in symbols:
         # megatron's GatedDeltaNet accepts only SiLU; deterministic mode is its torch path (fla's
         # Triton kernels need a GPU, and their backward is refused on Hopper with Triton < 3.7.1).

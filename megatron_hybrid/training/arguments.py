@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hybrid.pattern import GDN, MOE, parse_pattern
+from megatron_hybrid.pattern import GDN, MAMBA, MOE, parse_pattern
 
 __all__ = [
     "FLAGS",
@@ -101,6 +101,30 @@ FLAGS: tuple[Flag, ...] = (
         _MODEL,
         action="store_true",
         help="separate output layer weights",
+    ),
+    _flag("--mamba-state-dim", _MODEL, type=int, default=16, help="Mamba ('M') SSM state size"),
+    _flag("--mamba-head-dim", _MODEL, type=int, default=16, help="Mamba ('M') head dimension"),
+    _flag(
+        "--mamba-num-groups",
+        _MODEL,
+        type=int,
+        default=2,
+        help="Mamba ('M') B/C groups (heads and groups must divide over TP)",
+    ),
+    _flag(
+        "--mamba-num-heads",
+        _MODEL,
+        type=int,
+        default=None,
+        help="Mamba ('M') heads (default: 2 x hidden size / --mamba-head-dim)",
+    ),
+    _flag(
+        "--mamba-impl",
+        _MODEL,
+        choices=["auto", "torch", "kernels"],
+        default="auto",
+        help="Mamba ('M') compute: mamba_ssm kernels, the torch Mamba2 path, or auto (kernels "
+        "where mamba_ssm and causal_conv1d run on a GPU, else torch)",
     ),
     _flag("--vocab-size", _MODEL, type=int, default=256, help="vocabulary size"),
     _flag(
@@ -289,6 +313,25 @@ def spec_backend(args) -> str:
     return "te" if args.transformer_impl == "transformer_engine" else "local"
 
 
+def _check_mamba_sizes(args: argparse.Namespace) -> None:
+    """Mamba heads and groups must split evenly (megatron-core's MambaMixer asserts it)."""
+    d_inner = 2 * args.hidden_size  # MambaMixer's expand = 2
+    if args.mamba_num_heads is None and d_inner % args.mamba_head_dim:
+        raise ValueError(
+            f"Mamba ('M') layers have 2 x --hidden-size = {d_inner} channels, not a multiple of "
+            f"--mamba-head-dim {args.mamba_head_dim}; change --mamba-head-dim or set "
+            "--mamba-num-heads"
+        )
+    heads = args.mamba_num_heads or d_inner // args.mamba_head_dim
+    tp = args.tensor_model_parallel_size
+    if heads % args.mamba_num_groups or args.mamba_num_groups % tp:
+        raise ValueError(
+            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups "
+            f"{args.mamba_num_groups} groups over TP {tp}: groups must divide the heads and TP "
+            "must divide the groups; change --mamba-num-groups (or --mamba-num-heads)"
+        )
+
+
 def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
     """The ``TransformerConfig`` described by parsed flags.
 
@@ -317,6 +360,8 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
             "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
             "add --swiglu"
         )
+    if counts.get(MAMBA, 0):
+        _check_mamba_sizes(args)
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
@@ -365,6 +410,13 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        )
+    if counts.get(MAMBA, 0):
+        kwargs.update(
+            mamba_state_dim=args.mamba_state_dim,
+            mamba_head_dim=args.mamba_head_dim,
+            mamba_num_groups=args.mamba_num_groups,
+            mamba_num_heads=args.mamba_num_heads,
         )
     if counts.get(GDN, 0):
         kwargs.update(

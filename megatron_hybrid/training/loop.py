@@ -31,6 +31,7 @@ def build_model_chunks(
     max_sequence_length: int,
     share_embeddings_and_output_weights: bool = True,
     position_embedding_type: str = "rope",
+    mamba_impl: str = "auto",
 ) -> list:
     """HybridModel chunks of this rank (one per virtual stage), wrapped for training."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -41,7 +42,7 @@ def build_model_chunks(
     # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
     # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
     config.calculate_per_token_loss = True
-    spec = hybrid_stack_spec(backend, config=config)
+    spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size
     on_gpu = torch.cuda.is_available()

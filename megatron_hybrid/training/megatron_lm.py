@@ -126,7 +126,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     backend = spec_backend(args)
     return HybridModel(
         config,
-        hybrid_stack_spec(backend, config=config),
+        hybrid_stack_spec(backend, config=config, mamba_impl=getattr(args, "mamba_impl", "auto")),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         hybrid_layer_pattern=args.megatron_hybrid_layer_pattern,

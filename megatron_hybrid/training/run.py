@@ -194,6 +194,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         max_sequence_length=args.max_position_embeddings or seq_length,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        mamba_impl=args.mamba_impl,
     )
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg

@@ -16,7 +16,7 @@ MODEL_FLAGS = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, megatron_cpu):
-    """A GPT checkpoint (2 MoE layers) and a grouped '[*-][*E]' checkpoint in Megatron's layout."""
+    """GPT (2 MoE layers), grouped '[*-][*E]' and Mamba 'M*-' checkpoints in Megatron's layout."""
     from megatron.core import dist_checkpointing
 
     from megatron_hybrid.testing.megatron_state import initialize_model_parallel
@@ -34,7 +34,13 @@ def checkpoints(tmp_path_factory, megatron_cpu):
     pattern = "[*-][*E]"
     hybrid = build_hybrid(small_config(pattern), pattern, initialize_model_parallel())
     dist_checkpointing.save(hybrid.sharded_state_dict(), str(hybrid_dir))
-    return {"gpt": root / "gpt", "hybrid": hybrid_dir}
+
+    # Mamba's in_proj and conv1d are saved as split parts (ShardedTensorFactory): z/x/B/C/dt.
+    mamba_dir = root / "mamba"
+    mamba_dir.mkdir()
+    mamba = build_hybrid(small_config("M*-"), "M*-", initialize_model_parallel())
+    dist_checkpointing.save(mamba.sharded_state_dict(), str(mamba_dir))
+    return {"gpt": root / "gpt", "hybrid": hybrid_dir, "mamba": mamba_dir}
 
 
 def _run(capsys, *argv):
@@ -54,6 +60,8 @@ def _run(capsys, *argv):
         pytest.param("gpt", "[*E]{3}", 1, id="gpt_into_more_layers"),
         pytest.param("gpt", "*E*E", 1, id="gpt_into_ungrouped"),
         pytest.param("hybrid", "[*E][*-]", 1, id="hybrid_into_reordered"),
+        pytest.param("mamba", "M*-", 0, id="mamba_into_same"),
+        pytest.param("mamba", "*M-", 1, id="mamba_into_reordered"),
     ],
 )
 def test_exit_code_says_whether_it_loads(checkpoints, capsys, which, pattern, code):

@@ -11,7 +11,8 @@ HYBRID_FLAGS = [
     "--bf16", "--clip-grad", "--context-parallel-size", "--delay-wgrad-compute",
     "--disable-bias-linear", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-layer-pattern",
-    "--kv-channels", "--load", "--lr", "--max-position-embeddings", "--micro-batch-size",
+    "--kv-channels", "--load", "--lr", "--mamba-head-dim", "--mamba-impl", "--mamba-num-groups",
+    "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings", "--micro-batch-size",
     "--moe-aux-loss-coeff", "--moe-ffn-hidden-size", "--moe-flex-dispatcher-backend",
     "--moe-grouped-gemm", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
     "--moe-token-dispatcher-type", "--normalization", "--num-attention-heads", "--num-experts",
@@ -137,6 +138,7 @@ def _config(*argv: str, namespace: argparse.Namespace | None = None):
             8, None, None, id="no_pipes_pp2",
         ),
         pytest.param(["[G-]{2}", "--swiglu"], 4, None, None, id="gdn_with_swiglu"),
+        pytest.param(["(M-M*-){2}"], 10, None, None, id="mamba_defaults"),
     ],
 )  # fmt: skip
 def test_config_from_args(argv, num_layers, mtp, vpp):
@@ -187,6 +189,14 @@ def test_config_from_partial_namespace():
                      r"--sequence-parallel needs --tensor-model-parallel-size > 1",
                      id="sequence_parallel_with_tp1"),
         pytest.param([], r"--hybrid-layer-pattern is required", id="no_pattern"),
+        pytest.param(["--hybrid-layer-pattern", "M-", "--mamba-head-dim", "24"],
+                     r"2 x --hidden-size = 128 channels, not a multiple of --mamba-head-dim 24",
+                     id="mamba_head_dim"),
+        pytest.param(["--hybrid-layer-pattern", "M-", "--mamba-num-groups", "3"],
+                     r"8 heads in --mamba-num-groups 3 groups over TP 1", id="mamba_groups"),
+        pytest.param(["--hybrid-layer-pattern", "M-", "--tensor-model-parallel-size", "4"],
+                     r"groups over TP 4: groups must divide the heads and TP must divide",
+                     id="mamba_groups_over_tp"),
     ],
 )  # fmt: skip
 def test_config_errors(argv, match):
@@ -215,3 +225,12 @@ def test_megatron_lm_refuses_missing_softmax_kernel(impl, fusion, refused):
             check_fused_kernels(args)
     else:
         check_fused_kernels(args)
+
+
+def test_config_carries_mamba_flags():
+    config = _config(
+        "--hybrid-layer-pattern", "M*-", "--mamba-state-dim", "32", "--mamba-head-dim", "8",
+        "--mamba-num-groups", "4", "--mamba-num-heads", "12",
+    )  # fmt: skip
+    assert (config.mamba_state_dim, config.mamba_head_dim) == (32, 8)
+    assert (config.mamba_num_groups, config.mamba_num_heads) == (4, 12)

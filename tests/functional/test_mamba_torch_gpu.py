@@ -1,0 +1,148 @@
+"""megatron-core's Mamba kernels against the torch Mamba2 path, float32 and bf16, on one GPU.
+
+Both mixers are built from the same seed, so they hold bitwise the same weights (checked first);
+then one forward and backward with the same input and upstream gradient. The reference is the
+torch path in float32 with TF32 off (itself checked against a token-by-token recurrence in
+``tests/unit/modules/test_mamba_torch.py``). The tables give the norm-relative error of the
+output, the input gradient and every parameter gradient.
+
+Tolerances: the yardstick is the torch path run in bf16 (its float32 arithmetic on bf16 weights
+and activations: only rounding). mamba_ssm's kernels may round a few more intermediates, so in
+bf16 they must stay within a small multiple of it plus a floor; in float32 within a bound that
+allows TF32 products inside the Triton kernels (unit roundoff 2^-11). A wrong kernel or a wrong
+torch path (grouping, skip, gate) is off by O(1).
+
+Needs mamba_ssm and causal_conv1d; without them the kernel comparison is skipped with the reason
+and only the torch path's bf16-vs-float32 check runs. Run with ``torchrun --nproc_per_node 1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import exact_float32, rel_error, report
+
+HIDDEN, HEAD_DIM, STATE, GROUPS, BATCH = 128, 32, 32, 2, 2  # 8 heads
+SEQS = pytest.mark.parametrize("seq", [256, 200], ids=["2-chunks", "ragged"])
+# Kernels in float32: TF32 products in Triton's dots (2^-11 = 4.9e-4 per product, ~1e-3 in a
+# norm); the cancelling dA_log/ddt_bias sums amplify it, hence more room than that.
+FP32_KERNEL_TOL = 2e-2
+# The bf16 torch path only rounds (unit roundoff 2^-8, ~5e-3 in a norm, measured on the CPU).
+# The gradients of A_log and dt_bias are sums over B*T of terms that largely cancel, so their
+# rounding error is relatively larger (measured up to 2.9e-2): above these the path itself is off.
+BF16_ROUNDING_TOL = {None: 1e-2, "dA_log": 6e-2, "ddt_bias": 6e-2}
+# Kernels in bf16: a few yardsticks plus a floor (gradients reduced over B*T in another order).
+BF16_FACTOR, BF16_FLOOR = 4.0, 1e-2
+
+
+@pytest.fixture
+def pg(world):
+    from megatron_hybrid.testing.megatron_state import (
+        initialize_model_parallel,
+        reset_megatron_state,
+    )
+
+    yield initialize_model_parallel(tp=1, seed=1)
+    reset_megatron_state()
+
+
+def _mixer(pg, impl: str, dtype: torch.dtype, device):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_hybrid import hybrid_stack_spec
+    from megatron_hybrid.testing.models import small_config
+
+    config = small_config(
+        "M",
+        hidden_size=HIDDEN,
+        mamba_head_dim=HEAD_DIM,
+        mamba_state_dim=STATE,
+        mamba_num_groups=GROUPS,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+    )
+    spec = hybrid_stack_spec("local", config=config, mamba_impl=impl)
+    mixer_spec = spec.submodules.mamba_layer.submodules.mixer
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(5)
+    return build_module(mixer_spec, config, d_model=HIDDEN, pg_collection=pg).to(device)
+
+
+def _run(mixer, seq: int, device, dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seq)
+    hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen).to(device, dtype).requires_grad_()
+    grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen).to(device, dtype)
+    out, _ = mixer(hidden)
+    out.backward(grad_out)
+    grads = {f"d{n}": p.grad.float() for n, p in mixer.named_parameters()}
+    return {"out": out.detach().float(), "dhidden": hidden.grad.float(), **grads}
+
+
+def _errors(actual: dict, reference: dict) -> dict[str, float]:
+    assert actual.keys() == reference.keys()
+    return {name: rel_error(actual[name], reference[name]) for name in reference}
+
+
+def _copy_weights(target, source) -> None:
+    """``source``'s weights into ``target`` (rounded to its dtypes)."""
+    with torch.no_grad():
+        for param, value in zip(target.parameters(), source.parameters(), strict=True):
+            param.copy_(value)
+
+
+def _check(errors: dict[str, float], bounds: dict[str, float]) -> None:
+    assert all(errors[n] < bounds[n] for n in errors), (errors, bounds)
+
+
+@SEQS
+def test_torch_path_bf16_only_rounds(pg, world, seq):
+    """The torch path in bf16 is the float32 function up to bf16 rounding (runs without kernels)."""
+    device = world[2]
+    fp32_mixer = _mixer(pg, "torch", torch.float32, device)
+    bf16_mixer = _mixer(pg, "torch", torch.bfloat16, device)
+    # torch's initialisers draw differently per dtype: the bf16 mixer gets fp32's weights rounded.
+    _copy_weights(bf16_mixer, fp32_mixer)
+    with exact_float32():
+        reference = _run(fp32_mixer, seq, device, torch.float32)
+    bf16 = _errors(_run(bf16_mixer, seq, device, torch.bfloat16), reference)
+    report(f"torch path bf16 vs float32, T={seq}", sorted(bf16.items()))
+    _check(bf16, {n: BF16_ROUNDING_TOL.get(n, BF16_ROUNDING_TOL[None]) for n in bf16})
+
+
+@SEQS
+def test_kernels_match_torch_path(pg, world, seq):
+    from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
+
+    available, reason = mamba_kernels_available()
+    if not available:
+        pytest.skip(f"megatron-core's Mamba kernels cannot run here: {reason}")
+    device = world[2]
+    reference_mixer = _mixer(pg, "torch", torch.float32, device)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        kernels = _mixer(pg, "kernels", dtype, device)
+        torch_path = _mixer(pg, "torch", dtype, device)
+        for (name, a), b in zip(
+            kernels.state_dict().items(), torch_path.state_dict().values(), strict=True
+        ):
+            if torch.is_tensor(a):
+                assert torch.equal(a, b), f"{name}: the two classes initialised differently"
+        for mixer in (kernels, torch_path):
+            _copy_weights(mixer, reference_mixer)
+        with exact_float32():
+            results[dtype] = {
+                "kernels": _run(kernels, seq, device, dtype),
+                "torch": _run(torch_path, seq, device, dtype),
+            }
+    reference = results[torch.float32]["torch"]
+    fp32 = _errors(results[torch.float32]["kernels"], reference)
+    yardstick = _errors(results[torch.bfloat16]["torch"], reference)
+    bf16 = _errors(results[torch.bfloat16]["kernels"], reference)
+    report(
+        f"Mamba kernels vs torch path (float32 reference), T={seq}",
+        [("tensor", "kernels fp32", "torch bf16", "kernels bf16")]
+        + [(n, f"{fp32[n]:.2e}", f"{yardstick[n]:.2e}", f"{bf16[n]:.2e}") for n in reference],
+    )
+    _check(fp32, {n: FP32_KERNEL_TOL for n in fp32})
+    _check(bf16, {n: BF16_FACTOR * yardstick[n] + BF16_FLOOR for n in bf16})
