@@ -27,6 +27,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="checkpoint: a save root (with latest_checkpointed_iteration.txt) or an iteration "
         "folder",
     )
+    parser.usage = "%(prog)s --load DIR [--hybrid-layer-pattern PATTERN] [options]"
     add_hybrid_args(parser, groups=MODEL_SHAPE_GROUPS)
 
 

@@ -38,6 +38,8 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
 def _configure(parser: argparse.ArgumentParser) -> None:
     from megatron_hybrid.training.arguments import add_hybrid_args
 
+    # The full list is in --help; a usage line of 60 flags would bury argparse's message.
+    parser.usage = "%(prog)s --hybrid-layer-pattern PATTERN [options]"
     add_hybrid_args(parser)
     add_train_only_args(parser)
 

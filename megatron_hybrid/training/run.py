@@ -118,6 +118,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
 
+    from megatron_hybrid.training.validation import validate_settings
+
+    validate_settings(args)  # every flag, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     on_gpu = torch.cuda.is_available()
     from megatron_hybrid.testing.cpu import cpu_config_overrides
