@@ -8,6 +8,7 @@ Prints the canonical pattern, the layer counts, the pipeline stages and one row 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -84,7 +85,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--png",
-        type=Path,
         metavar="FILE",
         help="also draw the stack per stage into FILE (needs matplotlib: the 'viz' extra)",
     )
@@ -300,14 +300,23 @@ def draw(parsed: ParsedPattern, stages: Sequence[PipelineSelection], path: Path)
         raise CommandError(f"cannot write {str(path)!r}: {error.strerror or error}") from None
 
 
+def _png_path(text: str) -> Path:
+    """The file ``--png`` writes: ``.png`` appended unless given (matplotlib would add it)."""
+    path = Path(text)
+    if not text or text.endswith(("/", os.sep)) or path.is_dir():
+        raise CommandError(f"--png needs a file name, got {text!r}")
+    return path if path.suffix.lower() == ".png" else path.with_name(path.name + ".png")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``describe``; errors propagate to :func:`megatron_hybrid.cli.main.main`."""
     parsed = parse_pattern(args.pattern)
     stages = _stages(parsed, args)
     print(describe(parsed, stages))
     if args.png is not None:
-        draw(parsed, stages, args.png)
-        print(f"\nwrote {args.png}")
+        path = _png_path(args.png)
+        draw(parsed, stages, path)
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -147,14 +147,27 @@ def _pattern_hint(argv: list[str]) -> None:
     if not dashed:
         return
     if "train" in argv or "check-checkpoint" in argv:
-        form = f"--hybrid-layer-pattern={dashed[0]!r}"
+        fix = f"attach it with '=': --hybrid-layer-pattern={dashed[0]!r}"
     else:
-        form = f"describe -- {dashed[0]!r}"
+        fix = f"put it after '--': describe -- {dashed[0]!r}"
     print(
-        f"hint: argparse reads {dashed[0]!r} as an option; pass a pattern that starts with '-' "
-        f"as {form}",
+        f"hint: argparse reads {dashed[0]!r} as an option; for a pattern that starts with '-', "
+        f"{fix}",
         file=sys.stderr,
     )
+
+
+def _quiet_upstream() -> None:
+    """Hide the libraries' import-time warnings and info logs (``--verbose`` shows them).
+
+    megatron-core warns about every optional dependency it falls back from and logs
+    deprecations of code paths the user did not choose; none of it is actionable here.
+    """
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(megatron|torch|fla|transformer_engine|triton)\b")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
 def _is_settings_error(error: Exception) -> bool:
@@ -180,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if code == USAGE_ERROR:
             _pattern_hint(argv)
         return code
+    if not getattr(args, "verbose", False):
+        _quiet_upstream()
     try:
         return args._run(args)
     except (CommandError, ValueError, ImportError) as error:

@@ -29,6 +29,11 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
         help="round a fixed --seq-length up to the alignment padding needs (once, at setup)",
     )
     group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' warnings and log lines (hidden by default)",
+    )
+    group.add_argument(
         "--overwrite-checkpoint",
         action="store_true",
         help="allow --save to replace an existing iteration folder",

@@ -103,6 +103,11 @@ class _Progress:
         )
         print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own between progress updates."""
+        if self.enabled:
+            print(f"\n{text}" if self.tty else text, flush=True)
+
     def close(self) -> None:
         if self.tty:
             print()
@@ -271,6 +276,8 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
                     overwrite=args.overwrite_checkpoint,
                 )
             )
+            if done != args.train_iters:  # the final save is in the summary line
+                progress.note(f"saved {saved}")
     progress.close()
     return TrainingSummary(
         first_iteration=start,

@@ -34,6 +34,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "mamba_kernels_usable",
+    "mla_core_attention_usable",
     "validate_settings",
 ]
 
@@ -52,6 +53,26 @@ def mamba_kernels_usable() -> bool:
     import torch
 
     return torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None
+
+
+def mla_core_attention_usable(backend: str) -> bool:
+    """Whether ``backend``'s spec gives '+' (MLA) layers a core attention they can build.
+
+    MLA asks its core attention for separate key and value head dims (``k_channels``,
+    ``v_channels``); megatron-core 0.19.2's local ``DotProductAttention`` takes neither. The
+    check reads the spec, so it holds as soon as the local spec gets a core attention that does.
+    """
+    import inspect
+
+    from megatron_hybrid import hybrid_stack_spec
+
+    try:
+        spec = hybrid_stack_spec(backend)
+    except ImportError:
+        return False
+    core = spec.submodules.mla_layer.submodules.self_attention.submodules.core_attention
+    module = getattr(core, "module", core)
+    return "k_channels" in inspect.signature(module.__init__).parameters
 
 
 def _on_gpu() -> bool:
@@ -224,6 +245,18 @@ def _rope_head_dim(s: Settings) -> str | None:
             f"--hidden-size {s.hidden_size} / --num-attention-heads {s.num_attention_heads}"
             f"{'' if s.kv_channels is None else ' or --kv-channels'}): make it even, e.g. "
             f"--kv-channels {s.head_dim + 1}"
+        )
+    return None
+
+
+def _mla(s: Settings) -> str | None:
+    if not s.has(MLA) or s.transformer_impl != "local":
+        return None
+    if not mla_core_attention_usable("local"):
+        return (
+            "'+' (MLA) layers with --transformer-impl local need a core attention with separate "
+            "key and value head dims, which megatron-core 0.19.2's local attention lacks: use "
+            "--transformer-impl transformer_engine on GPUs"
         )
     return None
 
@@ -489,6 +522,7 @@ RULES: tuple[Rule, ...] = (
     _rule("model", "--hybrid-layer-pattern", _mamba),
     _rule("model", "--hybrid-layer-pattern", _dsa),
     _rule("model", "--transformer-impl", _transformer_engine),
+    _rule("model", "--hybrid-layer-pattern --transformer-impl", _mla),
     _rule("parallel", "--tensor-model-parallel-size", _tp_divides),
     _rule("parallel", "--sequence-parallel", _sequence_parallel),
     _rule("parallel", "--context-parallel-size --transformer-impl", _context_parallel),
