@@ -272,7 +272,7 @@ def _logical_index_at(p: ParsedPattern, starts: list[int], bound: int, sizes: li
     layer = p.logical_layers[index - 1]
     raise HybridPatternError(
         f"splitting {p.physical_layer_count} physical layers into pipeline stages of "
-        f"{'/'.join(map(str, sizes))} layers cuts logical layer {layer.index} (the group "
+        f"{_sizes_text(sizes)} layers cuts logical layer {layer.index} (the group "
         f"{item_to_str(layer.item)} written at position {layer.position}) between physical "
         f"layers {bound} and {bound + 1}",
         pattern=p.pattern,
@@ -282,18 +282,35 @@ def _logical_index_at(p: ParsedPattern, starts: list[int], bound: int, sizes: li
     )
 
 
+def _nearest(values: list[int], target: float) -> int:
+    """Index of the value of sorted ``values`` nearest to ``target`` (the first on a tie)."""
+    i = bisect.bisect_left(values, target)
+    if i == len(values) or (i > 0 and target - values[i - 1] <= values[i] - target):
+        return i - 1
+    return i
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """``25/25/25`` for a few stages, ``4000 x 25`` when all of many are equal."""
+    if len(sizes) <= 8:
+        return "/".join(map(str, sizes))
+    if len(set(sizes)) == 1:
+        return f"{len(sizes)} x {sizes[0]}"
+    return "/".join(map(str, sizes[:4])) + f"/.../{sizes[-1]} ({len(sizes)} stages)"
+
+
 def _pipe_hint(p: ParsedPattern, pp_size: int) -> str:
     """Suggest where to put ``|`` so that every stage holds whole groups."""
     advice = f"put {pp_size - 1} '|' between logical layers to choose the stages yourself"
     layers = p.logical_layers
     # ends[i] = physical layers before logical layer i; cut near each equal-share boundary.
+    if len(p.canonical) > 100:
+        return advice
     ends = [0] + [layer.layer_numbers[-1] for layer in layers]
     share = p.physical_layer_count / pp_size
-    cuts = [
-        min(range(len(ends)), key=lambda i: abs(ends[i] - k * share)) for k in range(1, pp_size)
-    ]
+    cuts = [_nearest(ends, k * share) for k in range(1, pp_size)]  # ends is sorted: bisect
     pieces = [0, *cuts, len(layers)]
-    if len(p.canonical) > 100 or any(a >= b for a, b in pairwise(pieces)):
+    if any(a >= b for a, b in pairwise(pieces)):
         return advice
     suggestion = PIPE.join(
         items_to_str(layer.item for layer in layers[a:b]) for a, b in pairwise(pieces)
