@@ -21,6 +21,7 @@ __all__ = [
     "expected_checkpoint_tensors",
     "iteration_folder_name",
     "resolve_checkpoint_dir",
+    "sharded_tensor_shapes",
 ]
 
 # Checkpoint keys that belong to a language model's parameters; everything else in a training
@@ -135,7 +136,6 @@ def expected_checkpoint_tensors(
         **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
     """
     import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
     from megatron_hybrid.pattern import parse_pattern
@@ -175,7 +175,25 @@ def expected_checkpoint_tensors(
         )
         # A copy: megatron adds process groups to the metadata dict it is given.
         sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
-    return {v.key: tuple(v.global_shape) for v in sharded.values() if isinstance(v, ShardedTensor)}
+    return sharded_tensor_shapes(sharded)
+
+
+def sharded_tensor_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> global shape of every tensor a sharded state dict saves.
+
+    Factories are built first: a SwiGLU ``linear_fc1`` is a ``ShardedTensorFactory`` that saves
+    its gate and value halves under the one key of the whole weight.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    shapes = {}
+    for value in nested_values(sharded):
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        for tensor in built:
+            if isinstance(tensor, ShardedTensor):
+                shapes[tensor.key] = tuple(tensor.global_shape)
+    return shapes
 
 
 def checkpoint_model_tensors(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:

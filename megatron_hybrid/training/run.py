@@ -58,24 +58,26 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _check_resume_compatible(chunks, folder) -> None:
+def _check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.utils import unwrap_model
 
-    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
 
     local = {}
     for chunk in unwrap_model(list(chunks)):  # checkpoint keys of the model, not its DDP wrapper
-        for value in chunk.sharded_state_dict().values():
-            if isinstance(value, ShardedTensor):
-                local[value.key] = tuple(value.global_shape)
+        local.update(sharded_tensor_shapes(chunk.sharded_state_dict()))
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, local)
     expected = {k: v for part in gathered for k, v in part.items()}
     result = compare_with_checkpoint(folder, lambda metadata: expected)
     if not result.loads:
-        lines = [f"--load {folder} does not fit --hybrid-layer-pattern:"]
+        from megatron_hybrid.checkpointing.settings import mismatched_flags
+
+        flags = mismatched_flags(result.shape_mismatches, args)
+        if flags and not (result.missing or result.unexpected):
+            raise TrainingError(f"--load {folder} does not fit the model: {'; '.join(flags)}")
+        lines = [f"--load {folder} does not fit --hybrid-layer-pattern and the model flags:"]
         for title, keys in (("missing", result.missing), ("unexpected", result.unexpected)):
             if keys:
                 lines.append(f"  {title} ({len(keys)}): {', '.join(keys[:8])}")
@@ -214,7 +216,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
             folder = resolve_checkpoint_dir(args.load)
         except FileNotFoundError as error:
             raise TrainingError(str(error)) from None
-        _check_resume_compatible(chunks, folder)
+        _check_resume_compatible(chunks, folder, args)
         start = load_checkpoint(folder, chunks, optimizer)
         if rank == 0:
             print(f"resumed from {folder} at iteration {start}", flush=True)
