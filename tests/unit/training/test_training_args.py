@@ -236,3 +236,18 @@ def test_megatron_lm_refuses_missing_softmax_kernel(impl, fusion, refused):
             check_fused_kernels(args)
     else:
         check_fused_kernels(args)
+
+
+def test_megatron_lm_without_megatron_training(monkeypatch, capsys):
+    """Python 3.11 cannot import megatron.training: --help still works, a run says how to fix."""
+    import sys
+
+    from megatron_hybrid.training import megatron_lm
+
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # `import` raises ImportError
+    assert megatron_lm.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--hybrid-layer-pattern" in out and "Python >= 3.12" in out
+    assert megatron_lm.main(["--hybrid-layer-pattern", "[*E]{2}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import megatron.training" in err and "PYTHON=python3.12" in err
