@@ -9,8 +9,8 @@ the flag and the fix. The world size comes from ``WORLD_SIZE`` (torchrun sets it
 reaches the same verdict without communicating; the CLI prints it on rank 0 only.
 
 Rules come in scopes: ``model`` (what the layers need; ``check-checkpoint`` uses only these),
-``parallel`` (process-group layout) and ``train`` (the ``train`` command's loop, data and
-checkpoint folders). The requirements cited follow megatron-core 0.19.2
+``device`` (kernels and libraries this machine must have), ``parallel`` (process-group layout)
+and ``train`` (the ``train`` command's loop, data and checkpoint folders). The requirements cited follow megatron-core 0.19.2
 (``transformer/transformer_config.py``, ``parallel_state.py``).
 """
 
@@ -33,12 +33,13 @@ __all__ = [
     "Rule",
     "Settings",
     "SettingsError",
+    "fla_gated_backward_refused",
     "mamba_kernels_usable",
     "mla_core_attention_usable",
     "validate_settings",
 ]
 
-SCOPES = ("model", "parallel", "train")
+SCOPES = ("model", "device", "parallel", "train")
 
 
 class SettingsError(ValueError):
@@ -123,7 +124,7 @@ class Rule:
     """One requirement: ``problem(settings)`` returns what is wrong and the fix, or None.
 
     Attributes:
-        scope: ``model``, ``parallel`` or ``train`` (see the module docstring).
+        scope: ``model``, ``device``, ``parallel`` or ``train`` (see the module docstring).
         flags: the flags the rule is about (documentation and tests).
         problem: the check.
     """
@@ -278,15 +279,48 @@ def _learned_positions(s: Settings) -> str | None:
 
 
 def _gdn(s: Settings) -> str | None:
-    if not s.has(GDN):
-        return None
-    if not s.swiglu:
+    if s.has(GDN) and not s.swiglu:
         return (
             "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
             "add --swiglu"
         )
-    if s.on_gpu and importlib.util.find_spec("fla") is None:
+    return None
+
+
+def fla_gated_backward_refused() -> str | None:
+    """Why fla would refuse GatedDeltaNet's backward on this GPU, or None.
+
+    fla-core 0.6.0 (``ops/common/chunk_o.py``) raises in the first backward on Hopper with
+    Triton >= 3.4.0, < 3.7.1 (wrong results, fla issue #640) unless tilelang provides the
+    kernel; finding out there costs the whole first-step autotune.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
+    if (3, 4, 0) <= version < (3, 7, 1):
+        return (
+            f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
+            "GPUs (wrong results, fla #640)"
+        )
+    return None
+
+
+def _gdn_kernels(s: Settings) -> str | None:
+    if not s.has(GDN) or not s.on_gpu:
+        return None
+    if importlib.util.find_spec("fla") is None:
         return "GatedDeltaNet ('G') layers on GPUs need fla-core: pip install fla-core"
+    reason = fla_gated_backward_refused()
+    if reason:
+        return f"'G' layers: {reason}; pip install 'triton>=3.7.1' or pip install tilelang"
     return None
 
 
@@ -519,10 +553,11 @@ RULES: tuple[Rule, ...] = (
     _rule("model", "--qk-pos-emb-head-dim", _mla_rope),
     _rule("model", "--max-position-embeddings --seq-length", _learned_positions),
     _rule("model", "--swiglu", _gdn),
-    _rule("model", "--hybrid-layer-pattern", _mamba),
     _rule("model", "--hybrid-layer-pattern", _dsa),
-    _rule("model", "--transformer-impl", _transformer_engine),
-    _rule("model", "--hybrid-layer-pattern --transformer-impl", _mla),
+    _rule("device", "--hybrid-layer-pattern", _gdn_kernels),
+    _rule("device", "--hybrid-layer-pattern", _mamba),
+    _rule("device", "--transformer-impl", _transformer_engine),
+    _rule("device", "--hybrid-layer-pattern --transformer-impl", _mla),
     _rule("parallel", "--tensor-model-parallel-size", _tp_divides),
     _rule("parallel", "--sequence-parallel", _sequence_parallel),
     _rule("parallel", "--context-parallel-size --transformer-impl", _context_parallel),

@@ -167,6 +167,25 @@ def test_mla_gate_reads_the_spec(monkeypatch):
     _validate(argv)
 
 
+def test_gdn_on_a_gpu_where_fla_refuses_its_backward(monkeypatch):
+    """Stop before the first step (not after its autotune) with the exact fix."""
+    import importlib.util
+
+    from megatron_hybrid.training import validation
+
+    argv = ["--hybrid-layer-pattern", "[G-]{2}", "--swiglu"]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(validation.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "fla" else real_find_spec(name, *a))
+    monkeypatch.setattr(validation, "fla_gated_backward_refused",
+                        lambda: "fla refuses GatedDeltaNet's backward with Triton 3.6.0")
+    with pytest.raises(validation.SettingsError, match=r"pip install 'triton>=3.7.1' or pip "
+                       r"install tilelang"):
+        _validate(argv, on_gpu=True, scopes=("model", "device"))
+    monkeypatch.setattr(validation, "fla_gated_backward_refused", lambda: None)
+    _validate(argv, on_gpu=True, scopes=("model", "device"))  # negative control
+
+
 def test_world_size_comes_from_torchrun(monkeypatch):
     """Without an explicit world size, WORLD_SIZE (set by torchrun) decides."""
     from megatron_hybrid.training.validation import SettingsError, validate_settings
@@ -192,7 +211,8 @@ def test_save_into_a_regular_file(tmp_path):
 
 def test_model_scope_skips_train_and_parallel_rules():
     """check-checkpoint checks only the model's needs (no world size, no --train-iters)."""
-    _validate(BASE + ["--train-iters", "0", "--expert-model-parallel-size", "8"], scopes=("model",))
+    _validate(BASE + ["--train-iters", "0", "--expert-model-parallel-size", "8",
+                      "--transformer-impl", "transformer_engine"], scopes=("model",))
 
 
 def test_mamba_gate_is_one_function(monkeypatch):
