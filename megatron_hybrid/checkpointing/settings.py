@@ -3,9 +3,9 @@
 ``check-checkpoint`` needs the pattern and the model-shape flags of the model to compare with.
 A checkpoint written by ``train`` records its pattern; the sizes follow from tensor shapes
 (``embedding.word_embeddings.weight`` is ``[vocab, hidden]``, a dense MLP's ``linear_fc2`` is
-``[hidden, ffn]`` and its ``linear_fc1`` twice as tall with SwiGLU). :func:`settings_from_checkpoint`
-returns what it can tell; :func:`mismatched_flags` turns global-shape mismatches back into the
-flags that differ.
+``[hidden, ffn]`` and its ``linear_fc1`` twice as tall with SwiGLU).
+:func:`settings_from_checkpoint` returns what it can tell; :func:`mismatched_flags` turns
+global-shape mismatches back into the flags that differ.
 """
 
 from __future__ import annotations
@@ -45,9 +45,7 @@ def settings_from_checkpoint(tensors: Mapping[str, Sequence[int]]) -> dict[str, 
     if embedding is not None and len(embedding) == 2:
         found["vocab_size"], found["hidden_size"] = int(embedding[0]), int(embedding[1])
     found["untie_embeddings_and_output_weights"] = "output_layer.weight" in tensors
-    dense_fc2 = next(
-        (k for k in sorted(tensors) if k.endswith(_FC2) and "experts" not in k), None
-    )
+    dense_fc2 = next((k for k in sorted(tensors) if k.endswith(_FC2) and "experts" not in k), None)
     if dense_fc2 is not None:
         fc2 = tensors[dense_fc2]
         fc1 = tensors.get(dense_fc2[: -len(_FC2)] + _FC1)

@@ -98,11 +98,9 @@ def _run(args: argparse.Namespace) -> int:
         compare_with_checkpoint,
         expected_checkpoint_tensors,
     )
-    from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
-
     from megatron_hybrid.checkpointing.settings import mismatched_flags
-    from megatron_hybrid.training.arguments import with_defaults
+    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
     from megatron_hybrid.training.validation import validate_settings
 
     read = _fill_from_checkpoint(args)

@@ -251,7 +251,9 @@ def _without_megatron_training(argv: list[str], error: ImportError) -> int:
         add_hybrid_args(parser)
         parser.print_help()
         return 0
-    print(f"{_PROG}: error: cannot import megatron.training ({error}); {_NEEDS_312}", file=sys.stderr)
+    print(
+        f"{_PROG}: error: cannot import megatron.training ({error}); {_NEEDS_312}", file=sys.stderr
+    )
     return 2
 
 

@@ -124,7 +124,6 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
-
     from megatron_hybrid.training.validation import validate_settings
 
     validate_settings(args)  # every flag, before any process group or model exists

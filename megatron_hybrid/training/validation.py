@@ -10,8 +10,8 @@ reaches the same verdict without communicating; the CLI prints it on rank 0 only
 
 Rules come in scopes: ``model`` (what the layers need; ``check-checkpoint`` uses only these),
 ``device`` (kernels and libraries this machine must have), ``parallel`` (process-group layout)
-and ``train`` (the ``train`` command's loop, data and checkpoint folders). The requirements cited follow megatron-core 0.19.2
-(``transformer/transformer_config.py``, ``parallel_state.py``).
+and ``train`` (the ``train`` command's loop, data and checkpoint folders). The requirements
+cited follow megatron-core 0.19.2 (``transformer/transformer_config.py``, ``parallel_state.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 
 from megatron_hybrid.pattern import DSA, GDN, MAMBA, MLA, MOE, parse_pattern
+from megatron_hybrid.training import capabilities
 
 __all__ = [
     "RULES",
@@ -33,9 +34,6 @@ __all__ = [
     "Rule",
     "Settings",
     "SettingsError",
-    "fla_gated_backward_refused",
-    "mamba_kernels_usable",
-    "mla_core_attention_usable",
     "validate_settings",
 ]
 
@@ -44,42 +42,6 @@ SCOPES = ("model", "device", "parallel", "train")
 
 class SettingsError(ValueError):
     """A flag (or combination) that cannot work; the message names the flag and the fix."""
-
-
-def mamba_kernels_usable() -> bool:
-    """Whether 'M' (Mamba) layers can run here: mamba_ssm's CUDA kernels on a CUDA device.
-
-    The one place that decides it, so a torch fallback only has to change this function.
-    """
-    import torch
-
-    return torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None
-
-
-def mla_core_attention_usable(backend: str) -> bool:
-    """Whether ``backend``'s spec gives '+' (MLA) layers a core attention they can build.
-
-    MLA asks its core attention for separate key and value head dims (``k_channels``,
-    ``v_channels``); megatron-core 0.19.2's local ``DotProductAttention`` takes neither. The
-    check reads the spec, so it holds as soon as the local spec gets a core attention that does.
-    """
-    import inspect
-
-    from megatron_hybrid import hybrid_stack_spec
-
-    try:
-        spec = hybrid_stack_spec(backend)
-    except ImportError:
-        return False
-    core = spec.submodules.mla_layer.submodules.self_attention.submodules.core_attention
-    module = getattr(core, "module", core)
-    return "k_channels" in inspect.signature(module.__init__).parameters
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @dataclass
@@ -138,7 +100,7 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def _at_least(scope: str, flag: str, minimum: float, why: str = "") -> Rule:
+def _at_least(scope: str, flag: str, minimum: float, why: str) -> Rule:
     """``flag`` must be >= ``minimum`` when set (None means: use the default)."""
 
     def problem(s: Settings) -> str | None:
@@ -150,41 +112,41 @@ def _at_least(scope: str, flag: str, minimum: float, why: str = "") -> Rule:
     return Rule(scope, (flag,), problem)
 
 
-# Sizes and counts that must be positive (megatron-core divides by most of them).
-_MINIMUMS: tuple[Rule, ...] = (
-    _at_least("parallel", "--tensor-model-parallel-size", 1),
-    _at_least("parallel", "--pipeline-model-parallel-size", 1),
-    _at_least("parallel", "--expert-model-parallel-size", 1),
-    _at_least("parallel", "--expert-tensor-parallel-size", 1),
-    _at_least("parallel", "--context-parallel-size", 1),
-    _at_least("model", "--hidden-size", 1),
-    _at_least("model", "--num-attention-heads", 1),
-    _at_least("model", "--num-query-groups", 1),
-    _at_least("model", "--kv-channels", 1),
-    _at_least("model", "--ffn-hidden-size", 1),
-    _at_least("model", "--vocab-size", 1),
-    _at_least("model", "--max-position-embeddings", 1),
-    _at_least("model", "--num-experts", 1),
-    _at_least("model", "--moe-router-topk", 1, " (each token goes to at least one expert)"),
-    _at_least("model", "--moe-ffn-hidden-size", 1),
-    _at_least("model", "--moe-shared-expert-intermediate-size", 1),
-    _at_least("model", "--moe-aux-loss-coeff", 0),
-    _at_least("model", "--q-lora-rank", 1),
-    _at_least("model", "--kv-lora-rank", 1),
-    _at_least("model", "--qk-head-dim", 1),
-    _at_least("model", "--qk-pos-emb-head-dim", 1),
-    _at_least("model", "--v-head-dim", 1),
-    _at_least("train", "--micro-batch-size", 1),
-    _at_least("train", "--global-batch-size", 1),
-    _at_least("train", "--seq-length", 8, " (the synthetic data's shortest sequence is 8)"),
-    _at_least("train", "--vocab-size", 4, " (the synthetic data reserves token 0 for padding)"),
-    _at_least("train", "--train-iters", 1),
-    _at_least("train", "--save-interval", 1, "; leave it out to save only at the end"),
-    _at_least("train", "--lr", 0, " (a negative rate climbs the loss)"),
-    _at_least("train", "--weight-decay", 0),
-    _at_least("train", "--clip-grad", 0, " (0 turns clipping off; a negative value reverses "
-              "the update)"),  # fmt: skip
-    _at_least("train", "--recompute-num-layers", 1),
+# Sizes and counts that must be positive (megatron-core divides by most of them):
+# (scope, flag, minimum, why).
+_MINIMUMS: tuple[tuple[str, str, float, str], ...] = (
+    ("parallel", "--tensor-model-parallel-size", 1, ""),
+    ("parallel", "--pipeline-model-parallel-size", 1, ""),
+    ("parallel", "--expert-model-parallel-size", 1, ""),
+    ("parallel", "--expert-tensor-parallel-size", 1, ""),
+    ("parallel", "--context-parallel-size", 1, ""),
+    ("model", "--hidden-size", 1, ""),
+    ("model", "--num-attention-heads", 1, ""),
+    ("model", "--num-query-groups", 1, ""),
+    ("model", "--kv-channels", 1, ""),
+    ("model", "--ffn-hidden-size", 1, ""),
+    ("model", "--vocab-size", 1, ""),
+    ("model", "--max-position-embeddings", 1, ""),
+    ("model", "--num-experts", 1, ""),
+    ("model", "--moe-router-topk", 1, " (each token goes to at least one expert)"),
+    ("model", "--moe-ffn-hidden-size", 1, ""),
+    ("model", "--moe-shared-expert-intermediate-size", 1, ""),
+    ("model", "--moe-aux-loss-coeff", 0, ""),
+    ("model", "--q-lora-rank", 1, ""),
+    ("model", "--kv-lora-rank", 1, ""),
+    ("model", "--qk-head-dim", 1, ""),
+    ("model", "--qk-pos-emb-head-dim", 1, ""),
+    ("model", "--v-head-dim", 1, ""),
+    ("train", "--micro-batch-size", 1, ""),
+    ("train", "--global-batch-size", 1, ""),
+    ("train", "--seq-length", 8, " (the synthetic data's shortest sequence is 8)"),
+    ("train", "--vocab-size", 4, " (the synthetic data reserves token 0 for padding)"),
+    ("train", "--train-iters", 1, ""),
+    ("train", "--save-interval", 1, "; leave it out to save only at the end"),
+    ("train", "--lr", 0, " (a negative rate climbs the loss)"),
+    ("train", "--weight-decay", 0, ""),
+    ("train", "--clip-grad", 0, " (0 turns clipping off; a negative value reverses the update)"),
+    ("train", "--recompute-num-layers", 1, ""),
 )
 
 
@@ -197,9 +159,7 @@ def _pattern(s: Settings) -> str | None:
 
 def _moe_needs_experts(s: Settings) -> str | None:
     if s.has(MOE) and not s.num_experts:
-        return (
-            f"the pattern {s.hybrid_layer_pattern!r} has MoE ('E') layers; set --num-experts"
-        )
+        return f"the pattern {s.hybrid_layer_pattern!r} has MoE ('E') layers; set --num-experts"
     return None
 
 
@@ -253,7 +213,7 @@ def _rope_head_dim(s: Settings) -> str | None:
 def _mla(s: Settings) -> str | None:
     if not s.has(MLA) or s.transformer_impl != "local":
         return None
-    if not mla_core_attention_usable("local"):
+    if not capabilities.mla_core_attention_usable("local"):
         return (
             "'+' (MLA) layers with --transformer-impl local need a core attention with separate "
             "key and value head dims, which megatron-core 0.19.2's local attention lacks: use "
@@ -287,45 +247,19 @@ def _gdn(s: Settings) -> str | None:
     return None
 
 
-def fla_gated_backward_refused() -> str | None:
-    """Why fla would refuse GatedDeltaNet's backward on this GPU, or None.
-
-    fla-core 0.6.0 (``ops/common/chunk_o.py``) raises in the first backward on Hopper with
-    Triton >= 3.4.0, < 3.7.1 (wrong results, fla issue #640) unless tilelang provides the
-    kernel; finding out there costs the whole first-step autotune.
-    """
-    import torch
-
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return None
-    if importlib.util.find_spec("tilelang") is not None:
-        return None
-    try:
-        import triton
-    except ImportError:
-        return None
-    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
-    if (3, 4, 0) <= version < (3, 7, 1):
-        return (
-            f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
-            "GPUs (wrong results, fla #640)"
-        )
-    return None
-
-
 def _gdn_kernels(s: Settings) -> str | None:
     if not s.has(GDN) or not s.on_gpu:
         return None
-    if importlib.util.find_spec("fla") is None:
+    if not capabilities.fla_installed():
         return "GatedDeltaNet ('G') layers on GPUs need fla-core: pip install fla-core"
-    reason = fla_gated_backward_refused()
+    reason = capabilities.fla_gated_backward_refused()
     if reason:
         return f"'G' layers: {reason}; pip install 'triton>=3.7.1' or pip install tilelang"
     return None
 
 
 def _mamba(s: Settings) -> str | None:
-    if s.has(MAMBA) and not mamba_kernels_usable():
+    if s.has(MAMBA) and not capabilities.mamba_kernels_usable():
         where = "a CUDA GPU" if not s.on_gpu else "the mamba_ssm package (pip install mamba-ssm)"
         return (
             f"Mamba ('M') layers need mamba_ssm's CUDA kernels, which need {where}; there is no "
@@ -543,7 +477,7 @@ def _rule(scope: str, flags: str, problem: Callable[[Settings], str | None]) -> 
 #: first so the later rules may divide by them.
 RULES: tuple[Rule, ...] = (
     _rule("model", "--hybrid-layer-pattern", _pattern),
-    *_MINIMUMS,
+    *(_at_least(*row) for row in _MINIMUMS),
     _rule("model", "--num-experts", _moe_needs_experts),
     _rule("model", "--moe-router-topk --num-experts", _topk),
     _rule("model", "--moe-router-topk --moe-router-pre-softmax", _topk_one),
@@ -599,7 +533,7 @@ def validate_settings(
     settings = Settings(
         with_defaults(args),
         int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size,
-        _on_gpu() if on_gpu is None else on_gpu,
+        capabilities.on_gpu() if on_gpu is None else on_gpu,
     )
     for rule in RULES:
         if rule.scope in scopes:

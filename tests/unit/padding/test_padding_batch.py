@@ -77,9 +77,7 @@ def test_bshd_lengths_mark_collate_padding():
         pad_bshd(batch, plan, lengths=[5])
 
 
-@pytest.mark.parametrize(
-    "lengths", [[11, 5], [5, -1]], ids=["longer-than-batch", "negative"]
-)
+@pytest.mark.parametrize("lengths", [[11, 5], [5, -1]], ids=["longer-than-batch", "negative"])
 def test_bshd_lengths_must_fit_the_batch(lengths):
     """A length beyond S would mark pads as tokens; a negative one, a whole row as pad."""
     batch = {"tokens": torch.ones(2, 10, dtype=torch.long)}

@@ -116,7 +116,14 @@ def test_dash_pattern_hint_gives_the_train_form():
 def test_run_is_quiet_and_reports_intermediate_saves(tmp_path):
     """Upstream warnings and megatron's log lines stay hidden; each save prints a line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONWARNINGS"):
+    for name in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "PYTHONWARNINGS",
+    ):
         env.pop(name, None)
     argv = ["--hybrid-layer-pattern", "*-", "--hidden-size", "32", "--seq-length", "32",
             "--train-iters", "2", "--save", str(tmp_path), "--save-interval", "1"]  # fmt: skip
