@@ -77,7 +77,7 @@ def _check_resume_compatible(chunks, folder, args=None) -> None:
         flags = mismatched_flags(result.shape_mismatches, args)
         if flags and not (result.missing or result.unexpected):
             raise TrainingError(f"--load {folder} does not fit the model: {'; '.join(flags)}")
-        lines = [f"--load {folder} does not fit --hybrid-layer-pattern and the model flags:"]
+        lines = [f"--load {folder} does not fit --hybrid-layer-pattern:"]
         for title, keys in (("missing", result.missing), ("unexpected", result.unexpected)):
             if keys:
                 lines.append(f"  {title} ({len(keys)}): {', '.join(keys[:8])}")

@@ -182,3 +182,17 @@ def test_data_parallel_matches_single_rank():
     assert len(dp1.losses) == 3
     assert dp2[0].losses == pytest.approx(dp1.losses, rel=1e-5)
     assert dp2[0].grad_norms == pytest.approx(dp1.grad_norms, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_load_with_another_hidden_size_names_the_flag(resumed):
+    folder = resumed["saved"] / "iter_0000006"
+    result = run_cli(
+        "--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4", "--train-iters", "8",
+        "--hidden-size", "32", "--ffn-hidden-size", "256", "--load", str(resumed["saved"]),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"python -m megatron_hybrid train: error: --load {folder} does not fit the model: "
+        "--hidden-size 32 does not match the checkpoint's 64"
+    ]
