@@ -129,6 +129,11 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     validate_settings(args)  # every flag, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     on_gpu = torch.cuda.is_available()
+    # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
+    # keep the results on disk so later runs skip it. Read when fla is imported, so set it now.
+    autotunes = on_gpu and bool(parsed.layer_counts.get("G", 0))
+    if autotunes:
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from megatron_hybrid.testing.cpu import cpu_config_overrides
 
     overrides = {} if on_gpu else cpu_config_overrides()
@@ -263,6 +268,11 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         losses.append(result.loss)
         norms.append(result.grad_norm)
         progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
+        if autotunes and iteration == start:
+            progress.note(
+                f"first step took {elapsed:.0f} s with fla's kernel autotuning "
+                "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
+            )
         done = iteration + 1
         if args.save and (
             done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
