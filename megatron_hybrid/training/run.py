@@ -118,7 +118,7 @@ class _Progress:
 def run_training(args: argparse.Namespace) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
-    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.pattern import GDN, parse_pattern
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.training.arguments import hybrid_config_from_args, spec_backend
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
@@ -131,7 +131,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     on_gpu = torch.cuda.is_available()
     # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
     # keep the results on disk so later runs skip it. Read when fla is imported, so set it now.
-    autotunes = on_gpu and bool(parsed.layer_counts.get("G", 0))
+    autotunes = on_gpu and bool(parsed.layer_counts.get(GDN, 0))
     if autotunes:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from megatron_hybrid.testing.cpu import cpu_config_overrides
