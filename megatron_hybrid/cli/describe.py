@@ -29,6 +29,7 @@ from megatron_hybrid.pattern import (
     items_to_str,
     parse_pattern,
     pipeline_segments,
+    with_option_names,
 )
 
 __all__ = ["COMMAND", "configure", "describe", "run"]
@@ -109,7 +110,18 @@ def _stages(parsed: ParsedPattern, args: argparse.Namespace) -> tuple[PipelineSe
             f"--vpp {args.vpp} needs '|' in the pattern: write pp * vpp = {args.pp * args.vpp} "
             "segments separated by '|'"
         )
-    return pipeline_segments(parsed, args.pp, args.first_stage_layers, args.last_stage_layers)
+    try:
+        return pipeline_segments(parsed, args.pp, args.first_stage_layers, args.last_stage_layers)
+    except ValueError as error:
+        raise with_option_names(error, _OPTION_NAMES) from None
+
+
+# The layout functions' argument names, as describe's options.
+_OPTION_NAMES = {
+    "pp_size": "--pp",
+    "first_stage_layers": "--first-stage-layers",
+    "last_stage_layers": "--last-stage-layers",
+}
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:

@@ -15,6 +15,7 @@ the main pattern is split by physical layer counts, never inside a group.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
@@ -29,7 +30,12 @@ from megatron_hybrid.pattern.layout import (
 )
 from megatron_hybrid.pattern.symbols import PIPE
 
-__all__ = ["PipelineSelection", "pipeline_segments", "select_pipeline_segment"]
+__all__ = [
+    "PipelineSelection",
+    "pipeline_segments",
+    "select_pipeline_segment",
+    "with_option_names",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,3 +322,25 @@ def _pipe_hint(p: ParsedPattern, pp_size: int) -> str:
         items_to_str(layer.item for layer in layers[a:b]) for a, b in pairwise(pieces)
     )
     return f"{advice}, e.g. {suggestion!r}"
+
+
+def with_option_names(error: ValueError, names: dict[str, str]) -> ValueError:
+    """``error`` with the Python argument names in its text replaced (e.g. by CLI flags).
+
+    The layout functions name their Python arguments (``pp_size``, ``first_stage_layers``); a
+    command-line tool re-raises their errors with its own option names.
+
+    >>> str(with_option_names(ValueError("pp_size (4) must divide 6"), {"pp_size": "--pp"}))
+    '--pp (4) must divide 6'
+    """
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def rename(text: str | None) -> str | None:
+        return None if text is None else pattern.sub(lambda m: names[m.group(1)], text)
+
+    if isinstance(error, HybridPatternError):
+        return HybridPatternError(
+            rename(error.message), error.pattern, error.position, rename(error.expected),
+            rename(error.hint),
+        )  # fmt: skip
+    return type(error)(rename(str(error)))

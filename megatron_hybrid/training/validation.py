@@ -420,6 +420,7 @@ def _recompute(s: Settings) -> str | None:
 
 def _pipeline(s: Settings) -> str | None:
     from megatron_hybrid.pattern import pipeline_segments
+    from megatron_hybrid.pattern.pipeline import with_option_names
     from megatron_hybrid.training.arguments import vpp_size_from_pattern
 
     pp = s.pipeline_model_parallel_size
@@ -429,10 +430,17 @@ def _pipeline(s: Settings) -> str | None:
     except ValueError as error:
         return str(error)
     if parsed.num_segments == 1 and pp > 1:
+        total = parsed.physical_layer_count
+        if total % pp:
+            return (
+                f"--pipeline-model-parallel-size {pp} must divide the {total} physical layers of "
+                f"{s.hybrid_layer_pattern!r}: put {pp - 1} '|' between logical layers to choose "
+                "the stages"
+            )
         try:
             pipeline_segments(parsed, pp)
-        except ValueError as error:
-            return f"--pipeline-model-parallel-size {pp}: {error}"
+        except ValueError as error:  # a stage boundary inside a group: the '|' hint is CLI-ready
+            return str(with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}))
     return None
 
 
@@ -495,6 +503,7 @@ RULES: tuple[Rule, ...] = (
     _rule("parallel", "--tensor-model-parallel-size", _tp_divides),
     _rule("parallel", "--sequence-parallel", _sequence_parallel),
     _rule("parallel", "--context-parallel-size --transformer-impl", _context_parallel),
+    _rule("parallel", "--pipeline-model-parallel-size", _pipeline),
     _rule("parallel", "--tensor-model-parallel-size --pipeline-model-parallel-size", _world),
     _rule("parallel", "--expert-model-parallel-size", _expert_world),
     _rule("parallel", "--num-experts --expert-model-parallel-size", _experts_per_rank),
@@ -502,7 +511,6 @@ RULES: tuple[Rule, ...] = (
     _rule("parallel", "--overlap-moe-expert-parallel-comm", _overlap),
     _rule("parallel", "--delay-wgrad-compute", _delay_wgrad),
     _rule("train", "--recompute-granularity --recompute-method", _recompute),
-    _rule("parallel", "--pipeline-model-parallel-size", _pipeline),
     _rule("train", "--global-batch-size --micro-batch-size", _global_batch),
     _rule("train", "--load", _load_exists),
     _rule("train", "--save", _save_writable),

@@ -206,6 +206,23 @@ def test_png_needs_a_file_name(tmp_path, capsys, monkeypatch, name):
     assert not (tmp_path / ".png").exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--pp", "4"], "--pp (4) must divide the 6 physical layers", id="pp"),
+        pytest.param(
+            ["--pp", "2", "--first-stage-layers", "5", "--last-stage-layers", "3"],
+            "--first-stage-layers (5) and --last-stage-layers (3) do not fit",
+            id="stage-layers",
+        ),
+    ],
+)
+def test_layout_errors_name_describe_options(capsys, argv, message):
+    assert main(["describe", "[*E]{3}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "_stage_layers" not in err and "pp_size" not in err
+
+
 def test_png_unwritable_path(tmp_path, capsys):
     assert main(["describe", "[*E]", "--png", str(tmp_path / "missing" / "x.png")]) == 2
     assert "cannot write" in capsys.readouterr().err

@@ -251,6 +251,21 @@ REFUSED = [
         id="segments-pp",
     ),
     pytest.param(
+        ["--hybrid-layer-pattern", "[*E]{3}", "--num-experts", "4"]
+        + ["--pipeline-model-parallel-size", "4"],
+        4,
+        r"--pipeline-model-parallel-size 4 must divide the 6 physical layers of '\[\*E\]\{3\}': "
+        r"put 3 '\|' between",
+        id="pp-does-not-divide-layers",
+    ),
+    pytest.param(
+        ["--hybrid-layer-pattern", "[*E]{3}", "--num-experts", "4"]
+        + ["--pipeline-model-parallel-size", "2"],
+        1,  # the pattern's problem is reported before the world size's
+        r"(?s)cuts logical layer 1 .*fix: put 1 '\|' between logical layers",
+        id="pp-cuts-a-group",
+    ),
+    pytest.param(
         ["--hybrid-layer-pattern", "[M-]{2}"],
         1,
         r"Mamba \('M'\) layers need mamba_ssm",
