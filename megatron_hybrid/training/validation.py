@@ -200,14 +200,16 @@ def _query_groups(s: Settings) -> str | None:
 
 
 def _rope_head_dim(s: Settings) -> str | None:
-    if s.position_embedding_type == "rope" and s.head_dim % 2:
-        return (
-            f"RoPE rotates channel pairs, but the head dimension is {s.head_dim} (odd; "
-            f"--hidden-size {s.hidden_size} / --num-attention-heads {s.num_attention_heads}"
-            f"{'' if s.kv_channels is None else ' or --kv-channels'}): make it even, e.g. "
-            f"--kv-channels {s.head_dim + 1}"
-        )
-    return None
+    if s.position_embedding_type != "rope" or s.head_dim % 2 == 0:
+        return None
+    if s.kv_channels is not None:
+        source = f"--kv-channels {s.kv_channels}"
+    else:
+        source = f"--hidden-size {s.hidden_size} / --num-attention-heads {s.num_attention_heads}"
+    return (
+        f"RoPE rotates channel pairs, but the head dimension is {s.head_dim} ({source}): make "
+        f"it even, e.g. --kv-channels {s.head_dim + 1}"
+    )
 
 
 def _mla(s: Settings) -> str | None:

@@ -98,8 +98,15 @@ REFUSED = [
     pytest.param(
         BASE + ["--hidden-size", "62"],
         1,
-        r"head dimension is 15 \(odd.*--kv-channels 16",
+        r"head dimension is 15 \(--hidden-size 62 / --num-attention-heads 4\): make it even, "
+        r"e\.g\. --kv-channels 16",
         id="odd-rope-head-dim",
+    ),
+    pytest.param(
+        BASE + ["--kv-channels", "7"],
+        1,
+        r"head dimension is 7 \(--kv-channels 7\): make it even, e\.g\. --kv-channels 8",
+        id="odd-kv-channels",
     ),
     pytest.param(
         BASE + ["--num-query-groups", "3"],
