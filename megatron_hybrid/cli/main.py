@@ -171,9 +171,11 @@ def _quiet_upstream() -> None:
 
 
 def _is_settings_error(error: Exception) -> bool:
+    """Whether every rank of a job reaches ``error`` alike (bad flags or a bad pattern)."""
+    from megatron_hybrid.pattern import HybridPatternError
     from megatron_hybrid.training.validation import SettingsError
 
-    return isinstance(error, SettingsError)
+    return isinstance(error, (SettingsError, HybridPatternError))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

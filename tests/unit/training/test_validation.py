@@ -490,6 +490,8 @@ def test_only_rank_zero_prints_settings_errors(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     assert main(argv) == 2
     assert capsys.readouterr().err == ""
+    assert main(["train", "--hybrid-layer-pattern", "[*E"]) == 2  # a pattern error alike
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     assert main(argv) == 2
     assert "error: --clip-grad -1.0 must be >= 0" in capsys.readouterr().err
