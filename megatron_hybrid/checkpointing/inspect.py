@@ -21,6 +21,7 @@ __all__ = [
     "expected_checkpoint_tensors",
     "iteration_folder_name",
     "resolve_checkpoint_dir",
+    "sharded_tensor_shapes",
 ]
 
 # Checkpoint keys that belong to a language model's parameters; everything else in a training
@@ -135,8 +136,6 @@ def expected_checkpoint_tensors(
         **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
     """
     import torch
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
     from megatron_hybrid.pattern import parse_pattern
@@ -176,12 +175,25 @@ def expected_checkpoint_tensors(
         )
         # A copy: megatron adds process groups to the metadata dict it is given.
         sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
-        # Factories store their parts under keys of their own (SwiGLU halves, GatedDeltaNet's
-        # in_proj pieces, Mamba's in_proj and conv1d split into z/x/B/C/dt).
-        apply_factories(sharded)
-    return {
-        v.key: tuple(v.global_shape) for v in nested_values(sharded) if isinstance(v, ShardedTensor)
-    }
+    return sharded_tensor_shapes(sharded)
+
+
+def sharded_tensor_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> global shape of every tensor a sharded state dict saves.
+
+    Factories are built first: a SwiGLU ``linear_fc1`` is a ``ShardedTensorFactory`` that saves
+    its gate and value halves under the one key of the whole weight.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    shapes = {}
+    for value in nested_values(sharded):
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        for tensor in built:
+            if isinstance(tensor, ShardedTensor):
+                shapes[tensor.key] = tuple(tensor.global_shape)
+    return shapes
 
 
 def checkpoint_model_tensors(checkpoint_dir: Path) -> dict[str, tuple[int, ...]]:

@@ -1,8 +1,9 @@
 """``check-checkpoint``: would a torch_dist checkpoint (GPT or hybrid) load into a pattern?
 
 Reads only the checkpoint's metadata, builds the pattern's model on the meta device and prints
-missing, unexpected and shape-mismatched tensors. Exit code 0 if it would load, 1 if not, 2 on
-bad input.
+missing, unexpected and shape-mismatched tensors. The pattern and the model sizes not given are
+read from the checkpoint (the pattern only from one 'train' saved). Exit code 0 if it would
+load, 1 if not, 2 on bad input or a model that cannot be built.
 """
 
 from __future__ import annotations
@@ -27,7 +28,61 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="checkpoint: a save root (with latest_checkpointed_iteration.txt) or an iteration "
         "folder",
     )
+    parser.usage = "%(prog)s --load DIR [--hybrid-layer-pattern PATTERN] [options]"
     add_hybrid_args(parser, groups=MODEL_SHAPE_GROUPS)
+    # None = not given: read from the checkpoint (see checkpointing/settings.py).
+    parser.set_defaults(hybrid_layer_pattern=None, **dict.fromkeys(_INFERRED))
+    for option, text in _HELP.items():
+        parser._option_string_actions[option].help = text
+
+
+# Model-shape flags a checkpoint's tensors imply when they are not given.
+_INFERRED = (
+    "hidden_size", "vocab_size", "ffn_hidden_size", "swiglu", "disable_bias_linear",
+    "untie_embeddings_and_output_weights",
+)  # fmt: skip
+_HELP = {
+    "--hybrid-layer-pattern": "layer pattern (default: the one a 'train' checkpoint records)",
+    "--max-position-embeddings": "maximum sequence length of learned absolute positions "
+    "(default: 4096)",
+}
+for _option in ("--hidden-size", "--vocab-size", "--ffn-hidden-size"):
+    _HELP[_option] = f"{_option[2:].replace('-', ' ')} (default: read from the checkpoint)"
+
+
+def _fill_from_checkpoint(args: argparse.Namespace) -> list[str]:
+    """Set the pattern and model-shape flags not given from the checkpoint; say which."""
+    from megatron_hybrid.checkpointing.inspect import (
+        checkpoint_model_tensors,
+        resolve_checkpoint_dir,
+    )
+    from megatron_hybrid.checkpointing.settings import recorded_pattern, settings_from_checkpoint
+
+    try:
+        folder = resolve_checkpoint_dir(args.load)
+    except FileNotFoundError as error:
+        raise CommandError(str(error)) from None
+    read = []
+    if not args.hybrid_layer_pattern:
+        args.hybrid_layer_pattern = recorded_pattern(folder)
+        if not args.hybrid_layer_pattern:
+            raise CommandError(
+                f"{folder} records no layer pattern (it was not saved by 'train'): pass "
+                "--hybrid-layer-pattern"
+            )
+        read.append(f"--hybrid-layer-pattern={args.hybrid_layer_pattern!r}")
+    implied = settings_from_checkpoint(checkpoint_model_tensors(folder))
+    for dest in _INFERRED:
+        if getattr(args, dest) is None and dest in implied:
+            setattr(args, dest, implied[dest])
+            value = implied[dest]
+            flag = "--" + dest.replace("_", "-")
+            if value is not False:
+                read.append(flag if value is True else f"{flag} {value}")
+    for dest in _INFERRED:  # neither given nor implied: the usual default
+        if getattr(args, dest) is None:
+            delattr(args, dest)
+    return read
 
 
 def _listing(title: str, entries: list[str]) -> list[str]:
@@ -43,11 +98,14 @@ def _run(args: argparse.Namespace) -> int:
         compare_with_checkpoint,
         expected_checkpoint_tensors,
     )
+    from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
+    from megatron_hybrid.training.validation import validate_settings
 
-    if not args.hybrid_layer_pattern:
-        raise CommandError("--hybrid-layer-pattern is required")
+    read = _fill_from_checkpoint(args)
+    args = with_defaults(args)
+    validate_settings(args, scopes=("model",))
     # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
     unsplit = parse_pattern(args.hybrid_layer_pattern).canonical.replace("|", "")
     config = hybrid_config_from_args(
@@ -63,8 +121,17 @@ def _run(args: argparse.Namespace) -> int:
         result = compare_with_checkpoint(args.load, build)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
+    except (CommandError, ValueError, ImportError):
+        raise
+    except Exception as error:  # noqa: BLE001 - exit 1 means "not loadable", never "crashed"
+        raise CommandError(
+            f"could not compare {args.load} with the model these flags describe "
+            f"({type(error).__name__}: {error})"
+        ) from None
     print(f"checkpoint: {result.checkpoint_dir}")
     print(f"pattern:    {args.hybrid_layer_pattern}")
+    if read:
+        print(f"read from the checkpoint: {' '.join(read)}")
     if result.metadata:
         print(f"metadata:   {result.metadata}")
     print(f"matching tensors: {result.matched}")
@@ -82,7 +149,11 @@ def _run(args: argparse.Namespace) -> int:
             [f"{key}: {exp} vs {found}" for key, exp, found in result.shape_mismatches],
         )
     print("\n".join(lines))
-    print("NOT LOADABLE: fix the pattern or the model-shape flags (see above)")
+    flags = mismatched_flags(result.shape_mismatches, args)
+    if flags and not (result.missing or result.unexpected):
+        print(f"NOT LOADABLE: {'; '.join(flags)}")
+    else:
+        print("NOT LOADABLE: fix the pattern or the model-shape flags (see above)")
     return 1
 
 

@@ -8,6 +8,7 @@ Prints the canonical pattern, the layer counts, the pipeline stages and one row 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from megatron_hybrid.pattern import (
     items_to_str,
     parse_pattern,
     pipeline_segments,
+    with_option_names,
 )
 
 __all__ = ["COMMAND", "configure", "describe", "run"]
@@ -84,7 +86,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--png",
-        type=Path,
         metavar="FILE",
         help="also draw the stack per stage into FILE (needs matplotlib: the 'viz' extra)",
     )
@@ -109,7 +110,18 @@ def _stages(parsed: ParsedPattern, args: argparse.Namespace) -> tuple[PipelineSe
             f"--vpp {args.vpp} needs '|' in the pattern: write pp * vpp = {args.pp * args.vpp} "
             "segments separated by '|'"
         )
-    return pipeline_segments(parsed, args.pp, args.first_stage_layers, args.last_stage_layers)
+    try:
+        return pipeline_segments(parsed, args.pp, args.first_stage_layers, args.last_stage_layers)
+    except ValueError as error:
+        raise with_option_names(error, _OPTION_NAMES) from None
+
+
+# The layout functions' argument names, as describe's options.
+_OPTION_NAMES = {
+    "pp_size": "--pp",
+    "first_stage_layers": "--first-stage-layers",
+    "last_stage_layers": "--last-stage-layers",
+}
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
@@ -300,14 +312,23 @@ def draw(parsed: ParsedPattern, stages: Sequence[PipelineSelection], path: Path)
         raise CommandError(f"cannot write {str(path)!r}: {error.strerror or error}") from None
 
 
+def _png_path(text: str) -> Path:
+    """The file ``--png`` writes: ``.png`` appended unless given (matplotlib would add it)."""
+    path = Path(text)
+    if not text or text.endswith(("/", os.sep)) or path.is_dir():
+        raise CommandError(f"--png needs a file name, got {text!r}")
+    return path if path.suffix.lower() == ".png" else path.with_name(path.name + ".png")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``describe``; errors propagate to :func:`megatron_hybrid.cli.main.main`."""
     parsed = parse_pattern(args.pattern)
     stages = _stages(parsed, args)
     print(describe(parsed, stages))
     if args.png is not None:
-        draw(parsed, stages, args.png)
-        print(f"\nwrote {args.png}")
+        path = _png_path(args.png)
+        draw(parsed, stages, path)
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -14,8 +14,10 @@ flags ask for is missing) and ``ValueError`` (which includes
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +76,27 @@ def _prog() -> str:
     return name if name == "megatron-hybrid" else "python -m megatron_hybrid"
 
 
+def _plain(text: str) -> str:
+    """Docstring text for a terminal: reST roles and literals become plain quoted text."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"'\1'", text)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and shows each option's default (when it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(commands: Sequence[Command], prog: str | None = None) -> argparse.ArgumentParser:
     """Build the top-level parser with one subparser per command."""
     parser = argparse.ArgumentParser(
@@ -87,12 +110,73 @@ def build_parser(commands: Sequence[Command], prog: str | None = None) -> argpar
         sub = subparsers.add_parser(
             command.name,
             help=command.help,
-            description=command.description or command.help,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=_plain(command.description or command.help),
+            formatter_class=_HelpFormatter,
         )
         command.configure(sub)
         sub.set_defaults(_run=command.run)
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit 2 with the subcommand's usage and the closest flag to the first unknown one."""
+    sub = _subparser(parser, command)
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flag = next((a.split("=", 1)[0] for a in unknown if a.startswith("--")), None)
+    if flag:
+        options = [o for o in sub._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+        if close:
+            message += f" (did you mean {close[0]}?)"
+    sub.error(message)
+
+
+def _pattern_hint(argv: list[str]) -> None:
+    """After a usage error: a pattern starting with '-' that argparse read as an option."""
+    if "--" in argv:
+        return
+    dashed = [
+        a
+        for a in argv
+        if a.startswith("-") and set(a) <= _PATTERN_CHARS and not re.fullmatch(r"-\d+", a)
+    ]
+    if not dashed:
+        return
+    if "train" in argv or "check-checkpoint" in argv:
+        fix = f"attach it with '=': --hybrid-layer-pattern={dashed[0]!r}"
+    else:
+        fix = f"put it after '--': describe -- {dashed[0]!r}"
+    print(
+        f"hint: argparse reads {dashed[0]!r} as an option; for a pattern that starts with '-', "
+        f"{fix}",
+        file=sys.stderr,
+    )
+
+
+def _quiet_upstream() -> None:
+    """Hide the libraries' import-time warnings and info logs (``--verbose`` shows them).
+
+    megatron-core warns about every optional dependency it falls back from and logs
+    deprecations of code paths the user did not choose; none of it is actionable here.
+    """
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(megatron|torch|fla|transformer_engine|triton)\b")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def _is_settings_error(error: Exception) -> bool:
+    """Whether every rank of a job reaches ``error`` alike (bad flags or a bad pattern)."""
+    from megatron_hybrid.pattern import HybridPatternError
+    from megatron_hybrid.training.validation import SettingsError
+
+    return isinstance(error, (SettingsError, HybridPatternError))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,22 +188,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(load_commands())
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _reject_unknown(parser, args.command, unknown)
     except SystemExit as exit_:  # argparse: --help/--version (0) or bad flags (2, message printed)
         code = exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
-        dashed = [a for a in argv if a != "--" and a.startswith("-") and set(a) <= _PATTERN_CHARS]
-        if code == USAGE_ERROR and dashed and "--" not in argv:
-            print(
-                f"hint: argparse reads {dashed[0]!r} as an option; put a pattern that starts "
-                f"with '-' after '--', e.g. describe -- {dashed[0]!r}",
-                file=sys.stderr,
-            )
+        if code == USAGE_ERROR:
+            _pattern_hint(argv)
         return code
+    if not getattr(args, "verbose", False):
+        _quiet_upstream()
     try:
         return args._run(args)
     except (CommandError, ValueError, ImportError) as error:
         # ImportError: a backend the flags ask for is not installed (e.g. TransformerEngine).
-        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        # Every rank of a torchrun job reaches the same verdict on its settings: one prints it.
+        if not _is_settings_error(error) or os.environ.get("RANK", "0") == "0":
+            print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except BrokenPipeError:
         # The reader went away (`... | head`): not an error. Point stdout at devnull so the

@@ -29,6 +29,11 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
         help="round a fixed --seq-length up to the alignment padding needs (once, at setup)",
     )
     group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' warnings and log lines (hidden by default)",
+    )
+    group.add_argument(
         "--overwrite-checkpoint",
         action="store_true",
         help="allow --save to replace an existing iteration folder",
@@ -38,6 +43,8 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
 def _configure(parser: argparse.ArgumentParser) -> None:
     from megatron_hybrid.training.arguments import add_hybrid_args
 
+    # The full list is in --help; a usage line of 60 flags would bury argparse's message.
+    parser.usage = "%(prog)s --hybrid-layer-pattern PATTERN [options]"
     add_hybrid_args(parser)
     add_train_only_args(parser)
 

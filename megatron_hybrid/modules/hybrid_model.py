@@ -115,6 +115,13 @@ def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
             f"(vp_stage={vp_stage}, virtual_pipeline_model_parallel_size="
             f"{config.virtual_pipeline_model_parallel_size})"
         )
+    if parsed.layer_counts.get("E", 0) and config.add_bias_linear and not config.moe_grouped_gemm:
+        # megatron-core 0.19.2 SequentialMLP adds the expert bias in place to the output of a
+        # reduction autograd treats as a view: the first forward fails, so refuse it here.
+        raise ValueError(
+            f"the pattern {parsed.pattern!r} has MoE ('E') layers, whose experts (megatron-core's "
+            "SequentialMLP) cannot have biases: set add_bias_linear=False"
+        )
     spec_grouped = (spec.metainfo or {}).get("moe_grouped_gemm")
     if spec_grouped is not None and bool(spec_grouped) != bool(config.moe_grouped_gemm):
         raise ValueError(

@@ -197,6 +197,13 @@ def pad_bshd(
                 f"pad_bshd: lengths must hold one length per row ({plan.batch_size}), got "
                 f"shape {tuple(real.shape)}"
             )
+        bad = [int(n) for n in real.tolist() if not 0 <= n <= length]
+        if bad:
+            # Longer would mark pads as tokens; negative would mark a whole row as pad.
+            raise ValueError(
+                f"pad_bshd: every length must lie in [0, {length}] (the batch's sequence "
+                f"length), got {bad[:4]}"
+            )
         positions = torch.arange(target, device=tokens.device)
         out["padding_mask"] = positions.unsqueeze(0) >= real.reshape(-1, 1)
     return PaddedBatch(tensors=out, plan=plan, added_keys=tuple(added))

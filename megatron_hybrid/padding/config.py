@@ -16,6 +16,7 @@ from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     BshdPlan,
     _count,
+    _flag,
     bshd_pad,
     hybridep_chunk,
     quant_align,
@@ -60,6 +61,13 @@ class PaddingConfig:
         quant_align(self.quant)  # reject unknown recipes when the config is built
         for name in ("tp", "cp", "chunk", "pp", "ep", "tp_ep"):
             _count(name, getattr(self, name), "PaddingConfig")
+        for name in ("sp", "hybridep", "variable_seq_lengths", "strict_quant_per_rank"):
+            _flag(name, getattr(self, name), "PaddingConfig")
+        if self.sp and self.tp == 1:
+            raise ValueError(
+                "PaddingConfig: sp=True needs tp > 1 (megatron-core turns sequence parallelism "
+                "off at tp=1); pass sp=False"
+            )
 
     @property
     def fixed_length_required(self) -> bool:
@@ -153,11 +161,17 @@ class PaddingConfig:
         )
         aligned = plan.effective_seq_length
         if max_position_embeddings is not None and aligned > max_position_embeddings:
+            fits = max_position_embeddings // plan.divisible_by * plan.divisible_by
+            fix = (
+                f"lower seq_length to {fits} or raise max_position_embeddings"
+                if fits
+                else f"no aligned length fits; raise max_position_embeddings to at least "
+                f"{plan.divisible_by}"
+            )
             raise ValueError(
                 f"seq_length {seq_length} rounds up to {aligned} (multiple of "
                 f"{plan.divisible_by}: {plan.breakdown}), beyond max_position_embeddings="
-                f"{max_position_embeddings}; lower seq_length to {aligned - plan.divisible_by} "
-                "or raise max_position_embeddings"
+                f"{max_position_embeddings}; {fix}"
             )
         return aligned
 

@@ -126,7 +126,8 @@ def hybridep_chunk(chunk: int | None = None, *, environ: Mapping[str, str] | Non
     raw = (os.environ if environ is None else environ).get(CHUNK_ENV_VAR, "").strip()
     if not raw:
         return base
-    env_chunk = int(raw) if raw.isdigit() else 0
+    # str.isdigit and int() also take non-ASCII digits ('٣٢' reads as 32); DeepEP's build does not.
+    env_chunk = int(raw) if raw.isascii() and raw.isdigit() else 0
     if env_chunk < 32 or env_chunk % 32:
         raise ValueError(
             f"{CHUNK_ENV_VAR}={raw!r} is invalid: DeepEP HybridEP needs a positive multiple of 32 "

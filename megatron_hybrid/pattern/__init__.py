@@ -27,6 +27,7 @@ from megatron_hybrid.pattern.pipeline import (
     PipelineSelection,
     pipeline_segments,
     select_pipeline_segment,
+    with_option_names,
 )
 from megatron_hybrid.pattern.symbols import (
     ATTENTION,
@@ -35,6 +36,7 @@ from megatron_hybrid.pattern.symbols import (
     GRAMMAR_VERSION,
     MAMBA,
     MAX_NESTING_DEPTH,
+    MAX_PATTERN_LENGTH,
     MAX_PHYSICAL_LAYERS,
     MLA,
     MLP,
@@ -55,6 +57,7 @@ __all__ = [
     "GRAMMAR_VERSION",
     "MAMBA",
     "MAX_NESTING_DEPTH",
+    "MAX_PATTERN_LENGTH",
     "MAX_PHYSICAL_LAYERS",
     "MLA",
     "MLP",
@@ -77,5 +80,6 @@ __all__ = [
     "items_to_str",
     "parse_pattern",
     "pipeline_segments",
+    "with_option_names",
     "select_pipeline_segment",
 ]

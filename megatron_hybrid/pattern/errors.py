@@ -41,20 +41,24 @@ def display_char(char: str) -> str:
 
 def _excerpt(pattern: str, position: int | None) -> tuple[str, int | None]:
     """Return the quoted (possibly shortened) pattern and the caret column inside it."""
-    shown = [display_char(c) for c in pattern]
+    centre = 0 if position is None else min(position, len(pattern))
+    # Only characters within _WINDOW of the centre can be shown: escape no more than those, so a
+    # pattern of millions of characters costs no more than a short one.
+    lo = max(0, centre - _WINDOW)
+    shown = [display_char(c) for c in pattern[lo : centre + _WINDOW]]
+    local = centre - lo
     start, end = 0, len(shown)
     if sum(map(len, shown)) > _WINDOW:
-        centre = 0 if position is None else min(position, len(shown))
-        start = max(0, centre - _WINDOW // 2)
+        start = max(0, local - _WINDOW // 2)
         end = min(len(shown), start + _WINDOW)
         start = max(0, min(start, end - _WINDOW))
-    head = "..." if start > 0 else ""
-    tail = "..." if end < len(shown) else ""
+    head = "..." if lo + start > 0 else ""
+    tail = "..." if lo + end < len(pattern) else ""
     text = f"{head}'{''.join(shown[start:end])}'{tail}"
     if position is None:
         return text, None
     # +1 for the opening quote; a position equal to len(pattern) points just past the end.
-    column = len(head) + 1 + sum(map(len, shown[start:position]))
+    column = len(head) + 1 + sum(map(len, shown[start:local]))
     return text, column
 
 

@@ -37,6 +37,7 @@ from megatron_hybrid.pattern.layout import (
 from megatron_hybrid.pattern.symbols import (
     GROUP_OPEN,
     MAX_NESTING_DEPTH,
+    MAX_PATTERN_LENGTH,
     MAX_PHYSICAL_LAYERS,
     SLOT_OF_SYMBOL,
     SYMBOL_NAMES,
@@ -340,9 +341,24 @@ def _follows_slot_rules(members: str) -> bool:
     return len(set(slots)) == len(slots) and Slot.MLP not in slots[:-1]
 
 
-@functools.lru_cache(maxsize=256)
+#: Longest literal kept in the cache below: repeated short literals are the common case, and
+#: caching long ones would keep the text of rejected patterns alive.
+_CACHED_LITERAL_LENGTH = 256
+
+
 def _read_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
     """Items of a literal, their offsets in it and its physical count; None if a group is bad."""
+    if len(text) <= _CACHED_LITERAL_LENGTH:
+        return _read_short_literal(text)
+    return _read_literal_uncached(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_short_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+    return _read_literal_uncached(text)
+
+
+def _read_literal_uncached(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
     items: list[Item] = []
     offsets: list[int] = []
     for match in _ELEMENT.finditer(text):
@@ -452,6 +468,15 @@ layer of its group, but '*' follows it
         return pattern
     if not isinstance(pattern, str):
         raise TypeError(f"a hybrid layer pattern must be a str, got {type(pattern).__name__}")
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise HybridPatternError(
+            f"the pattern is {len(pattern):,} characters long, above the limit of "
+            f"{MAX_PATTERN_LENGTH:,}",
+            pattern,
+            None,
+            f"at most {MAX_PATTERN_LENGTH:,} characters",
+            "write repeated layers with repetition counts, e.g. '[*E]{64}'",
+        )
     main, mtp = _Parser(pattern).parse()
     if all(not part for part in mtp):
         mtp = []  # '*E/' and '*E//' mean no MTP, as upstream

@@ -15,6 +15,7 @@ the main pattern is split by physical layer counts, never inside a group.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
@@ -29,7 +30,12 @@ from megatron_hybrid.pattern.layout import (
 )
 from megatron_hybrid.pattern.symbols import PIPE
 
-__all__ = ["PipelineSelection", "pipeline_segments", "select_pipeline_segment"]
+__all__ = [
+    "PipelineSelection",
+    "pipeline_segments",
+    "select_pipeline_segment",
+    "with_option_names",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +278,7 @@ def _logical_index_at(p: ParsedPattern, starts: list[int], bound: int, sizes: li
     layer = p.logical_layers[index - 1]
     raise HybridPatternError(
         f"splitting {p.physical_layer_count} physical layers into pipeline stages of "
-        f"{'/'.join(map(str, sizes))} layers cuts logical layer {layer.index} (the group "
+        f"{_sizes_text(sizes)} layers cuts logical layer {layer.index} (the group "
         f"{item_to_str(layer.item)} written at position {layer.position}) between physical "
         f"layers {bound} and {bound + 1}",
         pattern=p.pattern,
@@ -282,20 +288,59 @@ def _logical_index_at(p: ParsedPattern, starts: list[int], bound: int, sizes: li
     )
 
 
+def _nearest(values: list[int], target: float) -> int:
+    """Index of the value of sorted ``values`` nearest to ``target`` (the first on a tie)."""
+    i = bisect.bisect_left(values, target)
+    if i == len(values) or (i > 0 and target - values[i - 1] <= values[i] - target):
+        return i - 1
+    return i
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """``25/25/25`` for a few stages, ``4000 x 25`` when all of many are equal."""
+    if len(sizes) <= 8:
+        return "/".join(map(str, sizes))
+    if len(set(sizes)) == 1:
+        return f"{len(sizes)} x {sizes[0]}"
+    return "/".join(map(str, sizes[:4])) + f"/.../{sizes[-1]} ({len(sizes)} stages)"
+
+
 def _pipe_hint(p: ParsedPattern, pp_size: int) -> str:
     """Suggest where to put ``|`` so that every stage holds whole groups."""
     advice = f"put {pp_size - 1} '|' between logical layers to choose the stages yourself"
     layers = p.logical_layers
     # ends[i] = physical layers before logical layer i; cut near each equal-share boundary.
+    if len(p.canonical) > 100:
+        return advice
     ends = [0] + [layer.layer_numbers[-1] for layer in layers]
     share = p.physical_layer_count / pp_size
-    cuts = [
-        min(range(len(ends)), key=lambda i: abs(ends[i] - k * share)) for k in range(1, pp_size)
-    ]
+    cuts = [_nearest(ends, k * share) for k in range(1, pp_size)]  # ends is sorted: bisect
     pieces = [0, *cuts, len(layers)]
-    if len(p.canonical) > 100 or any(a >= b for a, b in pairwise(pieces)):
+    if any(a >= b for a, b in pairwise(pieces)):
         return advice
     suggestion = PIPE.join(
         items_to_str(layer.item for layer in layers[a:b]) for a, b in pairwise(pieces)
     )
     return f"{advice}, e.g. {suggestion!r}"
+
+
+def with_option_names(error: ValueError, names: dict[str, str]) -> ValueError:
+    """``error`` with the Python argument names in its text replaced (e.g. by CLI flags).
+
+    The layout functions name their Python arguments (``pp_size``, ``first_stage_layers``); a
+    command-line tool re-raises their errors with its own option names.
+
+    >>> str(with_option_names(ValueError("pp_size (4) must divide 6"), {"pp_size": "--pp"}))
+    '--pp (4) must divide 6'
+    """
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def rename(text: str | None) -> str | None:
+        return None if text is None else pattern.sub(lambda m: names[m.group(1)], text)
+
+    if isinstance(error, HybridPatternError):
+        return HybridPatternError(
+            rename(error.message), error.pattern, error.position, rename(error.expected),
+            rename(error.hint),
+        )  # fmt: skip
+    return type(error)(rename(str(error)))

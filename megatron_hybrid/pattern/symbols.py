@@ -29,6 +29,7 @@ __all__ = [
     "GROUP_OPEN",
     "MAMBA",
     "MAX_NESTING_DEPTH",
+    "MAX_PATTERN_LENGTH",
     "MAX_PHYSICAL_LAYERS",
     "MLA",
     "MLP",
@@ -109,6 +110,10 @@ SLOT_OF_SYMBOL: MappingProxyType[str, Slot] = MappingProxyType(
 #: Largest number of physical layers a pattern may expand to (main plus every MTP depth). It
 #: catches typos such as ``{50000}`` for ``{50}`` before anything is expanded.
 MAX_PHYSICAL_LAYERS = 100_000
+
+#: Longest pattern text accepted. Repetition counts keep real patterns short; the bound stops a
+#: runaway string (say ten million '|') before it is tokenised.
+MAX_PATTERN_LENGTH = 200_000
 
 #: Deepest nesting of parentheses; real patterns need two or three levels, and the bound keeps the
 #: recursive-descent parser far from Python's recursion limit.

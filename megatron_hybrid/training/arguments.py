@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hybrid.pattern import GDN, MAMBA, MOE, parse_pattern
+from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, parse_pattern
 
 __all__ = [
     "FLAGS",
@@ -24,6 +24,7 @@ __all__ = [
     "hybrid_config_from_args",
     "spec_backend",
     "vpp_size_from_pattern",
+    "with_defaults",
 ]
 
 
@@ -135,6 +136,29 @@ FLAGS: tuple[Flag, ...] = (
         help="maximum sequence length (default: --seq-length)",
     ),
     _flag(
+        "--q-lora-rank",
+        _MODEL,
+        type=int,
+        default=None,
+        help="MLA ('+'): rank of the query down-projection (default: queries not compressed)",
+    ),
+    _flag(
+        "--kv-lora-rank",
+        _MODEL,
+        type=int,
+        default=32,
+        help="MLA ('+'): rank of the key-value down-projection",
+    ),
+    _flag("--qk-head-dim", _MODEL, type=int, default=16, help="MLA ('+'): query/key head dim"),
+    _flag(
+        "--qk-pos-emb-head-dim",
+        _MODEL,
+        type=int,
+        default=8,
+        help="MLA ('+'): query/key channels that carry RoPE (even)",
+    ),
+    _flag("--v-head-dim", _MODEL, type=int, default=16, help="MLA ('+'): value head dim"),
+    _flag(
         "--transformer-impl",
         _MODEL,
         choices=["local", "transformer_engine"],
@@ -173,6 +197,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _flag("--num-experts", _MOE, type=int, default=None, help="experts per MoE layer"),
     _flag("--moe-router-topk", _MOE, type=int, default=2, help="experts per token"),
+    _flag(
+        "--moe-router-pre-softmax",
+        _MOE,
+        action="store_true",
+        help="softmax over all experts before the top-k (needed with --moe-router-topk 1)",
+    ),
     _flag(
         "--moe-ffn-hidden-size",
         _MOE,
@@ -298,7 +328,7 @@ def vpp_size_from_pattern(pattern, pp_size: int) -> int | None:
     return vpp if vpp > 1 else None
 
 
-def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` completed with the defaults of flags a parser did not define."""
     values = {}
     for flag in FLAGS:
@@ -344,9 +374,9 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
         ValueError: inconsistent flags, with what to change.
     """
     import torch
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    args = _with_defaults(args)
+    args = with_defaults(args)
     if not args.hybrid_layer_pattern:
         raise ValueError(
             "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
@@ -404,6 +434,7 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
         kwargs.update(
             num_moe_experts=args.num_experts,
             moe_router_topk=args.moe_router_topk,
+            moe_router_pre_softmax=args.moe_router_pre_softmax,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size or ffn,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_grouped_gemm=args.moe_grouped_gemm,
@@ -425,5 +456,15 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
             linear_key_head_dim=args.hidden_size // args.num_attention_heads,
             linear_value_head_dim=args.hidden_size // args.num_attention_heads,
         )
+    if counts.get(MLA, 0):
+        kwargs.update(
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            # Plain RoPE: MLATransformerConfig's default (YaRN) needs long-context settings.
+            rope_type="rope",
+        )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if counts.get(MLA, 0) else TransformerConfig)(**kwargs)

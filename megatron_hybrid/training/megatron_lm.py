@@ -31,6 +31,8 @@ Requires Python >= 3.12 (``megatron.training`` 0.19.2 does not import on 3.11).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from megatron_hybrid.pattern import parse_pattern
@@ -78,7 +80,14 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
     args = megatron_args.parse_args(provider)
     if not args.hybrid_layer_pattern:
         raise ValueError("--hybrid-layer-pattern is required, e.g. '[*E]{4}'")
-    args.megatron_hybrid_layer_pattern = parse_pattern(args.hybrid_layer_pattern).canonical
+    parsed = parse_pattern(args.hybrid_layer_pattern)
+    if parsed.mtp_num_depths and args.position_embedding_type != "rope":
+        # megatron.training defaults to learned_absolute; the MTP block applies RoPE.
+        raise ValueError(
+            f"the pattern's MTP part needs --position-embedding-type rope (got "
+            f"{args.position_embedding_type})"
+        )
+    args.megatron_hybrid_layer_pattern = parsed.canonical
     args.hybrid_layer_pattern = flatten_for_megatron(args.hybrid_layer_pattern)
     megatron_args.validate_args(args, args_defaults or {})
     check_fused_kernels(args)
@@ -222,10 +231,40 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
-def main() -> None:
-    """Pretrain with Megatron-LM's loop on synthetic data."""
+_PROG = "python -m megatron_hybrid.training.megatron_lm"
+_NEEDS_312 = (
+    "megatron.training 0.19.2 needs Python >= 3.12 (it imports typing.override); set up a 3.12 "
+    "environment with: PYTHON=python3.12 bash scripts/setup.sh"
+)
+
+
+def _without_megatron_training(argv: list[str], error: ImportError) -> int:
+    """``--help`` (this package's flags) or one clear line where megatron.training cannot load."""
+    import argparse
+
+    if "-h" in argv or "--help" in argv:
+        parser = argparse.ArgumentParser(
+            prog=_PROG,
+            description="Megatron-LM's pretrain() with hybrid layer patterns. Megatron-LM's own "
+            f"flags are not listed: {_NEEDS_312}.",
+        )
+        add_hybrid_args(parser)
+        parser.print_help()
+        return 0
+    print(
+        f"{_PROG}: error: cannot import megatron.training ({error}); {_NEEDS_312}", file=sys.stderr
+    )
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pretrain with Megatron-LM's loop on synthetic data; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        from megatron.training import pretrain
+    except ImportError as error:
+        return _without_megatron_training(argv, error)
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     _use_prebuilt_dataset_helpers()
@@ -237,7 +276,8 @@ def main() -> None:
         forward_step,
         model_provider=model_provider,
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -58,23 +58,25 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _check_resume_compatible(chunks, folder) -> None:
+def _check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.utils import unwrap_model
 
-    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
 
     local = {}
     for chunk in unwrap_model(list(chunks)):  # checkpoint keys of the model, not its DDP wrapper
-        for value in chunk.sharded_state_dict().values():
-            if isinstance(value, ShardedTensor):
-                local[value.key] = tuple(value.global_shape)
+        local.update(sharded_tensor_shapes(chunk.sharded_state_dict()))
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, local)
     expected = {k: v for part in gathered for k, v in part.items()}
     result = compare_with_checkpoint(folder, lambda metadata: expected)
     if not result.loads:
+        from megatron_hybrid.checkpointing.settings import mismatched_flags
+
+        flags = mismatched_flags(result.shape_mismatches, args)
+        if flags and not (result.missing or result.unexpected):
+            raise TrainingError(f"--load {folder} does not fit the model: {'; '.join(flags)}")
         lines = [f"--load {folder} does not fit --hybrid-layer-pattern:"]
         for title, keys in (("missing", result.missing), ("unexpected", result.unexpected)):
             if keys:
@@ -103,6 +105,11 @@ class _Progress:
         )
         print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own between progress updates."""
+        if self.enabled:
+            print(f"\n{text}" if self.tty else text, flush=True)
+
     def close(self) -> None:
         if self.tty:
             print()
@@ -111,15 +118,22 @@ class _Progress:
 def run_training(args: argparse.Namespace) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
-    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.pattern import GDN, parse_pattern
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.training.arguments import hybrid_config_from_args, spec_backend
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+    from megatron_hybrid.training.validation import validate_settings
 
+    validate_settings(args)  # every flag, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     on_gpu = torch.cuda.is_available()
+    # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
+    # keep the results on disk so later runs skip it. Read when fla is imported, so set it now.
+    autotunes = on_gpu and bool(parsed.layer_counts.get(GDN, 0))
+    if autotunes:
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from megatron_hybrid.testing.cpu import cpu_config_overrides
 
     overrides = {} if on_gpu else cpu_config_overrides()
@@ -207,7 +221,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
             folder = resolve_checkpoint_dir(args.load)
         except FileNotFoundError as error:
             raise TrainingError(str(error)) from None
-        _check_resume_compatible(chunks, folder)
+        _check_resume_compatible(chunks, folder, args)
         start = load_checkpoint(folder, chunks, optimizer)
         if rank == 0:
             print(f"resumed from {folder} at iteration {start}", flush=True)
@@ -255,6 +269,11 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         losses.append(result.loss)
         norms.append(result.grad_norm)
         progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
+        if autotunes and iteration == start:
+            progress.note(
+                f"first step took {elapsed:.0f} s with fla's kernel autotuning "
+                "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
+            )
         done = iteration + 1
         if args.save and (
             done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
@@ -269,6 +288,8 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
                     overwrite=args.overwrite_checkpoint,
                 )
             )
+            if done != args.train_iters:  # the final save is in the summary line
+                progress.note(f"saved {saved}")
     progress.close()
     return TrainingSummary(
         first_iteration=start,

@@ -98,6 +98,30 @@ def report(title: str, rows: list[tuple]) -> None:
         print("   " + " | ".join(str(c) for c in row))
 
 
+#: Experts per MoE layer of the shared small configs (``megatron_hybrid.testing.models``).
+NUM_EXPERTS = 4
+
+
+def layout_fits(world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                cp: int = 1) -> bool:  # fmt: skip
+    """Whether ``world_size`` ranks can host the layout (megatron-core's divisibility rules)."""
+    etp = tp if etp is None else etp
+    return (
+        world_size % (tp * pp * cp) == 0
+        and world_size % (etp * ep * pp) == 0
+        and NUM_EXPERTS % ep == 0
+    )
+
+
+def require_ep_overlap(world_size: int) -> None:
+    """Skip unless EP = ``world_size`` can overlap: EP >= 2 dividing the experts."""
+    if world_size < 2 or NUM_EXPERTS % world_size:
+        pytest.skip(
+            f"EP overlap runs EP = world size, which must be >= 2 and divide the {NUM_EXPERTS} "
+            f"experts; this job has {world_size} rank(s) (run on 2 or 4 GPUs)"
+        )
+
+
 # The model sizes the checkpoint and TE tests share.
 TEST_SIZES = dict(hidden_size=128, num_attention_heads=8, ffn_hidden_size=256)
 

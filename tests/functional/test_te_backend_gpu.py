@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_CPU, bf16_config, device_inputs, max_rel_diff, report
+from conftest import ON_CPU, bf16_config, device_inputs, max_rel_diff, report, require_ep_overlap
 
 pytestmark = pytest.mark.skipif(ON_CPU, reason="TransformerEngine kernels need CUDA GPUs")
 
@@ -179,6 +179,7 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
     from megatron_hybrid.testing.overlap import compare_overlap
 
     rank, world_size, device = world
+    require_ep_overlap(world_size)
     steps, microbatches = 2, 4
     pg = initialize_model_parallel(ep=world_size, seed=2)
     config = bf16_config(pattern, expert_model_parallel_size=world_size, **changes)

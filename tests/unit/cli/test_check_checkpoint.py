@@ -100,3 +100,64 @@ def test_bad_directory_exits_2(tmp_path):
     assert result.returncode == 2
     assert "not a torch_dist checkpoint" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint written by `train` (it records its pattern), hidden size 32."""
+    import os
+
+    root = tmp_path_factory.mktemp("trained")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_hybrid", "train", "--hybrid-layer-pattern", "[*-][*E]",
+         "--hidden-size", "32", "--num-experts", "4", "--swiglu", "--seq-length", "16",
+         "--train-iters", "1", "--save", str(root)],
+        capture_output=True, text=True, env=env, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_pattern_and_sizes_are_read_from_the_checkpoint(trained, capsys):
+    code, out, err = _run(capsys, "--load", str(trained), "--num-experts", "4")
+    assert code == 0, out + err
+    assert "read from the checkpoint: --hybrid-layer-pattern='[*-][*E]' --hidden-size 32" in out
+    assert "--swiglu" in out and "OK:" in out
+
+
+def test_hidden_size_mismatch_is_named(trained, capsys):
+    code, out, _ = _run(capsys, "--load", str(trained), "--num-experts", "4",
+                        "--hidden-size", "64", "--ffn-hidden-size", "128")  # fmt: skip
+    assert code == 1
+    assert "NOT LOADABLE: --hidden-size 64 does not match the checkpoint's 32" in out
+    assert "--hybrid-layer-pattern" not in out.splitlines()[-1]
+
+
+def test_no_recorded_pattern_asks_for_one(checkpoints, capsys):
+    code, _, err = _run(capsys, "--load", str(checkpoints["gpt"]), "--num-experts", "4")
+    assert code == 2
+    assert "records no layer pattern" in err and "pass --hybrid-layer-pattern" in err
+
+
+def test_a_crash_is_not_reported_as_not_loadable(checkpoints, capsys, monkeypatch):
+    """Exit 1 means 'does not load'; a model that cannot be built is bad input (2)."""
+    from megatron_hybrid.checkpointing import inspect
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(inspect, "expected_checkpoint_tensors", broken)
+    code, _, err = _run(capsys, "--load", str(checkpoints["gpt"]), "--hybrid-layer-pattern",
+                        "[*E]{2}", *MODEL_FLAGS)  # fmt: skip
+    assert code == 2 and "RuntimeError: boom" in err
+
+
+def test_help_names_only_its_own_flags(capsys):
+    from megatron_hybrid.cli.main import main
+
+    assert main(["check-checkpoint", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--seq-length" not in out and "(default: read from the checkpoint)" in out

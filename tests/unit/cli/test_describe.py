@@ -154,7 +154,10 @@ def test_bad_pattern_subprocess_shows_caret_and_no_traceback():
 
 def test_dash_pattern_needs_double_dash():
     result = run_cli("describe", "-*-*")
-    assert result.returncode == 2 and "after '--'" in result.stderr
+    assert result.returncode == 2 and "after '--': describe -- '-*-*'" in result.stderr
+    result = run_cli("describe", "*-", "--pp", "-1")  # a bad number, not a pattern
+    assert result.returncode == 2 and "must be >= 1" in result.stderr
+    assert "hint" not in result.stderr
     result = run_cli("describe", "--", "-*-*")
     assert result.returncode == 0 and "canonical  -*-*" in result.stdout
 
@@ -178,6 +181,46 @@ def test_png(tmp_path, capsys):
     assert main(["describe", "[*-]|[*E]|M[GE]|[*E]/*E", "--pp", "2", "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "written"),
+    [
+        pytest.param("stack", "stack.png", id="suffix-added"),
+        pytest.param("stack.PNG", "stack.PNG", id="suffix-kept"),
+        pytest.param("stack.v2", "stack.v2.png", id="other-suffix"),
+    ],
+)
+def test_png_prints_the_file_it_wrote(tmp_path, capsys, name, written):
+    assert main(["describe", "[*E]", "--png", str(tmp_path / name)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [written]
+    assert f"wrote {tmp_path / written}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["", "dir/"], ids=["empty", "directory"])
+def test_png_needs_a_file_name(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    assert main(["describe", "[*E]", "--png", name]) == 2
+    assert "--png needs a file name" in capsys.readouterr().err
+    assert not (tmp_path / ".png").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--pp", "4"], "--pp (4) must divide the 6 physical layers", id="pp"),
+        pytest.param(
+            ["--pp", "2", "--first-stage-layers", "5", "--last-stage-layers", "3"],
+            "--first-stage-layers (5) and --last-stage-layers (3) do not fit",
+            id="stage-layers",
+        ),
+    ],
+)
+def test_layout_errors_name_describe_options(capsys, argv, message):
+    assert main(["describe", "[*E]{3}", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "_stage_layers" not in err and "pp_size" not in err
 
 
 def test_png_unwritable_path(tmp_path, capsys):

@@ -77,6 +77,17 @@ def test_bshd_lengths_mark_collate_padding():
         pad_bshd(batch, plan, lengths=[5])
 
 
+@pytest.mark.parametrize("lengths", [[11, 5], [5, -1]], ids=["longer-than-batch", "negative"])
+def test_bshd_lengths_must_fit_the_batch(lengths):
+    """A length beyond S would mark pads as tokens; a negative one, a whole row as pad."""
+    batch = {"tokens": torch.ones(2, 10, dtype=torch.long)}
+    plan = bshd_pad(cur_len=10, batch_size=2, tp=1, cp=1, sp=False, quant="delayed")
+    with pytest.raises(ValueError, match=r"every length must lie in \[0, 10\]"):
+        pad_bshd(batch, plan, lengths=lengths)
+    edges = pad_bshd(batch, plan, lengths=[10, 0]).tensors["padding_mask"]  # both ends allowed
+    assert edges[:, :10].sum(dim=1).tolist() == [0, 10]
+
+
 def test_bshd_given_padding_mask_and_2d_mask_are_padded():
     batch = {
         "input_ids": torch.ones(1, 3, dtype=torch.long),

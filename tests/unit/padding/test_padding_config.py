@@ -102,12 +102,26 @@ def test_padding_config_plans_and_setup_alignment():
         pc.align_seq_length(
             4000, micro_batch_size=4, force_policy="round_up", max_position_embeddings=4000
         )
+    with pytest.raises(ValueError, match="lower seq_length to 3968 or raise"):
+        pc.align_seq_length(
+            4000, micro_batch_size=4, force_policy="round_up", max_position_embeddings=4000
+        )
+    with pytest.raises(ValueError, match="no aligned length fits; raise max_position_embeddings"):
+        pc.align_seq_length(
+            40, micro_batch_size=4, force_policy="round_up", max_position_embeddings=40
+        )
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(tp=0), "tp must be an integer >= 1"), (dict(quant="fp7"), "unknown quantisation")],
-    ids=["tp0", "quant"],
+    [
+        (dict(tp=0), "tp must be an integer >= 1"),
+        (dict(quant="fp7"), "unknown quantisation"),
+        (dict(tp=2, sp="no"), "sp must be True or False, got 'no'"),
+        (dict(sp=True, tp=1), "sp=True needs tp > 1"),
+        (dict(hybridep=1), "hybridep must be True or False"),
+    ],
+    ids=["tp0", "quant", "sp-string", "sp-without-tp", "hybridep-int"],
 )
 def test_padding_config_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):

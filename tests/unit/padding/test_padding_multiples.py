@@ -274,7 +274,11 @@ def test_hybridep_chunk(chunk, env, expected):
     assert hybridep_chunk(chunk, environ=environ) == expected
 
 
-@pytest.mark.parametrize("env", ["48", "abc", "-64", "0"], ids=["not32", "text", "neg", "zero"])
+@pytest.mark.parametrize(
+    "env",
+    ["48", "abc", "-64", "0", "\u0663\u0662", "\uff16\uff14"],
+    ids=["not32", "text", "neg", "zero", "arabic-indic-32", "fullwidth-64"],
+)
 def test_hybridep_chunk_rejects_bad_env(env):
     with pytest.raises(ValueError, match="NUM_OF_TOKENS_PER_CHUNK_COMBINE_API"):
         hybridep_chunk(environ={"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": env})

@@ -243,3 +243,38 @@ def deadline(seconds: float):
 def test_huge_inputs_fail_without_hanging(pattern):
     with deadline(10), pytest.raises(HybridPatternError):
         parse_pattern(pattern)
+
+
+def test_pattern_length_is_bounded():
+    from megatron_hybrid.pattern import MAX_PATTERN_LENGTH
+
+    pattern = "E" + "|" * MAX_PATTERN_LENGTH
+    with pytest.raises(HybridPatternError, match=r"characters long, above the limit of") as info:
+        parse_pattern(pattern)
+    assert info.value.pattern == pattern and len(str(info.value)) < 500
+
+
+def test_long_literals_are_not_cached():
+    """Rejected long patterns must not stay alive in the literal cache (cache_clear cannot
+    reach it); short literals, the common case, are cached."""
+    from megatron_hybrid.pattern import grammar
+
+    grammar._read_short_literal.cache_clear()
+    with pytest.raises(HybridPatternError):
+        parse_pattern("*E" * 20_000 + "X")
+    with pytest.raises(HybridPatternError):
+        parse_pattern("*" * 20_000 + "[E*]")
+    assert grammar._read_short_literal.cache_info().currsize == 0  # both literals were long
+    grammar._read_literal("M" * 1000)
+    assert grammar._read_short_literal.cache_info().currsize == 0
+    parse_pattern("[*E]{3}M-")
+    assert grammar._read_short_literal.cache_info().currsize > 0  # short ones are cached
+
+
+def test_error_window_in_a_huge_pattern():
+    pattern = "M" * 100_000 + "X" + "M" * 99_000
+    with pytest.raises(HybridPatternError) as info:
+        parse_pattern(pattern)
+    lines = str(info.value).splitlines()
+    assert lines[1].count("...") == 2 and len(lines[1]) < 100
+    assert lines[1][lines[2].index("^")] == "X"

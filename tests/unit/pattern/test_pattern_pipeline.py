@@ -159,3 +159,24 @@ def test_bad_arguments_are_value_errors(kwargs, match):
 def test_invalid_pattern_string_raises_pattern_error():
     with pytest.raises(HybridPatternError):
         select_pipeline_segment("[*E", 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("values", "target"),
+    [([0, 2, 4, 6], 3.0), ([0, 2, 4, 6], 3.5), ([0, 3, 9], -1.0), ([0, 3, 9], 100.0),
+     ([0, 5], 2.5), ([0, 1, 2, 10, 11], 6.0), ([0], 0.0)],
+)  # fmt: skip
+def test_nearest_matches_a_linear_scan(values, target):
+    from megatron_hybrid.pattern.pipeline import _nearest
+
+    reference = min(range(len(values)), key=lambda i: abs(values[i] - target))
+    assert _nearest(values, target) == reference
+
+
+def test_pipe_hint_scales_to_thousands_of_stages():
+    """[*E]{50000} over 4000 stages: the message stays short (and the hint is no longer
+    O(stages x layers))."""
+    with pytest.raises(HybridPatternError, match=r"stages of 4000 x 25 layers") as info:
+        select_pipeline_segment("[*E]{50000}", 0, 4000)
+    assert len(info.value.message) < 300
+    assert info.value.hint is not None and "3999 '|'" in info.value.hint

@@ -11,19 +11,21 @@ HYBRID_FLAGS = [
     "--bf16", "--clip-grad", "--context-parallel-size", "--delay-wgrad-compute",
     "--disable-bias-linear", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-layer-pattern",
-    "--kv-channels", "--load", "--lr", "--mamba-head-dim", "--mamba-impl", "--mamba-num-groups",
-    "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings", "--micro-batch-size",
-    "--moe-aux-loss-coeff", "--moe-ffn-hidden-size", "--moe-flex-dispatcher-backend",
-    "--moe-grouped-gemm", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
+    "--kv-channels", "--kv-lora-rank", "--load", "--lr", "--mamba-head-dim", "--mamba-impl",
+    "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
+    "--micro-batch-size", "--moe-aux-loss-coeff", "--moe-ffn-hidden-size",
+    "--moe-flex-dispatcher-backend", "--moe-grouped-gemm", "--moe-router-pre-softmax",
+    "--moe-router-topk", "--moe-shared-expert-intermediate-size",
     "--moe-token-dispatcher-type", "--normalization", "--num-attention-heads", "--num-experts",
     "--num-query-groups", "--overlap-moe-expert-parallel-comm", "--pipeline-model-parallel-size",
-    "--position-embedding-type", "--qk-layernorm", "--recompute-granularity",
+    "--position-embedding-type", "--q-lora-rank", "--qk-head-dim", "--qk-layernorm",
+    "--qk-pos-emb-head-dim", "--recompute-granularity",
     "--recompute-method", "--recompute-num-layers", "--save", "--save-interval", "--seed",
     "--seq-length", "--sequence-parallel", "--swiglu", "--tensor-model-parallel-size",
     "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
-    "--vocab-size", "--weight-decay",
+    "--v-head-dim", "--vocab-size", "--weight-decay",
 ]  # fmt: skip
-TRAIN_ONLY_FLAGS = ["--overwrite-checkpoint", "--packed", "--round-up-seq-length"]
+TRAIN_ONLY_FLAGS = ["--overwrite-checkpoint", "--packed", "--round-up-seq-length", "--verbose"]
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).
 REQUIRED_BY_ISSUE = [
@@ -164,6 +166,25 @@ def test_config_carries_model_flags():
     assert config.sequence_parallel and config.bf16 and config.params_dtype == torch.bfloat16
 
 
+def test_mla_pattern_builds_an_mla_config():
+    """'+' layers get megatron-core's MLATransformerConfig with the MLA flags (defaults train)."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    config = _config("--hybrid-layer-pattern", "[+E]{2}", "--num-experts", "4",
+                     "--kv-lora-rank", "24", "--v-head-dim", "12")  # fmt: skip
+    assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank) == (None, 24)
+    assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (16, 8, 12)
+    plain = _config("--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4")
+    assert not isinstance(plain, MLATransformerConfig)
+
+
+def test_topk_one_passes_pre_softmax():
+    config = _config("--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4",
+                     "--moe-router-topk", "1", "--moe-router-pre-softmax")  # fmt: skip
+    assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+
+
 def test_config_from_partial_namespace():
     """Flags a foreign parser did not define take this package's defaults."""
     namespace = argparse.Namespace(hybrid_layer_pattern="[*-]{2}", hidden_size=32)
@@ -234,3 +255,18 @@ def test_config_carries_mamba_flags():
     )  # fmt: skip
     assert (config.mamba_state_dim, config.mamba_head_dim) == (32, 8)
     assert (config.mamba_num_groups, config.mamba_num_heads) == (4, 12)
+
+
+def test_megatron_lm_without_megatron_training(monkeypatch, capsys):
+    """Python 3.11 cannot import megatron.training: --help still works, a run says how to fix."""
+    import sys
+
+    from megatron_hybrid.training import megatron_lm
+
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # `import` raises ImportError
+    assert megatron_lm.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--hybrid-layer-pattern" in out and "Python >= 3.12" in out
+    assert megatron_lm.main(["--hybrid-layer-pattern", "[*E]{2}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import megatron.training" in err and "PYTHON=python3.12" in err

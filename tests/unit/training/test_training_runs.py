@@ -211,3 +211,17 @@ def test_mamba_pattern_trains_on_cpu(tmp_path: Path, layout, world_size):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.3, f"loss did not fall: first-3 mean {first:.3f}, last-3 {last:.3f}"
     assert (tmp_path / f"iter_{iters:07d}" / "metadata.json").exists()
+
+
+@pytest.mark.slow
+def test_load_with_another_hidden_size_names_the_flag(resumed):
+    folder = resumed["saved"] / "iter_0000006"
+    result = run_cli(
+        "--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4", "--train-iters", "8",
+        "--hidden-size", "32", "--ffn-hidden-size", "256", "--load", str(resumed["saved"]),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"python -m megatron_hybrid train: error: --load {folder} does not fit the model: "
+        "--hidden-size 32 does not match the checkpoint's 64"
+    ]

@@ -1,0 +1,85 @@
+"""What this machine can run: probes the settings validator asks before anything is built.
+
+Each answer lives in one function, so a new code path (a torch Mamba, a local MLA attention)
+relaxes its check in one place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+__all__ = [
+    "fla_gated_backward_refused",
+    "fla_installed",
+    "mamba_kernels_usable",
+    "mla_core_attention_usable",
+    "on_gpu",
+]
+
+
+def on_gpu() -> bool:
+    """Whether this process runs on CUDA GPUs."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def fla_installed() -> bool:
+    """Whether fla-core (GatedDeltaNet's GPU kernels) is importable."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def mamba_kernels_usable() -> bool:
+    """Whether 'M' (Mamba) layers can run here: mamba_ssm's CUDA kernels on a CUDA device.
+
+    The one place that decides it, so a torch fallback only has to change this function.
+    """
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None
+
+
+def mla_core_attention_usable(backend: str) -> bool:
+    """Whether ``backend``'s spec gives '+' (MLA) layers a core attention they can build.
+
+    MLA asks its core attention for separate key and value head dims (``k_channels``,
+    ``v_channels``); megatron-core 0.19.2's local ``DotProductAttention`` takes neither. The
+    check reads the spec, so it holds as soon as the local spec gets a core attention that does.
+    """
+    import inspect
+
+    from megatron_hybrid import hybrid_stack_spec
+
+    try:
+        spec = hybrid_stack_spec(backend)
+    except ImportError:
+        return False
+    core = spec.submodules.mla_layer.submodules.self_attention.submodules.core_attention
+    module = getattr(core, "module", core)
+    return "k_channels" in inspect.signature(module.__init__).parameters
+
+
+def fla_gated_backward_refused() -> str | None:
+    """Why fla would refuse GatedDeltaNet's backward on this GPU, or None.
+
+    fla-core 0.6.0 (``ops/common/chunk_o.py``) raises in the first backward on Hopper with
+    Triton >= 3.4.0, < 3.7.1 (wrong results, fla issue #640) unless tilelang provides the
+    kernel; finding out there costs the whole first-step autotune.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
+    if (3, 4, 0) <= version < (3, 7, 1):
+        return (
+            f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
+            "GPUs (wrong results, fla #640)"
+        )
+    return None
