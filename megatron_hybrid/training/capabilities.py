@@ -29,14 +29,12 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def mamba_kernels_usable() -> bool:
-    """Whether 'M' (Mamba) layers can run here: mamba_ssm's CUDA kernels on a CUDA device.
+def mamba_kernels_usable() -> tuple[bool, str | None]:
+    """Whether megatron-core's Mamba kernels (mamba_ssm, causal_conv1d, CUDA) can run here, and
+    if not, why; 'M' layers run on the package's torch Mamba2 path otherwise."""
+    from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
 
-    The one place that decides it, so a torch fallback only has to change this function.
-    """
-    import torch
-
-    return torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None
+    return mamba_kernels_available()
 
 
 def mla_core_attention_usable(backend: str) -> bool:

@@ -261,11 +261,14 @@ def _gdn_kernels(s: Settings) -> str | None:
 
 
 def _mamba(s: Settings) -> str | None:
-    if s.has(MAMBA) and not capabilities.mamba_kernels_usable():
-        where = "a CUDA GPU" if not s.on_gpu else "the mamba_ssm package (pip install mamba-ssm)"
+    if not s.has(MAMBA) or getattr(s.args, "mamba_impl", "auto") != "kernels":
+        return None  # 'auto' falls back to the torch Mamba2 path where the kernels cannot run
+    usable, reason = capabilities.mamba_kernels_usable()
+    if not usable:
         return (
-            f"Mamba ('M') layers need mamba_ssm's CUDA kernels, which need {where}; there is no "
-            "CPU path for 'M' yet: run on a GPU with mamba-ssm installed"
+            f"--mamba-impl kernels needs megatron-core's Mamba kernels, but {reason}: install "
+            "mamba-ssm and causal-conv1d on a CUDA machine, or use --mamba-impl auto (the torch "
+            "Mamba2 path)"
         )
     return None
 

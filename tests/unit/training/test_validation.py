@@ -273,10 +273,10 @@ REFUSED = [
         id="pp-cuts-a-group",
     ),
     pytest.param(
-        ["--hybrid-layer-pattern", "[M-]{2}"],
+        ["--hybrid-layer-pattern", "[M-]{2}", "--mamba-impl", "kernels"],
         1,
-        r"Mamba \('M'\) layers need mamba_ssm",
-        id="mamba-on-cpu",
+        r"--mamba-impl kernels needs megatron-core's Mamba kernels, but",
+        id="mamba-kernels-on-cpu",
     ),
     pytest.param(
         ["--hybrid-layer-pattern", "[D-]{2}"], 1, r"'D' .* need DSA indexer settings", id="dsa"
@@ -459,12 +459,14 @@ def test_model_scope_skips_train_and_parallel_rules():
     )
 
 
-def test_mamba_gate_is_one_function(monkeypatch):
-    """Relaxing the 'M' check (a torch path) means changing mamba_kernels_usable only."""
+def test_mamba_runs_without_kernels_and_the_gate_is_one_function(monkeypatch):
+    """'M' takes the torch Mamba2 path without kernels; asking for the kernels is decided by
+    mamba_kernels_usable alone."""
     from megatron_hybrid.training import capabilities
 
-    monkeypatch.setattr(capabilities, "mamba_kernels_usable", lambda: True)
     _validate(["--hybrid-layer-pattern", "[M-]{2}"])
+    monkeypatch.setattr(capabilities, "mamba_kernels_usable", lambda: (True, None))
+    _validate(["--hybrid-layer-pattern", "[M-]{2}", "--mamba-impl", "kernels"])
 
 
 def test_every_rule_names_a_known_flag():
