@@ -1,8 +1,9 @@
 """``check-checkpoint``: would a torch_dist checkpoint (GPT or hybrid) load into a pattern?
 
-Reads only the checkpoint's metadata, builds the pattern's model on the meta device and prints
-missing, unexpected and shape-mismatched tensors. Exit code 0 if it would load, 1 if not, 2 on
-bad input.
+Verifies the checkpoint's files against its integrity manifest (SHA-256 per file), reads the
+checkpoint's metadata, builds the pattern's model on the meta device and prints missing,
+unexpected and shape-mismatched tensors. Exit code 0 if it would load, 1 if not, 2 on bad input
+or a damaged checkpoint.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.checkpointing.inspect import (
         compare_with_checkpoint,
         expected_checkpoint_tensors,
+        resolve_checkpoint_dir,
     )
+    from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.arguments import hybrid_config_from_args
 
@@ -60,10 +63,13 @@ def _run(args: argparse.Namespace) -> int:
         args,
     )
     try:
-        result = compare_with_checkpoint(args.load, build)
+        folder = resolve_checkpoint_dir(args.load)
+        verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
+        result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
     print(f"checkpoint: {result.checkpoint_dir}")
+    print(f"files:      {'match integrity.json' if verified else 'not verified (no manifest)'}")
     print(f"pattern:    {args.hybrid_layer_pattern}")
     if result.metadata:
         print(f"metadata:   {result.metadata}")

@@ -29,6 +29,13 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
         help="round a fixed --seq-length up to the alignment padding needs (once, at setup)",
     )
     group.add_argument(
+        "--on-nonfinite",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a step with a NaN or infinite loss or gradient is never applied: stop the run "
+        "(exit 2) or skip the step",
+    )
+    group.add_argument(
         "--overwrite-checkpoint",
         action="store_true",
         help="allow --save to replace an existing iteration folder",

@@ -6,12 +6,15 @@ every rank's RNG state and the iteration; ``<root>/latest_checkpointed_iteration
 newest. Model tensors use the package's checkpoint keys, so a grouped pattern's checkpoint is a
 GPTModel checkpoint (``check-checkpoint`` reads either).
 
-Nothing is written over an existing iteration folder unless ``overwrite`` is set.
+Nothing is written over an existing iteration folder unless ``overwrite`` is set, nothing is
+saved from parameters that are not finite, and every save ends with an integrity manifest
+(``integrity.json``: SHA-256 of every file) written before the tracker names the folder.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import random
 from pathlib import Path
 
@@ -20,13 +23,24 @@ import torch
 
 from megatron_hybrid.checkpointing.inspect import TRACKER_FILE, iteration_folder_name
 
-__all__ = ["CheckpointExistsError", "existing_iterations", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointExistsError",
+    "NonFiniteCheckpointError",
+    "consumed_samples",
+    "existing_iterations",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 _FORMAT = "megatron_hybrid/1"
 
 
 class CheckpointExistsError(FileExistsError):
     """The iteration folder already exists and overwriting was not asked for."""
+
+
+class NonFiniteCheckpointError(ValueError):
+    """A parameter is NaN or infinite: such a state is never saved."""
 
 
 def existing_iterations(root) -> list[int]:
@@ -107,17 +121,62 @@ def _optimizer_state(optimizer, model_state, *, loading: bool):
     return optimizer.sharded_state_dict(merged, is_loading=loading, metadata=metadata)
 
 
-def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, overwrite=False):
+def _parameters_finite(chunks, device) -> bool:
+    bad = torch.zeros(1, device=device)
+    for chunk in _unwrapped(chunks):
+        if not all(bool(torch.isfinite(p).all()) for p in chunk.parameters()):
+            bad.fill_(1)
+            break
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def _in_process_write_results() -> None:
+    """Keep megatron-core's synchronous save inside this process (no helper processes).
+
+    megatron-core 0.19.2's ``FileSystemWriterAsync`` (``dist_checkpointing/strategies/
+    filesystem_async.py``) hands write results over a queue that it creates on first use with a
+    ``spawn`` multiprocessing ``Manager``: a server process, plus spawn's resource tracker, that
+    outlive a killed trainer (re-parented to PID 1). A synchronous save writes with threads of
+    this process and reads the results back in it, so an in-process queue carries them.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def save_checkpoint(
+    root,
+    iteration: int,
+    chunks,
+    optimizer,
+    *,
+    pattern: str,
+    overwrite=False,
+    consumed_samples: int | None = None,
+):
     """Save a step's state under ``root``; return the iteration folder.
+
+    Args:
+        consumed_samples: training samples used so far (a resume continues from it).
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
+        NonFiniteCheckpointError: a parameter is NaN or infinite (nothing is written).
     """
     from megatron.core import dist_checkpointing
+
+    from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
 
     root = Path(root)
     folder = root / iteration_folder_name(iteration)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    if not _parameters_finite(chunks, device):
+        raise NonFiniteCheckpointError(
+            f"not saving iteration {iteration} to {folder}: the model has NaN or infinite "
+            "parameters"
+        )
     exists = torch.tensor([int(folder.exists())], device=device)
     torch.distributed.all_reduce(exists)  # every rank must agree before anyone writes
     if exists.item() and not overwrite:
@@ -136,9 +195,13 @@ def save_checkpoint(root, iteration: int, chunks, optimizer, *, pattern: str, ov
         "iteration": iteration,
         "megatron_hybrid": {"format": _FORMAT, "hybrid_layer_pattern": pattern},
     }
+    if consumed_samples is not None:
+        state["consumed_samples"] = consumed_samples
+    _in_process_write_results()
     dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
+        write_integrity_manifest(folder)
         tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text(str(iteration))
         os.replace(tmp, root / TRACKER_FILE)  # atomic: a crash never leaves a half-written tracker
@@ -206,7 +269,19 @@ def load_checkpoint(root, chunks, optimizer) -> int:
         "optimizer": _optimizer_state(optimizer, model, loading=True),
         "rng_state": _per_rank_object("rng_state", None),
     }
-    state = dist_checkpointing.load(request, str(folder))
+    try:
+        state = dist_checkpointing.load(request, str(folder))
+    except BaseException as error:  # noqa: BLE001 - torch's CheckpointException is one
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        from megatron_hybrid.checkpointing.integrity import (
+            CheckpointDamagedError,
+            describe_read_error,
+        )
+
+        raise CheckpointDamagedError(
+            f"cannot read the checkpoint {folder}: {describe_read_error(error)}"
+        ) from None
     for i, chunk in enumerate(_unwrapped(chunks)):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     # fp32 models: the distributed optimizer's main params are views of the parameters.
@@ -216,3 +291,11 @@ def load_checkpoint(root, chunks, optimizer) -> int:
     _set_rng_state(state["rng_state"])
     common = dist_checkpointing.load_common_state_dict(str(folder))
     return int(common.get("iteration", state.get("iteration", 0)))
+
+
+def consumed_samples(folder) -> int | None:
+    """Training samples a checkpoint's run had used (None: saved before this was recorded)."""
+    from megatron.core import dist_checkpointing
+
+    value = dist_checkpointing.load_common_state_dict(str(folder)).get("consumed_samples")
+    return None if value is None else int(value)
