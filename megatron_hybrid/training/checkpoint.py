@@ -32,7 +32,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_FORMAT = "megatron_hybrid/1"
+_FORMAT = "megatron_hybrid/2"  # /1: per-rank CPU optimizer state
 
 
 class CheckpointExistsError(FileExistsError):
@@ -106,13 +106,14 @@ def _per_rank_object(key: str, value):
     return ShardedObject(key, value, (world,), (rank,), replica_id=0)
 
 
-def _optimizer_state(optimizer, model_state, *, loading: bool):
+def _optimizer_state(optimizer, model_state, *, loading: bool, per_rank: bool = False):
     from megatron_hybrid.training.loop import CPUOptimizer
+    from megatron_hybrid.training.optimizer_state import cpu_optimizer_sharded_state
 
     if isinstance(optimizer, CPUOptimizer):
-        # Replicated over data-parallel ranks but not model-parallel shards: one copy per rank,
-        # so a CPU run resumes with the same parallel layout.
-        return _per_rank_object("optimizer.cpu_adamw", None if loading else optimizer.state_dict())
+        if per_rank:  # format megatron_hybrid/1: one pickled AdamW state per rank
+            return _per_rank_object("optimizer.cpu_adamw", None)
+        return cpu_optimizer_sharded_state(optimizer, model_state, loading=loading)
     merged = {}
     for value in model_state.values():
         merged.update(value)
@@ -155,11 +156,14 @@ def save_checkpoint(
     pattern: str,
     overwrite=False,
     consumed_samples: int | None = None,
+    layout: dict | None = None,
 ):
     """Save a step's state under ``root``; return the iteration folder.
 
     Args:
         consumed_samples: training samples used so far (a resume continues from it).
+        layout: parallel sizes (``tp``, ``pp``, ``ep``, ``dp``), recorded so that a resume can
+            tell before training whether it may change them.
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
@@ -197,6 +201,9 @@ def save_checkpoint(
     }
     if consumed_samples is not None:
         state["consumed_samples"] = consumed_samples
+    state["world_size"] = torch.distributed.get_world_size()
+    if layout is not None:
+        state["parallel_layout"] = dict(layout)
     _in_process_write_results()
     dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
@@ -251,24 +258,44 @@ def _restore_adam_steps(optimizer) -> None:
                     )
 
 
-def load_checkpoint(root, chunks, optimizer) -> int:
+def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> int:
     """Restore model, optimizer and RNG state from the newest checkpoint under ``root``.
+
+    Model and optimizer state reshard to this run's parallel layout (on GPUs only over data
+    parallelism: megatron's ``dp_reshardable`` format). The per-rank RNG state is restored only
+    when as many processes run as saved it (a new layout starts from the seeded RNG).
+
+    Args:
+        layout: this run's parallel sizes (see :func:`save_checkpoint`).
 
     Returns:
         The iteration the checkpoint was saved at.
+
+    Raises:
+        LayoutChangeError: the checkpoint cannot be resumed on this layout (before any load).
+        CheckpointDamagedError: a file cannot be read.
     """
     from megatron.core import dist_checkpointing
 
     from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+    from megatron_hybrid.training.loop import CPUOptimizer
+    from megatron_hybrid.training.optimizer_state import (
+        PER_RANK_FORMAT,
+        check_layout,
+        load_cpu_optimizer_state,
+    )
 
     folder = resolve_checkpoint_dir(root)
+    common = dist_checkpointing.load_common_state_dict(str(folder))
+    cpu = isinstance(optimizer, CPUOptimizer)
+    same_world = check_layout(common, folder, layout, cpu_optimizer=cpu)
+    per_rank = (common.get("megatron_hybrid") or {}).get("format") == PER_RANK_FORMAT
     _materialize_optimizer_state(optimizer)
     model = _model_state(chunks, metadata=None)
-    request = {
-        **model,
-        "optimizer": _optimizer_state(optimizer, model, loading=True),
-        "rng_state": _per_rank_object("rng_state", None),
-    }
+    request = {**model, "optimizer": _optimizer_state(optimizer, model, loading=True,
+                                                      per_rank=per_rank)}  # fmt: skip
+    if same_world:
+        request["rng_state"] = _per_rank_object("rng_state", None)
     try:
         state = dist_checkpointing.load(request, str(folder))
     except BaseException as error:  # noqa: BLE001 - torch's CheckpointException is one
@@ -278,7 +305,14 @@ def load_checkpoint(root, chunks, optimizer) -> int:
             CheckpointDamagedError,
             describe_read_error,
         )
+        from megatron_hybrid.training.optimizer_state import LayoutChangeError
 
+        if per_rank and cpu:
+            raise LayoutChangeError(
+                f"{folder} holds the CPU optimizer state per rank ({PER_RANK_FORMAT}) and does "
+                f"not load here ({describe_read_error(error)}): resume it with the number of "
+                "processes and the parallel layout that wrote it"
+            ) from None
         raise CheckpointDamagedError(
             f"cannot read the checkpoint {folder}: {describe_read_error(error)}"
         ) from None
@@ -286,10 +320,13 @@ def load_checkpoint(root, chunks, optimizer) -> int:
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     # fp32 models: the distributed optimizer's main params are views of the parameters.
     with torch.no_grad():
-        optimizer.load_state_dict(state["optimizer"])
+        if cpu and not per_rank:
+            load_cpu_optimizer_state(optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
-    _set_rng_state(state["rng_state"])
-    common = dist_checkpointing.load_common_state_dict(str(folder))
+    if same_world:
+        _set_rng_state(state["rng_state"])
     return int(common.get("iteration", state.get("iteration", 0)))
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "INCOMPLETE_DIR",
     "ResumePoint",
     "check_target",
+    "layout_of",
     "find_resume_folder",
     "prepare_resume",
     "set_aside_incomplete",
@@ -165,3 +166,13 @@ def check_target(iteration: int, train_iters: int, folder) -> None:
             f"--train-iters {train_iters} is below iteration {iteration} of the checkpoint "
             f"{folder}; pass --train-iters {iteration} or more to continue training"
         )
+
+
+def layout_of(pg_collection) -> dict[str, int]:
+    """The parallel sizes a checkpoint records (what a resume may or may not change)."""
+    names = {"tp": "tp", "pp": "pp", "ep": "ep", "cp": "cp", "etp": "expt_tp", "dp": "dp"}
+    sizes = {}
+    for short, name in names.items():
+        group = getattr(pg_collection, name, None)  # groups a collection was not given: size 1
+        sizes[short] = group.size() if group is not None else 1
+    return sizes

@@ -212,7 +212,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     if point.folder is not None:
         folder = point.folder
         _check_resume_compatible(chunks, folder)
-        start = load_checkpoint(folder, chunks, optimizer)
+        start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(pg))
         resume.check_target(start, args.train_iters, folder)
         consumed = consumed_samples(folder)
         consumed = start * global_batch if consumed is None else consumed
@@ -280,6 +280,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
                     pattern=args.hybrid_layer_pattern,
                     overwrite=args.overwrite_checkpoint,
                     consumed_samples=consumed,
+                    layout=resume.layout_of(pg),
                 )
             )
     progress.close()
