@@ -58,9 +58,7 @@ def run_cli(*argv: str, kill_at: str | None = None, children: Path | None = None
     if kill_at:
         env.update(KILL_AT=kill_at, CHILDREN=str(children))
         command = [sys.executable, "-c", _KILLING_MAIN]
-    return subprocess.run(
-        [*command, *argv], capture_output=True, text=True, timeout=300, env=env
-    )
+    return subprocess.run([*command, *argv], capture_output=True, text=True, timeout=300, env=env)
 
 
 def step_lines(stdout: str) -> dict[int, str]:
@@ -219,7 +217,10 @@ def test_same_command_restarts_after_a_kill_during_a_save(
     assert restarted.returncode == 0, restarted.stderr
     out = restarted.stdout
     moved = root / "incomplete" / leftover.name
-    assert f"{leftover} is the leftover of an interrupted save, not a checkpoint: moved to {moved}" in out
+    assert (
+        f"{leftover} is the leftover of an interrupted save, not a checkpoint: moved to {moved}"
+        in out
+    )
     if resumed_from:
         assert f"resumed from {root / 'iter_0000005'} at iteration 5" in out
     else:

@@ -9,7 +9,6 @@ the order of floating-point reductions: within ``BOUND`` (relative).
 from __future__ import annotations
 
 import pytest
-
 from test_checkpoint_faults import TINY
 
 #: Relative bound on the difference from the run that kept its layout (observed: below 1e-6).
@@ -43,7 +42,9 @@ def two_process_runs(tmp_path_factory):
     """6 steps on 2 processes (EP=2), and 3 steps on 2 processes saved."""
     root = tmp_path_factory.mktemp("layouts") / "ckpt"
     full = train(2, *LAYOUT, "--expert-model-parallel-size", "2", "--train-iters", "6")
-    train(2, *LAYOUT, "--expert-model-parallel-size", "2", "--train-iters", "3", "--save", str(root))
+    train(
+        2, *LAYOUT, "--expert-model-parallel-size", "2", "--train-iters", "3", "--save", str(root)
+    )
     return full, root
 
 

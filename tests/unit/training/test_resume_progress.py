@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from test_checkpoint_faults import TINY, run_cli
 
 
