@@ -123,11 +123,9 @@ def _optimizer_state(optimizer, model_state, *, loading: bool, per_rank: bool = 
 
 
 def _parameters_finite(chunks, device) -> bool:
-    bad = torch.zeros(1, device=device)
-    for chunk in _unwrapped(chunks):
-        if not all(bool(torch.isfinite(p).all()) for p in chunk.parameters()):
-            bad.fill_(1)
-            break
+    flags = [torch.isfinite(p).all() for chunk in _unwrapped(chunks) for p in chunk.parameters()]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    bad = (~finite).float().reshape(1).to(device)
     torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
     return not bool(bad.item())
 

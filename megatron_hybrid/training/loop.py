@@ -182,11 +182,10 @@ def all_finite(tensors, pg_collection) -> bool:
     one and then the other reaches every rank.
     """
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    bad = torch.zeros(1, device=device)
-    for tensor in tensors:
-        if tensor is not None and not bool(torch.isfinite(tensor).all()):
-            bad.fill_(1)
-            break
+    # One flag per tensor, read once: no host synchronisation per tensor on GPUs.
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.numel()]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    bad = (~finite).float().reshape(1).to(device)
     for group in (pg_collection.mp, pg_collection.dp_cp):
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
     return not bool(bad.item())
