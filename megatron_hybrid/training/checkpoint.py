@@ -169,7 +169,7 @@ def save_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
+    from megatron_hybrid.checkpointing.integrity import INTEGRITY_FILE, write_integrity_manifest
 
     root = Path(root)
     folder = root / iteration_folder_name(iteration)
@@ -188,6 +188,10 @@ def save_checkpoint(
         )
     if torch.distributed.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
+        # Replacing a checkpoint: until the new one is complete, the folder must not look
+        # complete (or verified), so that a kill midway leaves a leftover, not a bad checkpoint.
+        for marker in ("metadata.json", INTEGRITY_FILE):
+            (folder / marker).unlink(missing_ok=True)
     torch.distributed.barrier()
     model = _model_state(chunks, metadata=None)
     state = {

@@ -82,8 +82,10 @@ def _holds_only_leftovers(path: Path) -> bool:
 def find_resume_folder(load: str | Path) -> ResumePoint:
     """The newest complete checkpoint of ``--load`` (a save root or an iteration folder).
 
-    The tracker names the checkpoint, except when a complete folder is newer: the tracker is
-    written after the folder, so a crash between the two leaves it one save behind.
+    The tracker names the checkpoint, except when a complete folder is newer (the tracker is
+    written after the folder, so a crash between the two leaves it one save behind) or when the
+    folder it names is not complete (a crash while a save replaced it): then the newest complete
+    folder is taken.
 
     Raises:
         FileNotFoundError: ``load`` is not a checkpoint, or its tracker names a missing one.
@@ -104,12 +106,19 @@ def find_resume_folder(load: str | Path) -> ResumePoint:
             )
             return ResumePoint(complete[newest], (note,))
         folder = path / iteration_folder_name(named)
-        if not is_complete(folder):
-            raise FileNotFoundError(
-                f"{tracker} names {folder}, which is not a complete torch_dist checkpoint; "
-                "write the iteration of a complete iter_* folder into it"
+        if is_complete(folder):
+            return ResumePoint(folder)
+        if newest is not None:  # e.g. a kill while --overwrite-checkpoint replaced that folder
+            note = (
+                f"{tracker} names {folder}, which is not a complete checkpoint: resuming from "
+                f"the newest complete one, {complete[newest]}"
             )
-        return ResumePoint(folder)
+            return ResumePoint(complete[newest], (note,))
+        raise FileNotFoundError(
+            f"{tracker} names {folder}, which is not a complete torch_dist checkpoint, and no "
+            "iteration folder is complete; restore the checkpoint or delete the tracker to "
+            "start from scratch"
+        )
     if complete:
         return ResumePoint(complete[max(complete)])
     if _holds_only_leftovers(path):

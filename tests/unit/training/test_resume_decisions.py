@@ -40,6 +40,8 @@ def make_root(root: Path, complete=(), incomplete=(), tracker: str | None = None
         pytest.param((), (10,), None, None, "(only interrupted saves: iterations [10])",
                      id="only_leftovers_start_from_scratch"),
         pytest.param((), (), None, None, "holds no checkpoint yet: starting", id="empty"),
+        pytest.param((5,), (10,), "10", 5, "which is not a complete checkpoint: resuming from",
+                     id="tracker_on_leftover"),
     ],
 )  # fmt: skip
 def test_resume_folder(tmp_path, complete, incomplete, tracker, expected, note):
@@ -60,8 +62,9 @@ def test_missing_load_directory_starts_from_scratch(tmp_path):
 @pytest.mark.parametrize(
     ("setup", "error", "match"),
     [
-        pytest.param(lambda r: make_root(r, (5,), (10,), "10"), FileNotFoundError,
-                     r"names .*iter_0000010, which is not a complete", id="tracker_on_leftover"),
+        pytest.param(lambda r: make_root(r, (), (10,), "10"), FileNotFoundError,
+                     r"names .*iter_0000010, which is not a complete torch_dist checkpoint, and "
+                     r"no iteration folder is complete", id="tracker_on_only_leftover"),
         pytest.param(lambda r: make_root(r, (5,), (), "abc"), CheckpointDamagedError,
                      r"holds 'abc', not an iteration number", id="tracker_abc"),
         pytest.param(lambda r: (make_root(r), (r / "model.bin").write_text("x")),
