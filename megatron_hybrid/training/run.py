@@ -261,7 +261,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         consumed += global_batch
         if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
-                print(f"step {iteration + 1}: NaN or infinite loss or gradient: skipped")
+                print(
+                    f"step {iteration + 1}: NaN or infinite loss or gradient: skipped", flush=True
+                )
         else:
             tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
             losses.append(result.loss)
