@@ -64,21 +64,33 @@ class CheckpointComparison:
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """A dist-checkpoint folder from a Megatron save root or an iteration folder.
 
+    A save root resolves to the folder its tracker names or, without a tracker, to its newest
+    complete iteration folder; leftovers of interrupted saves (no ``metadata.json``) never count.
+
     Raises:
-        FileNotFoundError: ``path`` is neither.
+        FileNotFoundError: ``path`` is neither, or its tracker names no complete checkpoint.
+        CheckpointDamagedError: the tracker holds something other than an iteration.
     """
+    from megatron_hybrid.checkpointing.integrity import (
+        complete_iterations,
+        is_complete,
+        read_tracker,
+    )
+
     path = Path(path)
-    if (path / "metadata.json").is_file():
+    if is_complete(path):
         return path
     tracker = path / TRACKER_FILE
     if tracker.is_file():
-        iteration = tracker.read_text().strip()
-        folder = path / iteration_folder_name(iteration)
-        if (folder / "metadata.json").is_file():
+        folder = path / iteration_folder_name(read_tracker(tracker))
+        if is_complete(folder):
             return folder
         raise FileNotFoundError(
             f"{tracker} points to {folder}, which is not a torch_dist checkpoint"
         )
+    complete = complete_iterations(path)
+    if complete:
+        return complete[max(complete)]
     raise FileNotFoundError(
         f"{path} is not a torch_dist checkpoint: expected a metadata.json in it, or a "
         f"{TRACKER_FILE} naming an iteration folder"
@@ -230,9 +242,18 @@ def compare_with_checkpoint(checkpoint_dir: str | Path, build_expected) -> Check
         build_expected: ``metadata -> {key: global shape}`` (e.g. a partial of
             :func:`expected_checkpoint_tensors`).
     """
+    from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, describe_read_error
+
     folder = resolve_checkpoint_dir(checkpoint_dir)
-    found = checkpoint_model_tensors(folder)
-    metadata = checkpoint_metadata(folder, found)
+    try:
+        found = checkpoint_model_tensors(folder)
+        metadata = checkpoint_metadata(folder, found)
+    except BaseException as error:  # noqa: BLE001 - torch's CheckpointException is one
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointDamagedError(
+            f"cannot read the metadata of the checkpoint {folder}: {describe_read_error(error)}"
+        ) from None
     expected = build_expected(metadata)
     mismatches = tuple(
         (key, shape, found[key])

@@ -1,9 +1,10 @@
 """``check-checkpoint``: would a torch_dist checkpoint (GPT or hybrid) load into a pattern?
 
-Reads only the checkpoint's metadata, builds the pattern's model on the meta device and prints
-missing, unexpected and shape-mismatched tensors. The pattern and the model sizes not given are
-read from the checkpoint (the pattern only from one 'train' saved). Exit code 0 if it would
-load, 1 if not, 2 on bad input or a model that cannot be built.
+Verifies the checkpoint's files against its integrity manifest (SHA-256 per file), reads the
+checkpoint's metadata, builds the pattern's model on the meta device and prints missing,
+unexpected and shape-mismatched tensors. The pattern and the model sizes not given are read from
+the checkpoint (the pattern only from one 'train' saved). Exit code 0 if it would load, 1 if
+not, 2 on bad input, a damaged checkpoint or a model that cannot be built.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.checkpointing.inspect import (
         compare_with_checkpoint,
         expected_checkpoint_tensors,
+        resolve_checkpoint_dir,
     )
     from megatron_hybrid.checkpointing.settings import mismatched_flags
+    from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
     from megatron_hybrid.training.validation import validate_settings
@@ -118,7 +121,9 @@ def _run(args: argparse.Namespace) -> int:
         args,
     )
     try:
-        result = compare_with_checkpoint(args.load, build)
+        folder = resolve_checkpoint_dir(args.load)
+        verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
+        result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
     except (CommandError, ValueError, ImportError):
@@ -129,6 +134,7 @@ def _run(args: argparse.Namespace) -> int:
             f"({type(error).__name__}: {error})"
         ) from None
     print(f"checkpoint: {result.checkpoint_dir}")
+    print(f"files:      {'match integrity.json' if verified else 'not verified (no manifest)'}")
     print(f"pattern:    {args.hybrid_layer_pattern}")
     if read:
         print(f"read from the checkpoint: {' '.join(read)}")

@@ -34,6 +34,13 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
         help="also show the libraries' warnings and log lines (hidden by default)",
     )
     group.add_argument(
+        "--on-nonfinite",
+        choices=["stop", "skip"],
+        default="stop",
+        help="a step with a NaN or infinite loss or gradient is never applied: stop the run "
+        "(exit 2) or skip the step",
+    )
+    group.add_argument(
         "--overwrite-checkpoint",
         action="store_true",
         help="allow --save to replace an existing iteration folder",

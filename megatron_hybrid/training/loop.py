@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOptimizer", "StepResult", "build_model_chunks", "build_optimizer", "train_step"]
+__all__ = [
+    "CPUOptimizer",
+    "StepResult",
+    "all_finite",
+    "build_model_chunks",
+    "build_optimizer",
+    "train_step",
+]
 
 
 def build_model_chunks(
@@ -157,11 +164,32 @@ def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step reports (the same on every rank)."""
+    """What one step reports (the same on every rank).
+
+    ``finite`` is False when the loss or a gradient was NaN or infinite on some rank; the
+    optimizer was then not stepped (the parameters are those before the step).
+    """
 
     loss: float
     grad_norm: float
     tokens: int
+    finite: bool = True
+
+
+def all_finite(tensors, pg_collection) -> bool:
+    """Whether every tensor on every rank is finite (ranks agree on the answer).
+
+    The model-parallel and data-parallel groups form a grid over all ranks, so reducing over
+    one and then the other reaches every rank.
+    """
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    # One flag per tensor, read once: no host synchronisation per tensor on GPUs.
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.numel()]
+    finite = torch.stack(flags).all() if flags else torch.tensor(True)
+    bad = (~finite).float().reshape(1).to(device)
+    for group in (pg_collection.mp, pg_collection.dp_cp):
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
+    return not bool(bad.item())
 
 
 def _configure_hooks(chunks, config, pg_collection) -> None:
@@ -203,8 +231,6 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    step = optimizer.step()
-    grad_norm = step if isinstance(step, float) else float(step[1])
     # The last pipeline stage holds the losses; sum over data-parallel ranks, then share.
     totals = torch.zeros(2, dtype=torch.float64)
     for report in reports:
@@ -213,6 +239,14 @@ def train_step(
     totals = totals.to(device)
     torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
     torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
+    # Checked before the update: a NaN or infinite gradient never reaches the parameters.
+    grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
+    finite = all_finite([totals, *grads], pg_collection)
+    if finite:
+        step = optimizer.step()
+        grad_norm = step if isinstance(step, float) else float(step[1])
+    else:
+        grad_norm = float("nan")
     # Real tokens of this rank's micro-batches, summed over data-parallel ranks.
     tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
     token_count = torch.tensor([tokens], dtype=torch.float64, device=device)
@@ -221,4 +255,5 @@ def train_step(
         loss=float(totals[0] / totals[1].clamp(min=1)),
         grad_norm=grad_norm,
         tokens=int(token_count.item()),
+        finite=finite and math.isfinite(grad_norm),
     )

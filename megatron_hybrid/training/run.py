@@ -123,6 +123,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.arguments import hybrid_config_from_args, spec_backend
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+    from megatron_hybrid.training.guard import check_step
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
     from megatron_hybrid.training.validation import validate_settings
 
@@ -213,16 +214,23 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )
-    start = 0
-    if args.load:
-        from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+    from megatron_hybrid.training import resume
+    from megatron_hybrid.training.checkpoint import consumed_samples
 
-        try:
-            folder = resolve_checkpoint_dir(args.load)
-        except FileNotFoundError as error:
-            raise TrainingError(str(error)) from None
+    try:
+        point = resume.prepare_resume(args.load, args.save)
+    except FileNotFoundError as error:
+        raise TrainingError(str(error)) from None
+    for note in point.notes if rank == 0 else ():
+        print(note, flush=True)
+    start, consumed = 0, 0
+    if point.folder is not None:
+        folder = point.folder
         _check_resume_compatible(chunks, folder, args)
-        start = load_checkpoint(folder, chunks, optimizer)
+        start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(pg))
+        resume.check_target(start, args.train_iters, folder)
+        consumed = consumed_samples(folder)
+        consumed = start * global_batch if consumed is None else consumed
         if rank == 0:
             print(f"resumed from {folder} at iteration {start}", flush=True)
 
@@ -245,7 +253,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     losses, norms, saved = [], [], None
     tokens_total, time_total = 0, 0.0
     for iteration in range(start, args.train_iters):
-        base = iteration * global_batch + dp_rank * num_microbatches * args.micro_batch_size
+        base = consumed + dp_rank * num_microbatches * args.micro_batch_size
         batches = [
             builder.build(
                 [base + m * args.micro_batch_size + b for b in range(args.micro_batch_size)]
@@ -265,10 +273,17 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         if on_gpu:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - began
-        tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-        progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
+        consumed += global_batch
+        if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
+            if rank == 0:
+                print(
+                    f"step {iteration + 1}: NaN or infinite loss or gradient: skipped", flush=True
+                )
+        else:
+            tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+            progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
         if autotunes and iteration == start:
             progress.note(
                 f"first step took {elapsed:.0f} s with fla's kernel autotuning "
@@ -286,6 +301,8 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
                     optimizer,
                     pattern=args.hybrid_layer_pattern,
                     overwrite=args.overwrite_checkpoint,
+                    consumed_samples=consumed,
+                    layout=resume.layout_of(pg),
                 )
             )
             if done != args.train_iters:  # the final save is in the summary line

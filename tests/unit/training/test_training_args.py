@@ -25,7 +25,9 @@ HYBRID_FLAGS = [
     "--train-iters", "--transformer-impl", "--untie-embeddings-and-output-weights",
     "--v-head-dim", "--vocab-size", "--weight-decay",
 ]  # fmt: skip
-TRAIN_ONLY_FLAGS = ["--overwrite-checkpoint", "--packed", "--round-up-seq-length", "--verbose"]
+TRAIN_ONLY_FLAGS = [
+    "--on-nonfinite", "--overwrite-checkpoint", "--packed", "--round-up-seq-length", "--verbose"
+]  # fmt: skip
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).
 REQUIRED_BY_ISSUE = [

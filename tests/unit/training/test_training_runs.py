@@ -148,13 +148,14 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
     folder = tmp_path / "iter_0000001"
     folder.mkdir()
     (folder / "keep.txt").write_text("old")
+    (folder / "metadata.json").write_text("{}")  # a complete checkpoint (leftovers are moved)
     flags = ["--overwrite-checkpoint"] if overwrite else []
     result = run_cli(*DEFAULT, "--train-iters", "1", "--save", str(tmp_path), *flags)
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     if overwrite:
-        assert (folder / "metadata.json").exists() and tracker.read_text() == "1"
+        assert (folder / "metadata.json").read_text() != "{}" and tracker.read_text() == "1"
         assert f"saved {folder}" in result.stdout.splitlines()[-1]
         assert result.stdout.splitlines()[-1].startswith("done: 1 steps (0->1) | loss ")
     else:
@@ -163,7 +164,7 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
         assert message in result.stderr and "--overwrite-checkpoint" in result.stderr
         assert sum("error:" in line for line in result.stderr.splitlines()) == 1
         assert "step" not in result.stdout
-        assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"]
+        assert sorted(p.name for p in folder.iterdir()) == ["keep.txt", "metadata.json"]
         assert not tracker.exists()
 
 
