@@ -62,9 +62,10 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
-    if not args.hybrid_layer_pattern:
+    if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
         raise ValueError(
-            "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
+            "--hybrid-layer-pattern is required (or --load-hf HF_DIR, whose config sets the "
+            "model), e.g. --hybrid-layer-pattern '[*E]{4}'"
         )
     try:
         summary = run_training(args)

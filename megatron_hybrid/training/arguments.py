@@ -272,6 +272,14 @@ FLAGS: tuple[Flag, ...] = (
     _flag("--save", _CKPT, type=str, default=None, help="directory to save checkpoints to"),
     _flag("--load", _CKPT, type=str, default=None, help="directory to resume from"),
     _flag(
+        "--load-hf",
+        _CKPT,
+        type=str,
+        default=None,
+        help="Hugging Face folder to start from: its config sets the model (pattern, sizes), "
+        "its weights the initial values (docs/hf_checkpoints.md)",
+    ),
+    _flag(
         "--save-interval", _CKPT, type=int, default=None, help="save every N steps (and at the end)"
     ),
 )

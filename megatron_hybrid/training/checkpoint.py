@@ -145,6 +145,20 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
+def _hf_record(chunks) -> dict:
+    """The Hugging Face config (and source dtypes) of a model started from HF weights, so that
+    ``convert --load ... --to-hf`` can export the checkpoint."""
+    first = _unwrapped(chunks)[0]
+    conversion = getattr(first, "hf_conversion", None)
+    if conversion is None:
+        return {}
+    dtypes = getattr(first, "hf_source_dtypes", None) or {}
+    return {
+        "hf_config": conversion.hf_config,
+        "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
+    }
+
+
 def save_checkpoint(
     root,
     iteration: int,
@@ -199,7 +213,7 @@ def save_checkpoint(
         "optimizer": _optimizer_state(optimizer, model, loading=False),
         "rng_state": _per_rank_object("rng_state", _rng_state()),
         "iteration": iteration,
-        "megatron_hybrid": {"format": _FORMAT, "hybrid_layer_pattern": pattern},
+        "megatron_hybrid": {"format": _FORMAT, "hybrid_layer_pattern": pattern, **_hf_record(chunks)},
     }
     if consumed_samples is not None:
         state["consumed_samples"] = consumed_samples

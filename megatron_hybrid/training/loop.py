@@ -39,8 +39,12 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = True,
     position_embedding_type: str = "rope",
     mamba_impl: str = "auto",
+    **model_kwargs,
 ) -> list:
-    """HybridModel chunks of this rank (one per virtual stage), wrapped for training."""
+    """HybridModel chunks of this rank (one per virtual stage), wrapped for training.
+
+    ``model_kwargs`` are further HybridModel arguments (``rotary_percent``, ``rotary_base``).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
@@ -68,6 +72,7 @@ def build_model_chunks(
             position_embedding_type=position_embedding_type,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
+            **model_kwargs,
         )
         if on_gpu:
             model.cuda(torch.cuda.current_device())

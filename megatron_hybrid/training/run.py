@@ -115,6 +115,12 @@ class _Progress:
             print()
 
 
+def _hf_model_kwargs(source) -> dict:
+    from megatron_hybrid.training.hf_source import model_kwargs
+
+    return model_kwargs(source)
+
+
 def run_training(args: argparse.Namespace) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
@@ -127,6 +133,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
     from megatron_hybrid.training.validation import validate_settings
 
+    from megatron_hybrid.training.hf_source import hf_source
+
+    source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
     validate_settings(args)  # every flag, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     on_gpu = torch.cuda.is_available()
@@ -139,6 +148,10 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
 
     overrides = {} if on_gpu else cpu_config_overrides()
     config = hybrid_config_from_args(args, **overrides)  # validate flags before any process group
+    if source is not None:
+        from megatron_hybrid.training.hf_source import hf_training_config
+
+        config = hf_training_config(source, config, **overrides)
     if not on_gpu:
         from megatron_hybrid.testing.cpu import enable_cpu_emulation
 
@@ -206,11 +219,25 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         pg,
         backend=spec_backend(args),
         vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings or seq_length,
+        max_sequence_length=(
+            source.conversion.model_kwargs["max_sequence_length"]
+            if source is not None
+            else args.max_position_embeddings or seq_length
+        ),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
+        **({} if source is None else _hf_model_kwargs(source)),
     )
+    if source is not None:
+        # Before the optimizer: megatron's distributed optimizer copies the weights it starts
+        # from.
+        from megatron_hybrid.training.hf_source import load_initial_weights
+
+        load_initial_weights(source, chunks)
+        if rank == 0 and not source.resumed:
+            where = source.hf_path or source.checkpoint
+            print(f"initialised from {where} ({source.conversion.family})", flush=True)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )

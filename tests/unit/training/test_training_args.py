@@ -11,7 +11,7 @@ HYBRID_FLAGS = [
     "--bf16", "--clip-grad", "--context-parallel-size", "--delay-wgrad-compute",
     "--disable-bias-linear", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-layer-pattern",
-    "--kv-channels", "--kv-lora-rank", "--load", "--lr", "--mamba-head-dim", "--mamba-impl",
+    "--kv-channels", "--kv-lora-rank", "--load", "--load-hf", "--lr", "--mamba-head-dim", "--mamba-impl",
     "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim", "--max-position-embeddings",
     "--micro-batch-size", "--moe-aux-loss-coeff", "--moe-ffn-hidden-size",
     "--moe-flex-dispatcher-backend", "--moe-grouped-gemm", "--moe-router-pre-softmax",

@@ -1,0 +1,191 @@
+"""``train --load-hf HF_DIR`` and ``train --load`` of a converted checkpoint: the model comes from
+a Hugging Face config, the training settings from the flags.
+
+The architecture (pattern, sizes, norms, router, RoPE, MLA/GatedDeltaNet/Mamba details) is the
+conversion's; what the flags say about it is replaced by the conversion's values before the
+settings are validated, so a message about, say, ``--num-experts`` names the model's real
+value. Parallel layout, dtype, recompute, overlap and optimizer settings come from the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_hybrid.hf.config import HFConversion
+
+__all__ = ["HFSource", "hf_source", "hf_training_config"]
+
+#: TransformerConfig fields that training flags decide (everything else: the conversion).
+TRAINING_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "bf16",
+    "params_dtype",
+    "pipeline_dtype",
+    "transformer_impl",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute",
+    "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type",
+    "moe_flex_dispatcher_backend",
+)
+
+# Flag dest -> the conversion's TransformerConfig field (or a function of the conversion).
+_SHAPE_FLAGS = {
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_experts": "num_moe_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_head_dim": "qk_head_dim",
+    "qk_pos_emb_head_dim": "qk_pos_emb_head_dim",
+    "v_head_dim": "v_head_dim",
+    "mamba_state_dim": "mamba_state_dim",
+    "mamba_head_dim": "mamba_head_dim",
+    "mamba_num_groups": "mamba_num_groups",
+    "mamba_num_heads": "mamba_num_heads",
+}
+
+
+@dataclasses.dataclass
+class HFSource:
+    """Where the initial weights come from.
+
+    Attributes:
+        conversion: the model's conversion.
+        hf_path: a Hugging Face folder to load the weights from (``--load-hf``), or None.
+        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint to load, or None.
+        resumed: the run resumes a ``train`` checkpoint of a model that started from Hugging
+            Face weights (the checkpoint records the config; the resume loads the weights).
+    """
+
+    conversion: HFConversion
+    hf_path: str | None = None
+    checkpoint: str | None = None
+    resumed: bool = False
+
+
+def hf_source(args: argparse.Namespace) -> HFSource | None:
+    """The Hugging Face source of a ``train`` run, with its architecture written into ``args``.
+
+    ``--load-hf HF_DIR``, or ``--load CKPT`` where CKPT is a weights-only checkpoint written by
+    ``convert --from-hf`` (it is then an initialisation, not a resume: ``args.load`` is cleared).
+
+    Raises:
+        ValueError: both ``--load-hf`` and ``--load`` are given, or the config is refused.
+    """
+    from megatron_hybrid.hf.api import conversion_for
+
+    load_hf = getattr(args, "load_hf", None)
+    source = None
+    if load_hf:
+        if args.load:
+            raise ValueError(
+                "--load-hf starts from Hugging Face weights and --load resumes a checkpoint; "
+                "give one of them"
+            )
+        source = HFSource(conversion_for(load_hf), hf_path=load_hf)
+    elif args.load:
+        recorded = _recorded(args.load)
+        if recorded.get("hf_config") is not None:
+            from megatron_hybrid.hf.dist import MODEL_ONLY_FORMAT, conversion_of_checkpoint
+
+            if args.hybrid_layer_pattern:
+                raise ValueError(
+                    f"--load {args.load} records the Hugging Face model it trains; drop "
+                    "--hybrid-layer-pattern (the model comes from the checkpoint)"
+                )
+            conversion = conversion_of_checkpoint(args.load)
+            if recorded.get("format") == MODEL_ONLY_FORMAT:
+                source = HFSource(conversion, checkpoint=args.load)
+                args.load = None  # weights only: an initialisation, not a resume
+            else:
+                source = HFSource(conversion, resumed=True)
+    if source is None:
+        return None
+    _write_architecture(args, source.conversion)
+    return source
+
+
+def _recorded(load: str) -> dict:
+    """What the newest complete checkpoint under ``load`` records about its model ({} if none
+    can be read: the resume logic then reports what is wrong)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+
+    try:
+        folder = resolve_checkpoint_dir(load)
+        common = dist_checkpointing.load_common_state_dict(str(folder))
+    except (OSError, ValueError, RuntimeError):
+        return {}
+    return common.get("megatron_hybrid") or {}
+
+
+def _write_architecture(args: argparse.Namespace, conversion: HFConversion) -> None:
+    c = conversion.config_kwargs
+    m = conversion.model_kwargs
+    args.hybrid_layer_pattern = conversion.pattern.pattern
+    for dest, field in _SHAPE_FLAGS.items():
+        if hasattr(args, dest) and field in c:
+            setattr(args, dest, c[field])
+    args.vocab_size = m["vocab_size"]
+    args.position_embedding_type = m["position_embedding_type"]
+    args.untie_embeddings_and_output_weights = not m["share_embeddings_and_output_weights"]
+    args.normalization = c.get("normalization", args.normalization)
+    args.swiglu = bool(c.get("gated_linear_unit", False))
+    args.disable_bias_linear = not c.get("add_bias_linear", True)
+    if getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(
+            "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
+            "conversion does not map; leave it off with --load-hf"
+        )
+
+
+def hf_training_config(source: HFSource, flag_config, **overrides):
+    """The conversion's TransformerConfig with the training fields of ``flag_config``."""
+    training = {field: getattr(flag_config, field) for field in TRAINING_FIELDS}
+    return source.conversion.transformer_config(**training, **overrides)
+
+
+def model_kwargs(source: HFSource) -> dict:
+    """HybridModel arguments of the conversion that ``build_model_chunks`` passes through."""
+    kwargs = dict(source.conversion.model_kwargs)
+    for name in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
+                 "position_embedding_type"):
+        kwargs.pop(name)
+    return kwargs
+
+
+def load_initial_weights(source: HFSource, chunks) -> None:
+    """Copy the source's weights into the (wrapped) model chunks of this rank."""
+    from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
+
+    if source.resumed:
+        for chunk in model_chunks(chunks):  # the resume loads the weights
+            chunk.hf_conversion = source.conversion
+        return
+    if source.hf_path is not None:
+        load_hf_weights(chunks, source.hf_path, source.conversion)
+    else:
+        from megatron_hybrid.hf.dist import hf_dtypes_of_checkpoint, load_model_state
+
+        load_model_state(chunks, source.checkpoint)
+        for chunk in model_chunks(chunks):
+            chunk.hf_conversion = source.conversion
+            chunk.hf_source_dtypes = hf_dtypes_of_checkpoint(source.checkpoint)

@@ -1,0 +1,74 @@
+"""``train --load-hf`` and ``train --load`` of converted or HF-started checkpoints (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_oracle
+from megatron_hybrid.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3"]
+
+
+def _train_worker(rank, world_size, argv):
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.run import run_training
+
+    parser = build_parser(load_commands())
+    args = parser.parse_args(["train", *argv])
+    summary = run_training(args)
+    return summary.losses
+
+
+def train(*argv: str) -> list[float]:
+    (losses,) = run_distributed(_train_worker, 1, list(argv), timeout=600)
+    return losses
+
+
+def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
+    """--load-hf, --load of its convert --from-hf checkpoint, and a resume all agree."""
+    from megatron_hybrid.cli.main import main
+
+    source = hf_oracle.make_hf_checkpoint("qwen3_5_moe", tmp_path / "hf")
+    from_hf = train("--load-hf", str(source), "--train-iters", "4", *SHORT,
+                    "--save", str(tmp_path / "run"), "--save-interval", "2")  # fmt: skip
+    assert len(from_hf) == 4 and all(torch.isfinite(torch.tensor(from_hf)))
+    assert from_hf[-1] < from_hf[0]
+
+    assert run_distributed(_convert_worker, 1, str(source), str(tmp_path / "ckpt"))[0] == 0
+    from_ckpt = train("--load", str(tmp_path / "ckpt"), "--train-iters", "4", *SHORT)
+    assert from_ckpt == from_hf  # the same initial weights, the same steps
+
+    # The run's checkpoint records the HF model: it resumes without model flags...
+    resumed = train("--load", str(tmp_path / "run") + "/iter_0000002", "--train-iters", "4",
+                    *SHORT)  # fmt: skip
+    assert resumed == pytest.approx(from_hf[2:], rel=1e-6)
+    # ... and exports back to a Hugging Face folder transformers loads.
+    assert main(["convert", "--load", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]) == 0
+    exported = hf_oracle.read_tensors(tmp_path / "out")
+    assert set(exported) == set(hf_oracle.read_tensors(source))
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(hf_oracle.hf_logits(tmp_path / "out", ids)).all()
+
+
+def _convert_worker(rank, world_size, source, out):
+    from megatron_hybrid.cli.main import main
+
+    return main(["convert", "--from-hf", source, "--save", out])
+
+
+def test_mla_trains_on_cpu():
+    """'+' (MLA) on the local backend: the package's MLA core attention, no TransformerEngine."""
+    losses = train("--hybrid-layer-pattern", "[+-][+E]{2}/+E", "--num-experts", "4",
+                   "--train-iters", "10")  # fmt: skip
+    assert len(losses) == 10
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+
+
+def test_load_hf_and_load_together_are_refused(tmp_path):
+    from megatron_hybrid.cli.main import main
+
+    assert main(["train", "--load-hf", str(tmp_path), "--load", str(tmp_path)]) == 2
