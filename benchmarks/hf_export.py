@@ -150,7 +150,11 @@ def main(argv=None) -> int:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, m in result["modes"].items():
-        peak = "n/a (CPU)" if m["peak_extra_bytes"] is None else f"{m['peak_extra_bytes'] / 1e6:.1f} MB"
+        peak = (
+            "n/a (CPU)"
+            if m["peak_extra_bytes"] is None
+            else f"{m['peak_extra_bytes'] / 1e6:.1f} MB"
+        )
         lines.append(
             f"| {mode} | {m['gb_per_s_median']:.1f} | {m['seconds_median']:.3f} | "
             f"{m['bytes'] / 1e9:.2f} | {m['tensors']} | {peak} | "

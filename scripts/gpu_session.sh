@@ -20,6 +20,8 @@
 #                NCCL_P2P_DISABLE from the environment)
 #   te           tests/functional/test_te_backend_gpu.py (TE installed by the staged
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
+#   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
+#                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -125,6 +127,12 @@ for part in "$@"; do
         tests/functional/test_te_backend_gpu.py 2>&1 | quiet \
         | tee "$OUT/te.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    hf)
+      NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
   echo "== $part took $(( $(date +%s) - start )) s"

@@ -100,8 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         expected_checkpoint_tensors,
         resolve_checkpoint_dir,
     )
-    from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
+    from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
     from megatron_hybrid.training.validation import validate_settings

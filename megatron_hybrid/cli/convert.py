@@ -95,8 +95,11 @@ def _check(args: argparse.Namespace) -> None:
         raise CommandError("--to-hf and --load go together: --load CKPT --to-hf OUT_DIR")
     if args.dry_run and not forward:
         raise CommandError("--dry-run checks a --from-hf conversion")
-    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "expert_model_parallel_size"):
+    for flag in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+    ):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be >= 1")
 
@@ -153,7 +156,9 @@ def _from_hf(args: argparse.Namespace) -> int:
 
     backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     conversion, report = dry_run(
-        args.from_hf, backend=backend, mtp=False if args.no_mtp else None,
+        args.from_hf,
+        backend=backend,
+        mtp=False if args.no_mtp else None,
         ignore_config_fields=args.ignore_hf_config_field,
     )
     if not report.ok:
@@ -180,8 +185,10 @@ def _from_hf(args: argparse.Namespace) -> int:
     except FileExistsError as error:
         raise CommandError(str(error)) from None
     if dist.get_rank() == 0:
-        print(f"converted {args.from_hf} ({conversion.family}, {conversion.pattern.pattern}) "
-              f"-> {folder}")
+        print(
+            f"converted {args.from_hf} ({conversion.family}, {conversion.pattern.pattern}) "
+            f"-> {folder}"
+        )
     return 0
 
 
@@ -197,14 +204,13 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megatron_hybrid.hf.api import _ensure_process_groups, build_model
+    from megatron_hybrid.hf.api import _ensure_process_groups, build_model, save_hf_checkpoint
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
         hf_dtypes_of_checkpoint,
         load_model_state,
     )
     from megatron_hybrid.hf.io import CONFIG_FILE
-    from megatron_hybrid.hf.api import save_hf_checkpoint
 
     hf_config = None
     if args.hf_config:
@@ -231,7 +237,10 @@ def _to_hf(args: argparse.Namespace) -> int:
     load_model_state(model, args.load)
     model.hf_source_dtypes = hf_dtypes_of_checkpoint(args.load)
     out = save_hf_checkpoint(
-        model, args.to_hf, conversion=conversion, dtype=_dtype(args),
+        model,
+        args.to_hf,
+        conversion=conversion,
+        dtype=_dtype(args),
         max_shard_size=args.max_shard_size,
     )
     if dist.get_rank() == 0:

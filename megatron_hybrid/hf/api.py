@@ -37,9 +37,7 @@ _SIDE_FILES = (
 )
 
 
-def conversion_for(
-    source, *, mtp: bool | None = None, ignore_config_fields=()
-) -> HFConversion:
+def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) -> HFConversion:
     """The :class:`HFConversion` of a Hugging Face folder (or an open ``HFCheckpoint``).
 
     Raises:

@@ -69,7 +69,9 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
             # Each tensor's dtype in the source folder, so that the export writes it back so.
             "hf_dtypes": {
                 name: str(dtype).removeprefix("torch.")
-                for name, dtype in (getattr(model_chunks(model)[0], "hf_source_dtypes", None) or {}).items()
+                for name, dtype in (
+                    getattr(model_chunks(model)[0], "hf_source_dtypes", None) or {}
+                ).items()
             },
         },
     }
@@ -92,7 +94,10 @@ def _stored(root) -> dict:
 
 def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
     """The source Hugging Face dtype of each tensor, as ``convert --from-hf`` recorded it."""
-    return {name: getattr(torch, dtype) for name, dtype in (_stored(root).get("hf_dtypes") or {}).items()}
+    return {
+        name: getattr(torch, dtype)
+        for name, dtype in (_stored(root).get("hf_dtypes") or {}).items()
+    }
 
 
 def hf_config_of_checkpoint(root) -> dict | None:

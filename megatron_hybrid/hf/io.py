@@ -46,7 +46,9 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{self.path} is not a folder (expected a Hugging Face model)")
         config_file = self.path / CONFIG_FILE
         if not config_file.is_file():
-            raise HFCheckpointError(f"{self.path} has no {CONFIG_FILE}; is it a Hugging Face model?")
+            raise HFCheckpointError(
+                f"{self.path} has no {CONFIG_FILE}; is it a Hugging Face model?"
+            )
         try:
             self.config = json.loads(config_file.read_text())
         except json.JSONDecodeError as error:

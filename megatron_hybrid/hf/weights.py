@@ -105,7 +105,8 @@ def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
     start = st.global_offset[axis]
     size = st.local_shape[0]
     rest = tuple(
-        slice(o, o + n) for o, n in zip(st.global_offset[axis + 1 :], st.local_shape[1:], strict=True)
+        slice(o, o + n)
+        for o, n in zip(st.global_offset[axis + 1 :], st.local_shape[1:], strict=True)
     )
     out = torch.empty(st.local_shape, dtype=st.data.dtype)
     covered = 0
@@ -171,14 +172,18 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
     for name, original in plan.shared_copies.items():
         # Stored copies of a shared tensor (DeepSeek's MTP embedding and head) must be copies:
         # the model holds one tensor for both.
-        if name in source and original in source and not torch.equal(
-            source.get(name), source.get(original)
+        if (
+            name in source
+            and original in source
+            and not torch.equal(source.get(name), source.get(original))
         ):
             raise HFWeightsError(
                 f"{source.path}: {name} differs from {original}, which the model shares it with; "
                 "megatron's MTP uses the main embedding and output layer"
             )
-    total = sum(1 for sharded, _ in states for st in _leaves(sharded) if isinstance(st, ShardedTensor))
+    total = sum(
+        1 for sharded, _ in states for st in _leaves(sharded) if isinstance(st, ShardedTensor)
+    )
     done = 0
 
     def fill(x):

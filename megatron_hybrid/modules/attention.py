@@ -78,7 +78,5 @@ class MLACoreAttention(DotProductAttention):
                 "multi-latent attention ('+') on the 'local' backend takes no packed (THD) "
                 "batches; use padded batches or the 'te' backend"
             )
-        self.hidden_size_per_partition = (
-            self.num_attention_heads_per_partition * value.size(-1)
-        )
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * value.size(-1)
         return super().forward(query, key, value, attention_mask, attn_mask_type, **kwargs)

@@ -164,7 +164,6 @@ def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from megatron_hybrid.modules.attention import MLACoreAttention

@@ -213,7 +213,11 @@ def save_checkpoint(
         "optimizer": _optimizer_state(optimizer, model, loading=False),
         "rng_state": _per_rank_object("rng_state", _rng_state()),
         "iteration": iteration,
-        "megatron_hybrid": {"format": _FORMAT, "hybrid_layer_pattern": pattern, **_hf_record(chunks)},
+        "megatron_hybrid": {
+            "format": _FORMAT,
+            "hybrid_layer_pattern": pattern,
+            **_hf_record(chunks),
+        },
     }
     if consumed_samples is not None:
         state["consumed_samples"] = consumed_samples

@@ -132,7 +132,7 @@ def _recorded(load: str) -> dict:
     try:
         folder = resolve_checkpoint_dir(load)
         common = dist_checkpointing.load_common_state_dict(str(folder))
-    except (OSError, ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 - damaged or missing: the resume's checks name the fault
         return {}
     return common.get("megatron_hybrid") or {}
 
@@ -166,8 +166,12 @@ def hf_training_config(source: HFSource, flag_config, **overrides):
 def model_kwargs(source: HFSource) -> dict:
     """HybridModel arguments of the conversion that ``build_model_chunks`` passes through."""
     kwargs = dict(source.conversion.model_kwargs)
-    for name in ("vocab_size", "max_sequence_length", "share_embeddings_and_output_weights",
-                 "position_embedding_type"):
+    for name in (
+        "vocab_size",
+        "max_sequence_length",
+        "share_embeddings_and_output_weights",
+        "position_embedding_type",
+    ):
         kwargs.pop(name)
     return kwargs
 

@@ -34,30 +34,6 @@ class TrainingSummary:
     saved: str | None
 
 
-def _init_distributed() -> tuple[int, int]:
-    """Join torchrun's process group, or start a one-process gloo world."""
-    import torch.distributed as dist
-
-    from megatron_hybrid.process_groups import free_port
-
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-        )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 def _check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.utils import unwrap_model
@@ -130,10 +106,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.guard import check_step
+    from megatron_hybrid.training.hf_source import hf_source
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
     from megatron_hybrid.training.validation import validate_settings
-
-    from megatron_hybrid.training.hf_source import hf_source
 
     source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
     validate_settings(args)  # every flag, before any process group or model exists
@@ -156,7 +131,9 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         from megatron_hybrid.testing.cpu import enable_cpu_emulation
 
         enable_cpu_emulation()
-    rank, world = _init_distributed()
+    from megatron_hybrid.process_groups import init_world
+
+    rank, world = init_world()
     model_parallel = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size

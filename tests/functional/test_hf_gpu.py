@@ -36,7 +36,6 @@ def _fixtures(shared: str) -> Path:
     except ImportError:
         pytest.skip("no MH_HF_FIXTURES folder and no transformers to make one (hf_fixtures.py)")
     import torch.distributed as dist
-
     from hf_fixtures import main
 
     if dist.get_rank() == 0:
@@ -92,8 +91,13 @@ def test_hf_folder_on_gpu(family, backend, world, shared_dir):
         for name, tensor in iter_hf_weights(model)
         if tensor.dtype != disk[name].dtype or not torch.equal(tensor.cpu(), disk[name])
     ]
-    report(f"hf {family} {backend} TP{tp}", [("max abs logits diff", f"{diff:.2e}"),
-                                             ("bound", f"{reference['bound']:.2e}"),
-                                             ("tensors not bitwise", len(wrong))])
+    report(
+        f"hf {family} {backend} TP{tp}",
+        [
+            ("max abs logits diff", f"{diff:.2e}"),
+            ("bound", f"{reference['bound']:.2e}"),
+            ("tensors not bitwise", len(wrong)),
+        ],
+    )
     assert diff <= reference["bound"], diff
     assert wrong == []

@@ -38,7 +38,9 @@ def gated_mlp(
     """``linear_fc1 = [gate_proj; up_proj]``, ``linear_fc2 = down_proj`` (SwiGLU MLP)."""
     fc1 = b.key(key_prefix, "linear_fc1.weight")
     fc2 = b.key(key_prefix, "linear_fc2.weight")
-    b.concat(fc1, [(f"{hf_prefix}gate_proj.weight", rows), (f"{hf_prefix}up_proj.weight", rows)], expert)
+    b.concat(
+        fc1, [(f"{hf_prefix}gate_proj.weight", rows), (f"{hf_prefix}up_proj.weight", rows)], expert
+    )
     b.copy(fc2, f"{hf_prefix}down_proj.weight", expert)
 
 

@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 
 from megatron_hybrid.checkpointing.keys import final_norm_prefix, mtp_layer_prefix
-from megatron_hybrid.hf.config import ConfigReader, Family, HFConversion, dtype_name, register_family
+from megatron_hybrid.hf.config import (
+    ConfigReader,
+    Family,
+    HFConversion,
+    dtype_name,
+    register_family,
+)
 from megatron_hybrid.hf.families.common import gated_mlp, rope_fields, routed_experts
 from megatron_hybrid.hf.plan import PlanBuilder
 from megatron_hybrid.pattern import parse_pattern
@@ -41,8 +47,18 @@ _YARN = {
 
 
 def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
-    r = ConfigReader(hf, ("router_aux_loss_coef", "aux_loss_alpha", "seq_aux", "scoring_func",
-                          "topk_method", "moe_layer_freq", "ep_size"))
+    r = ConfigReader(
+        hf,
+        (
+            "router_aux_loss_coef",
+            "aux_loss_alpha",
+            "seq_aux",
+            "scoring_func",
+            "topk_method",
+            "moe_layer_freq",
+            "ep_size",
+        ),
+    )
     notes: list[str] = []
     layers = int(r.require("num_hidden_layers"))
     dense = int(r.get("first_k_dense_replace", 0) or 0)
@@ -71,8 +87,12 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
     rope = rope_fields(r, allowed_types=("default", "yarn"))
     r.expect("hidden_act", ["silu"])
     r.expect("attention_bias", [False, None], False)
-    r.expect("rope_interleave", [True, None], True,
-             " (megatron's MLA RoPE de-interleaves the rotary channels, as HF does with it)")
+    r.expect(
+        "rope_interleave",
+        [True, None],
+        True,
+        " (megatron's MLA RoPE de-interleaves the rotary channels, as HF does with it)",
+    )
     r.expect("norm_topk_prob", [True, None], True, " (megatron renormalises sigmoid top-k scores)")
     hidden = int(r.require("hidden_size"))
     heads = int(r.require("num_attention_heads"))
@@ -151,25 +171,38 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
 def _mla(b: PlanBuilder, p: str, h: str, cfg: dict) -> None:
     s = "self_attention."
     a = f"{h}self_attn."
-    b.copy(b.key(p, "input_layernorm.weight", f"{s}linear_q_down_proj.layer_norm_weight",
-                 f"{s}linear_q_proj.layer_norm_weight"), f"{h}input_layernorm.weight")
+    b.copy(
+        b.key(
+            p,
+            "input_layernorm.weight",
+            f"{s}linear_q_down_proj.layer_norm_weight",
+            f"{s}linear_q_proj.layer_norm_weight",
+        ),
+        f"{h}input_layernorm.weight",
+    )
     if cfg.get("q_lora_rank"):
         b.copy(b.key(p, f"{s}linear_q_down_proj.weight"), f"{a}q_a_proj.weight")
-        b.copy(b.key(p, f"{s}q_layernorm.weight", f"{s}linear_q_up_proj.layer_norm_weight"),
-               f"{a}q_a_layernorm.weight")
+        b.copy(
+            b.key(p, f"{s}q_layernorm.weight", f"{s}linear_q_up_proj.layer_norm_weight"),
+            f"{a}q_a_layernorm.weight",
+        )
         b.copy(b.key(p, f"{s}linear_q_up_proj.weight"), f"{a}q_b_proj.weight")
     else:
         b.copy(b.key(p, f"{s}linear_q_proj.weight"), f"{a}q_proj.weight")
     b.copy(b.key(p, f"{s}linear_kv_down_proj.weight"), f"{a}kv_a_proj_with_mqa.weight")
-    b.copy(b.key(p, f"{s}kv_layernorm.weight", f"{s}linear_kv_up_proj.layer_norm_weight"),
-           f"{a}kv_a_layernorm.weight")
+    b.copy(
+        b.key(p, f"{s}kv_layernorm.weight", f"{s}linear_kv_up_proj.layer_norm_weight"),
+        f"{a}kv_a_layernorm.weight",
+    )
     b.copy(b.key(p, f"{s}linear_kv_up_proj.weight"), f"{a}kv_b_proj.weight")
     b.copy(b.key(p, f"{s}linear_proj.weight"), f"{a}o_proj.weight")
 
 
 def _mlp_slot(b: PlanBuilder, symbol: str, p: str, h: str, cfg: dict) -> None:
-    b.copy(b.key(p, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-           f"{h}post_attention_layernorm.weight")
+    b.copy(
+        b.key(p, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+        f"{h}post_attention_layernorm.weight",
+    )
     if symbol == "-":
         gated_mlp(b, f"{p}mlp.", f"{h}mlp.", cfg["ffn_hidden_size"])
         return
@@ -179,8 +212,12 @@ def _mlp_slot(b: PlanBuilder, symbol: str, p: str, h: str, cfg: dict) -> None:
     b.fp32(f"{gate}e_score_correction_bias")
     routed_experts(b, p, f"{h}mlp.", cfg["num_moe_experts"], cfg["moe_ffn_hidden_size"])
     if cfg.get("moe_shared_expert_intermediate_size"):
-        gated_mlp(b, f"{p}mlp.shared_experts.", f"{h}mlp.shared_experts.",
-                  cfg["moe_shared_expert_intermediate_size"])
+        gated_mlp(
+            b,
+            f"{p}mlp.shared_experts.",
+            f"{h}mlp.shared_experts.",
+            cfg["moe_shared_expert_intermediate_size"],
+        )
 
 
 def _plan(b: PlanBuilder, conversion: HFConversion) -> None:
@@ -205,8 +242,9 @@ def _plan(b: PlanBuilder, conversion: HFConversion) -> None:
         inner = mtp_layer_prefix(depth, 0, pattern)
         _mla(b, inner, h, cfg)
         _mlp_slot(b, pattern.mtp_items[1], inner, h, cfg)
-        b.copy(b.key(p, "final_layernorm.weight", "layer_norm.weight"),
-               f"{h}shared_head.norm.weight")
+        b.copy(
+            b.key(p, "final_layernorm.weight", "layer_norm.weight"), f"{h}shared_head.norm.weight"
+        )
         b.shared(f"{h}embed_tokens.weight", embed)
         if head in b.hf_shapes:
             b.shared(f"{h}shared_head.head.weight", head)
@@ -247,8 +285,9 @@ def _to_hf_config(conversion: HFConversion) -> dict:
         attention_bias=False,
         dtype=dtype_name(conversion.dtype),
     )
-    rope = dict(rope_type="default" if c["rope_type"] == "rope" else "yarn",
-                rope_theta=c["rotary_base"])
+    rope = dict(
+        rope_type="default" if c["rope_type"] == "rope" else "yarn", rope_theta=c["rotary_base"]
+    )
     if c["rope_type"] == "yarn":
         rope.update({hf: c[mc] for hf, mc in _YARN.items() if mc in c})
     out["rope_parameters"] = rope

@@ -21,8 +21,19 @@ from __future__ import annotations
 import torch
 
 from megatron_hybrid.checkpointing.keys import final_norm_prefix, mtp_layer_prefix
-from megatron_hybrid.hf.config import ConfigReader, Family, HFConversion, dtype_name, register_family
-from megatron_hybrid.hf.families.common import gated_mlp, qkv_interleave, rope_fields, routed_experts
+from megatron_hybrid.hf.config import (
+    ConfigReader,
+    Family,
+    HFConversion,
+    dtype_name,
+    register_family,
+)
+from megatron_hybrid.hf.families.common import (
+    gated_mlp,
+    qkv_interleave,
+    rope_fields,
+    routed_experts,
+)
 from megatron_hybrid.hf.plan import PlanBuilder
 from megatron_hybrid.pattern import parse_pattern
 
@@ -38,8 +49,11 @@ def _mtp_depths(reader: ConfigReader, mtp, has_tensor, notes) -> int:
         declared = max(declared, int(reader.get(name) or 0))
     if declared > 1:
         reader.unsupported.append(
-            ("mtp_num_hidden_layers", f"{declared} MTP layers share one fc/norm set in Qwen; "
-             "megatron's MTP has them per depth (one layer is supported)")
+            (
+                "mtp_num_hidden_layers",
+                f"{declared} MTP layers share one fc/norm set in Qwen; "
+                "megatron's MTP has them per depth (one layer is supported)",
+            )
         )
     if mtp is False or declared == 0:
         return 0
@@ -78,7 +92,9 @@ def _to_megatron(hf: dict, *, moe: bool, grouped_gdn: bool, name: str, mtp=None,
     for i in range(layers):
         is_moe = moe and i not in mlp_only and (i + 1) % sparse_step == 0
         mlp_symbols.append("E" if is_moe else "-")
-    main = "".join(f"[{mixer.get(t, '*')}{m}]" for t, m in zip(layer_types, mlp_symbols, strict=False))
+    main = "".join(
+        f"[{mixer.get(t, '*')}{m}]" for t, m in zip(layer_types, mlp_symbols, strict=False)
+    )
     depths = _mtp_depths(r, mtp, has_tensor, notes)
     mtp_symbol = "E" if moe else "-"
     pattern = parse_pattern(main + f"/*{mtp_symbol}" * depths)
@@ -95,7 +111,9 @@ def _to_megatron(hf: dict, *, moe: bool, grouped_gdn: bool, name: str, mtp=None,
         num_attention_heads=heads,
         num_query_groups=int(r.get("num_key_value_heads") or heads),
         kv_channels=head_dim,
-        ffn_hidden_size=int(r.get("intermediate_size") or r.get("moe_intermediate_size") or 4 * hidden),
+        ffn_hidden_size=int(
+            r.get("intermediate_size") or r.get("moe_intermediate_size") or 4 * hidden
+        ),
         normalization="RMSNorm",
         layernorm_epsilon=float(r.get("rms_norm_eps", 1e-6)),
         layernorm_zero_centered_gamma=True,
@@ -158,10 +176,14 @@ def _gdn(b: PlanBuilder, p: str, h: str, cfg: dict, hidden: int, grouped: bool) 
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     width = cfg["linear_conv_kernel_dim"]
     q, v = nk * dk, nv * dv
-    b.copy(b.key(p, "input_layernorm.weight", "self_attention.in_proj.layer_norm_weight"),
-           f"{h}input_layernorm.weight")
+    b.copy(
+        b.key(p, "input_layernorm.weight", "self_attention.in_proj.layer_norm_weight"),
+        f"{h}input_layernorm.weight",
+    )
     names = ("query", "key", "value", "z", "beta", "alpha")
-    keys = dict(zip(names, (b.key(p, f"self_attention.in_proj.weight.{n}") for n in names), strict=True))
+    keys = dict(
+        zip(names, (b.key(p, f"self_attention.in_proj.weight.{n}") for n in names), strict=True)
+    )
     a = f"{h}linear_attn."
     if grouped:
         r = nv // nk
@@ -169,13 +191,22 @@ def _gdn(b: PlanBuilder, p: str, h: str, cfg: dict, hidden: int, grouped: bool) 
         qkvz, ba = f"{a}in_proj_qkvz.weight", f"{a}in_proj_ba.weight"
         b.hf(qkvz, (nk * group, hidden))
         b.hf(ba, (nk * 2 * r, hidden))
-        offsets = {"query": (0, dk), "key": (dk, dk), "value": (2 * dk, r * dv), "z": (2 * dk + r * dv, r * dv)}
+        offsets = {
+            "query": (0, dk),
+            "key": (dk, dk),
+            "value": (2 * dk, r * dv),
+            "z": (2 * dk + r * dv, r * dv),
+        }
         for n, (start, size) in offsets.items():
-            b.gather(keys[n], qkvz, [hh * group + start + i for hh in range(nk) for i in range(size)])
+            b.gather(
+                keys[n], qkvz, [hh * group + start + i for hh in range(nk) for i in range(size)]
+            )
         for n, start in (("beta", 0), ("alpha", r)):
             b.gather(keys[n], ba, [hh * 2 * r + start + i for hh in range(nk) for i in range(r)])
     else:
-        b.split(f"{a}in_proj_qkv.weight", [(keys["query"], q), (keys["key"], q), (keys["value"], v)])
+        b.split(
+            f"{a}in_proj_qkv.weight", [(keys["query"], q), (keys["key"], q), (keys["value"], v)]
+        )
         b.copy(keys["z"], f"{a}in_proj_z.weight")
         b.copy(keys["beta"], f"{a}in_proj_b.weight")
         b.copy(keys["alpha"], f"{a}in_proj_a.weight")
@@ -189,8 +220,10 @@ def _gdn(b: PlanBuilder, p: str, h: str, cfg: dict, hidden: int, grouped: bool) 
 
 
 def _attention(b: PlanBuilder, p: str, h: str, cfg: dict) -> None:
-    b.copy(b.key(p, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-           f"{h}input_layernorm.weight")
+    b.copy(
+        b.key(p, "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        f"{h}input_layernorm.weight",
+    )
     qkv_interleave(
         b,
         b.key(p, "self_attention.linear_qkv.weight"),
@@ -207,16 +240,22 @@ def _attention(b: PlanBuilder, p: str, h: str, cfg: dict) -> None:
 
 
 def _mlp_norm(b: PlanBuilder, p: str, h: str) -> None:
-    b.copy(b.key(p, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-           f"{h}post_attention_layernorm.weight")
+    b.copy(
+        b.key(p, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+        f"{h}post_attention_layernorm.weight",
+    )
 
 
 def _moe(b: PlanBuilder, p: str, h: str, cfg: dict) -> None:
     _mlp_norm(b, p, h)
     b.copy(b.key(p, "mlp.router.weight"), f"{h}mlp.gate.weight")
     routed_experts(b, p, f"{h}mlp.", cfg["num_moe_experts"], cfg["moe_ffn_hidden_size"])
-    gated_mlp(b, f"{p}mlp.shared_experts.", f"{h}mlp.shared_expert.",
-              cfg["moe_shared_expert_intermediate_size"])
+    gated_mlp(
+        b,
+        f"{p}mlp.shared_experts.",
+        f"{h}mlp.shared_expert.",
+        cfg["moe_shared_expert_intermediate_size"],
+    )
     b.copy(b.key(p, "mlp.shared_experts.gate_weight"), f"{h}mlp.shared_expert_gate.weight")
 
 
@@ -246,8 +285,14 @@ def _plan(b: PlanBuilder, conversion: HFConversion, *, grouped: bool) -> None:
     prefix = conversion.hf_prefix
     b.copy(b.key("", "embedding.word_embeddings.weight"), f"{prefix}embed_tokens.weight")
     for layer in pattern.logical_layers:
-        layer_links(b, conversion, layer.members, f"decoder.layers.{layer.index}.",
-                    f"{prefix}layers.{layer.index}.", grouped)
+        layer_links(
+            b,
+            conversion,
+            layer.members,
+            f"decoder.layers.{layer.index}.",
+            f"{prefix}layers.{layer.index}.",
+            grouped,
+        )
     b.copy(b.key(final_norm_prefix(pattern), "weight"), f"{prefix}norm.weight")
     if not conversion.model_kwargs["share_embeddings_and_output_weights"]:
         b.copy(b.key("", "output_layer.weight"), "lm_head.weight")
@@ -256,8 +301,14 @@ def _plan(b: PlanBuilder, conversion: HFConversion, *, grouped: bool) -> None:
         b.copy(b.key(p, "enorm.weight"), "mtp.pre_fc_norm_embedding.weight")
         b.copy(b.key(p, "hnorm.weight"), "mtp.pre_fc_norm_hidden.weight")
         b.copy(b.key(p, "eh_proj.weight"), "mtp.fc.weight")
-        layer_links(b, conversion, pattern.mtp_items, mtp_layer_prefix(depth, 0, pattern),
-                    f"mtp.layers.{depth}.", grouped)
+        layer_links(
+            b,
+            conversion,
+            pattern.mtp_items,
+            mtp_layer_prefix(depth, 0, pattern),
+            f"mtp.layers.{depth}.",
+            grouped,
+        )
         b.copy(b.key(p, "final_layernorm.weight", "layer_norm.weight"), "mtp.norm.weight")
 
 
@@ -329,11 +380,18 @@ def _family(name: str, model_types: tuple[str, ...], *, moe: bool, grouped: bool
     )
 
 
-QWEN3_5 = _family("qwen3_5", ("qwen3_5_text", "qwen3_5"), moe=False, grouped=False,
-                  arch="Qwen3_5ForCausalLM")
-QWEN3_5_MOE = _family("qwen3_5_moe", ("qwen3_5_moe_text", "qwen3_5_moe"), moe=True,
-                      grouped=False, arch="Qwen3_5MoeForCausalLM")
-QWEN3_NEXT = _family("qwen3_next", ("qwen3_next",), moe=True, grouped=True,
-                     arch="Qwen3NextForCausalLM")
+QWEN3_5 = _family(
+    "qwen3_5", ("qwen3_5_text", "qwen3_5"), moe=False, grouped=False, arch="Qwen3_5ForCausalLM"
+)
+QWEN3_5_MOE = _family(
+    "qwen3_5_moe",
+    ("qwen3_5_moe_text", "qwen3_5_moe"),
+    moe=True,
+    grouped=False,
+    arch="Qwen3_5MoeForCausalLM",
+)
+QWEN3_NEXT = _family(
+    "qwen3_next", ("qwen3_next",), moe=True, grouped=True, arch="Qwen3NextForCausalLM"
+)
 for _f in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT):
     register_family(_f)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import hf_oracle
 import pytest
 import torch
-
-import hf_oracle
 
 #: The families megatron_hybrid.hf converts (Nemotron-H is added with the Mamba torch path).
 CONVERTED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3")

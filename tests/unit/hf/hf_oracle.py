@@ -360,12 +360,21 @@ class _FusedSlice(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight).split(self.sizes, -1)[self.index]
 
 
-_GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
+_GDN_PROJECTIONS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "in_proj_qkvz",
+    "in_proj_ba",
+)
 
 
 def _fuse_gdn_projections(model: torch.nn.Module) -> None:
     for module in model.modules():
-        names = [n for n in _GDN_PROJECTIONS if isinstance(getattr(module, n, None), torch.nn.Linear)]
+        names = [
+            n for n in _GDN_PROJECTIONS if isinstance(getattr(module, n, None), torch.nn.Linear)
+        ]
         if not names:
             continue
         linears = [getattr(module, n) for n in names]
@@ -602,7 +611,10 @@ def add_fake_mtp_tensors(path: str | Path, family: str, *, seed: int = 1) -> dic
             value = 1 + 0.1 * noise
         new[name] = value.to(dtype).contiguous()
     # DeepSeek's MTP layer stores copies of the shared embedding and output head.
-    copies = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+    copies = {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "shared_head.head.weight": "lm_head.weight",
+    }
     originals = read_tensors(path) if family == "deepseek_v3" else {}
     for name in new:
         for suffix, original in copies.items():

@@ -6,11 +6,11 @@ import dataclasses
 import json
 import shutil
 
+import hf_oracle
 import pytest
 import torch
 from conftest import CONVERTED, TOLERANCE
 
-import hf_oracle
 from megatron_hybrid.hf import (
     HFConfigError,
     dry_run,
@@ -19,7 +19,6 @@ from megatron_hybrid.hf import (
 )
 from megatron_hybrid.hf import weights as hf_weights
 from megatron_hybrid.hf.plan import Link
-
 
 
 def _logits(model, input_ids):
@@ -76,7 +75,7 @@ def _plain_qkv(plan):
     for key in dict.fromkeys(link.key for link in qkv):
         position = 0
         for part in ("q_proj", "k_proj", "v_proj"):
-            links = [l for l in qkv if l.key == key and l.hf_name.endswith(f"{part}.weight")]
+            links = [x for x in qkv if x.key == key and x.hf_name.endswith(f"{part}.weight")]
             rows = tuple(sorted(r for link in links for r in link.hf_rows))
             result.append(Link(key, slice(position, position + len(rows)), links[0].hf_name, rows))
             position += len(rows)
@@ -135,7 +134,9 @@ def _edit_config(folder, tmp_path, **changes):
     ],
     ids=["unknown-field", "rope-not-interleaved", "no-topk-renorm", "activation", "derived-field"],
 )
-def test_config_fields_that_change_the_math_are_refused(family, changes, field, hf_folders, tmp_path, pg):
+def test_config_fields_that_change_the_math_are_refused(
+    family, changes, field, hf_folders, tmp_path, pg
+):
     folder = _edit_config(hf_folders[family][0], tmp_path, **changes)
     with pytest.raises(HFConfigError, match=field):
         load_hf_model(folder)

@@ -8,11 +8,11 @@ test_hf_convert). One spawn per layout runs every family in turn.
 
 from __future__ import annotations
 
+import hf_oracle
 import pytest
 import torch
 from conftest import CONVERTED
 
-import hf_oracle
 from megatron_hybrid.testing.spawn import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -12,10 +12,9 @@ import os
 import subprocess
 import sys
 
+import hf_oracle
 import pytest
 import torch
-
-import hf_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +50,14 @@ def test_cli_round_trip_is_bitwise(family, dtype, tmp_path, input_ids):
     assert "OK" in dry.stdout and "/" in dry.stdout.splitlines()[0]  # an MTP part in the pattern
     forward = _convert("--from-hf", str(source), "--save", str(tmp_path / "ckpt"))
     assert forward.returncode == 0, forward.stderr
-    back = _convert("--load", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out"),
-                    "--max-shard-size", "60KB")
+    back = _convert(
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--to-hf",
+        str(tmp_path / "out"),
+        "--max-shard-size",
+        "60KB",
+    )
     assert back.returncode == 0, back.stderr
 
     before = hf_oracle.read_tensors(source)

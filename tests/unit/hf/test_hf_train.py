@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import hf_oracle
 import pytest
 import torch
 
-import hf_oracle
 from megatron_hybrid.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -30,15 +30,14 @@ def train(*argv: str) -> list[float]:
 
 def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
     """--load-hf, --load of its convert --from-hf checkpoint, and a resume all agree."""
-    from megatron_hybrid.cli.main import main
-
     source = hf_oracle.make_hf_checkpoint("qwen3_5_moe", tmp_path / "hf")
     from_hf = train("--load-hf", str(source), "--train-iters", "4", *SHORT,
                     "--save", str(tmp_path / "run"), "--save-interval", "2")  # fmt: skip
     assert len(from_hf) == 4 and all(torch.isfinite(torch.tensor(from_hf)))
     assert from_hf[-1] < from_hf[0]
 
-    assert run_distributed(_convert_worker, 1, str(source), str(tmp_path / "ckpt"))[0] == 0
+    argv = ["--from-hf", str(source), "--save", str(tmp_path / "ckpt")]
+    assert run_distributed(_cli_worker, 1, argv)[0] == 0
     from_ckpt = train("--load", str(tmp_path / "ckpt"), "--train-iters", "4", *SHORT)
     assert from_ckpt == from_hf  # the same initial weights, the same steps
 
@@ -47,17 +46,19 @@ def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
                     *SHORT)  # fmt: skip
     assert resumed == pytest.approx(from_hf[2:], rel=1e-6)
     # ... and exports back to a Hugging Face folder transformers loads.
-    assert main(["convert", "--load", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]) == 0
+    argv = ["--load", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]
+    assert run_distributed(_cli_worker, 1, argv)[0] == 0
     exported = hf_oracle.read_tensors(tmp_path / "out")
     assert set(exported) == set(hf_oracle.read_tensors(source))
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(hf_oracle.hf_logits(tmp_path / "out", ids)).all()
 
 
-def _convert_worker(rank, world_size, source, out):
+def _cli_worker(rank, world_size, argv):
+    # In its own process: the command ends by destroying its process group.
     from megatron_hybrid.cli.main import main
 
-    return main(["convert", "--from-hf", source, "--save", out])
+    return main(["convert", *argv])
 
 
 def test_mla_trains_on_cpu():
