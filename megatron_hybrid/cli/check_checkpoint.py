@@ -106,6 +106,12 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
     from megatron_hybrid.training.validation import validate_settings
 
+    try:
+        # Files first: what is read from the checkpoint below must come from intact files.
+        folder = resolve_checkpoint_dir(args.load)
+        verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
+    except FileNotFoundError as error:
+        raise CommandError(str(error)) from None
     read = _fill_from_checkpoint(args)
     args = with_defaults(args)
     validate_settings(args, scopes=("model",))
@@ -121,8 +127,6 @@ def _run(args: argparse.Namespace) -> int:
         args,
     )
     try:
-        folder = resolve_checkpoint_dir(args.load)
-        verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
         result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None

@@ -126,13 +126,16 @@ def _recorded(load: str) -> dict:
     """What the newest complete checkpoint under ``load`` records about its model ({} if none
     can be read: the resume logic then reports what is wrong)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
 
     try:
         folder = resolve_checkpoint_dir(load)
         common = dist_checkpointing.load_common_state_dict(str(folder))
-    except Exception:  # noqa: BLE001 - damaged or missing: the resume's checks name the fault
+    # Damaged or missing: the resume's integrity checks name the fault. (torch's
+    # CheckpointException derives from BaseException, not Exception.)
+    except (Exception, CheckpointException):  # noqa: BLE001
         return {}
     return common.get("megatron_hybrid") or {}
 

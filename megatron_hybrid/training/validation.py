@@ -477,8 +477,14 @@ def _save_writable(s: Settings) -> str | None:
 
 
 def _load_exists(s: Settings) -> str | None:
-    if s.load and not Path(s.load).exists():
-        return f"--load {s.load} does not exist"
+    # --load D --save D may name a folder that does not exist yet: the first run of an
+    # automatic restart loop starts from scratch there, as Megatron-LM does.
+    same_as_save = s.save and Path(s.load or "").resolve() == Path(s.save).resolve()
+    if s.load and not Path(s.load).exists() and not same_as_save:
+        return (
+            f"--load {s.load} does not exist; check the path (a folder that --save also names "
+            "may be new: the run then starts from scratch)"
+        )
     return None
 
 
