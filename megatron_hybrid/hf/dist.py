@@ -8,6 +8,7 @@ folder, and ``train --load`` starts fine-tuning from it (iteration 0, fresh opti
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,16 +23,55 @@ from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
 from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
+    "HF_RECORD_FILE",
     "MODEL_ONLY_FORMAT",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
+    "hf_record",
+    "read_hf_record",
+    "write_hf_record",
     "load_model_state",
     "save_model_state",
 ]
 
 #: ``megatron_hybrid.format`` of a weights-only checkpoint.
 MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
+
+#: A small JSON file in the iteration folder that says which Hugging Face model a checkpoint
+#: holds: readable without touching the checkpoint's data files (which may be damaged), and
+#: covered by the integrity manifest.
+HF_RECORD_FILE = "hf_model.json"
+
+
+def hf_record(model, conversion: HFConversion | None = None) -> dict:
+    """What a checkpoint records about a model that came from Hugging Face ({} otherwise)."""
+    first = model_chunks(model)[0]
+    conversion = conversion or getattr(first, "hf_conversion", None)
+    if conversion is None:
+        return {}
+    dtypes = getattr(first, "hf_source_dtypes", None) or {}
+    return {
+        "hf_config": conversion.hf_config,
+        # Each tensor's dtype in the source folder, so that the export writes it back so.
+        "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
+        "hybrid_layer_pattern": conversion.pattern.pattern,
+    }
+
+
+def write_hf_record(folder, record: dict, *, model_only: bool = False) -> None:
+    """Write :data:`HF_RECORD_FILE` (rank 0; nothing if ``record`` is empty)."""
+    if record:
+        record = {**record, "model_only": model_only}
+        (Path(folder) / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def read_hf_record(root) -> dict:
+    """The record of the checkpoint ``root`` resolves to ({} if it has none)."""
+    path = resolve_checkpoint_dir(root) / HF_RECORD_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def _model_state(model) -> dict:
@@ -65,19 +105,15 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
         "megatron_hybrid": {
             "format": MODEL_ONLY_FORMAT,
             "hybrid_layer_pattern": conversion.pattern.pattern,
-            "hf_config": conversion.hf_config,
-            # Each tensor's dtype in the source folder, so that the export writes it back so.
-            "hf_dtypes": {
-                name: str(dtype).removeprefix("torch.")
-                for name, dtype in (
-                    getattr(model_chunks(model)[0], "hf_source_dtypes", None) or {}
-                ).items()
-            },
         },
     }
     dist_checkpointing.save(state, str(folder))
     dist.barrier()
     if dist.get_rank() == 0:
+        from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
+
+        write_hf_record(folder, hf_record(model, conversion), model_only=True)
+        write_integrity_manifest(folder)
         tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text("release")
         os.replace(tmp, root / TRACKER_FILE)
@@ -85,24 +121,15 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
     return folder
 
 
-def _stored(root) -> dict:
-    from megatron.core import dist_checkpointing
-
-    common = dist_checkpointing.load_common_state_dict(str(resolve_checkpoint_dir(root)))
-    return common.get("megatron_hybrid") or {}
-
-
 def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
-    """The source Hugging Face dtype of each tensor, as ``convert --from-hf`` recorded it."""
-    return {
-        name: getattr(torch, dtype)
-        for name, dtype in (_stored(root).get("hf_dtypes") or {}).items()
-    }
+    """The source Hugging Face dtype of each tensor, as the checkpoint recorded it."""
+    dtypes = read_hf_record(root).get("hf_dtypes", {})
+    return {name: getattr(torch, dtype) for name, dtype in dtypes.items()}
 
 
 def hf_config_of_checkpoint(root) -> dict | None:
-    """The Hugging Face config stored in a checkpoint (None if it has none)."""
-    return _stored(root).get("hf_config")
+    """The Hugging Face config a checkpoint records (None if it has none)."""
+    return read_hf_record(root).get("hf_config")
 
 
 def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> HFConversion:
@@ -111,7 +138,7 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
     Raises:
         ValueError: neither is there.
     """
-    stored = _stored(root)
+    stored = read_hf_record(root)
     config = hf_config or stored.get("hf_config")
     if config is None:
         raise ValueError(

@@ -145,20 +145,6 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def _hf_record(chunks) -> dict:
-    """The Hugging Face config (and source dtypes) of a model started from HF weights, so that
-    ``convert --load ... --to-hf`` can export the checkpoint."""
-    first = _unwrapped(chunks)[0]
-    conversion = getattr(first, "hf_conversion", None)
-    if conversion is None:
-        return {}
-    dtypes = getattr(first, "hf_source_dtypes", None) or {}
-    return {
-        "hf_config": conversion.hf_config,
-        "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
-    }
-
-
 def save_checkpoint(
     root,
     iteration: int,
@@ -216,7 +202,6 @@ def save_checkpoint(
         "megatron_hybrid": {
             "format": _FORMAT,
             "hybrid_layer_pattern": pattern,
-            **_hf_record(chunks),
         },
     }
     if consumed_samples is not None:
@@ -228,6 +213,11 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
+        from megatron_hybrid.hf.dist import hf_record, write_hf_record
+
+        # A model started from Hugging Face weights: which one, so that the checkpoint resumes
+        # without model flags and exports with convert --to-hf.
+        write_hf_record(folder, hf_record(chunks))
         write_integrity_manifest(folder)
         tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text(str(iteration))

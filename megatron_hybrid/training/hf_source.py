@@ -103,7 +103,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
     elif args.load:
         recorded = _recorded(args.load)
         if recorded.get("hf_config") is not None:
-            from megatron_hybrid.hf.dist import MODEL_ONLY_FORMAT, conversion_of_checkpoint
+            from megatron_hybrid.hf.dist import conversion_of_checkpoint
 
             if args.hybrid_layer_pattern:
                 raise ValueError(
@@ -111,7 +111,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
                     "--hybrid-layer-pattern (the model comes from the checkpoint)"
                 )
             conversion = conversion_of_checkpoint(args.load)
-            if recorded.get("format") == MODEL_ONLY_FORMAT:
+            if recorded.get("model_only"):
                 source = HFSource(conversion, checkpoint=args.load)
                 args.load = None  # weights only: an initialisation, not a resume
             else:
@@ -123,21 +123,14 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
 
 
 def _recorded(load: str) -> dict:
-    """What the newest complete checkpoint under ``load`` records about its model ({} if none
-    can be read: the resume logic then reports what is wrong)."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
+    """The Hugging Face record of the checkpoint ``load`` names ({} if none can be read: the
+    resume logic then reports what is wrong with the checkpoint)."""
+    from megatron_hybrid.hf.dist import read_hf_record
 
     try:
-        folder = resolve_checkpoint_dir(load)
-        common = dist_checkpointing.load_common_state_dict(str(folder))
-    # Damaged or missing: the resume's integrity checks name the fault. (torch's
-    # CheckpointException derives from BaseException, not Exception.)
-    except (Exception, CheckpointException):  # noqa: BLE001
+        return read_hf_record(load)
+    except (OSError, ValueError):
         return {}
-    return common.get("megatron_hybrid") or {}
 
 
 def _write_architecture(args: argparse.Namespace, conversion: HFConversion) -> None:
