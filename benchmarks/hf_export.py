@@ -89,6 +89,15 @@ def measure(model, device, mode: str) -> dict:
     return dict(seconds=seconds, bytes=total, tensors=count, largest=largest, peak_extra=peak)
 
 
+def _command(argv: list[str]) -> str:
+    """The command line, without the machine's output folder."""
+    shown = list(argv)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--out":
+            shown[i + 1] = "benchmarks/results"
+    return " ".join(["python benchmarks/hf_export.py", *shown])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen35moe-3b")
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
     result = dict(
         benchmark="hf_export",
         date=datetime.date.today().isoformat(),
-        command="python " + " ".join(["benchmarks/hf_export.py", *(argv or sys.argv[1:])]),
+        command=_command(argv if argv is not None else sys.argv[1:]),
         device=name,
         preset=args.preset,
         parameters=params,

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 def main(out: str) -> None:
     sys.path.insert(0, str(HERE.parent / "unit" / "hf"))
     import hf_oracle
-    from conftest import CONVERTED, SEQ, logits_bound
+    from hf_oracle import CONVERTED, SEQ, logits_bound
 
     input_ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(7))
     for family in CONVERTED:

@@ -9,7 +9,7 @@ import shutil
 import hf_oracle
 import pytest
 import torch
-from conftest import CONVERTED, TOLERANCE
+from hf_oracle import CONVERTED, TOLERANCE
 
 from megatron_hybrid.hf import (
     HFConfigError,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hf_oracle
 import pytest
 import torch
-from conftest import CONVERTED
+from hf_oracle import CONVERTED
 
 from megatron_hybrid.testing.spawn import run_distributed
 
