@@ -128,16 +128,20 @@ def _progress(label: str, rank: int):
     return update
 
 
-def _dry_run(args: argparse.Namespace) -> int:
+def _check_conversion(args: argparse.Namespace):
+    """``(conversion or None, report)`` of ``--from-hf`` with the command's options."""
     from megatron_hybrid.hf import dry_run
 
-    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
-    conversion, report = dry_run(
+    return dry_run(
         args.from_hf,
-        backend=backend,
+        backend="te" if args.transformer_impl == "transformer_engine" else "local",
         mtp=False if args.no_mtp else None,
         ignore_config_fields=args.ignore_hf_config_field,
     )
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    conversion, report = _check_conversion(args)
     if conversion is not None:
         print(f"family {conversion.family} | pattern {conversion.pattern.pattern}")
         for note in conversion.notes:
@@ -151,16 +155,10 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _from_hf(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_hybrid.hf import HFWeightsError, dry_run, load_hf_model
+    from megatron_hybrid.hf import HFWeightsError, load_hf_model
     from megatron_hybrid.hf.dist import save_model_state
 
-    backend = "te" if args.transformer_impl == "transformer_engine" else "local"
-    conversion, report = dry_run(
-        args.from_hf,
-        backend=backend,
-        mtp=False if args.no_mtp else None,
-        ignore_config_fields=args.ignore_hf_config_field,
-    )
+    conversion, report = _check_conversion(args)
     if not report.ok:
         raise CommandError(
             f"{args.from_hf} does not convert cleanly; nothing was written:\n"
