@@ -182,3 +182,17 @@ def test_declared_mtp_without_weights_is_noted(tmp_path, pg):
     assert report.ok
     assert conversion.mtp_layers == 0
     assert any("MTP" in note for note in conversion.notes)
+
+
+def test_hub_vlm_layout_converts_its_language_model(hf_folders, input_ids, tmp_path, pg):
+    """The published Qwen3.5 checkpoints: text_config, tensors under model.language_model."""
+    folder, reference, bound = hf_folders["qwen3_5_moe"]
+    vlm = hf_oracle.to_vlm_layout(shutil.copytree(folder, tmp_path / "vlm"))
+    conversion, report = dry_run(vlm)
+    assert report.ok and conversion.hf_prefix == "model.language_model."
+    model = load_hf_model(vlm)
+    assert (_logits(model, input_ids) - reference).abs().max().item() <= bound
+    disk = hf_oracle.read_tensors(vlm)
+    exported = dict(iter_hf_weights(model))
+    assert set(exported) == set(disk)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in disk.items())
