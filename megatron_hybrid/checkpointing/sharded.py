@@ -25,7 +25,12 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group, uniform_gpt_layers
 from megatron_hybrid.checkpointing.keys import mtp_layer_prefix
 
-__all__ = ["CheckpointKeyLayout", "gpt_mtp_keys", "stack_sharded_state_dict"]
+__all__ = [
+    "CheckpointKeyLayout",
+    "gpt_mtp_keys",
+    "model_sharded_state",
+    "stack_sharded_state_dict",
+]
 
 
 @dataclass(frozen=True)
@@ -151,3 +156,16 @@ def gpt_mtp_keys(sharded_state_dict, prefix: str, pattern) -> None:
                 key = getattr(value, "key", None)
                 if isinstance(key, str) and key.startswith(source):
                     value.key = target + key[len(source) :]
+
+
+def model_sharded_state(chunks, metadata: dict | None = None) -> dict:
+    """The model part of a checkpoint in Megatron-LM's layout: ``{"model": ...}`` for one chunk,
+    ``{"model0": ..., "model1": ...}`` for virtual pipeline stages.
+
+    Args:
+        chunks: the model chunks of this rank, unwrapped (no DDP / Float16Module).
+        metadata: sharded-state-dict metadata.
+    """
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(chunks)}

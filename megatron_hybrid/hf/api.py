@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_hybrid.hf.config import HFConversion, family_for, hf_config_to_megatron, text_config
+from megatron_hybrid.hf.config import (
+    HFConversion,
+    family_for,
+    family_named,
+    hf_config_to_megatron,
+    text_config,
+)
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import PlanReport, check_plan
 from megatron_hybrid.hf.weights import HFWeightsError, build_plan, iter_hf_weights, model_chunks
@@ -315,8 +321,7 @@ def save_hf_checkpoint(
     if writer is None:
         return None
     writer.close()
-    family = family_for({"model_type": _family_model_type(conversion)})
-    config = family.to_hf_config(conversion)
+    config = family_named(conversion.family).to_hf_config(conversion)
     if dtype is not None:
         from megatron_hybrid.hf.config import dtype_name
 
@@ -330,9 +335,3 @@ def save_hf_checkpoint(
             if src.is_file() and os.path.realpath(src) != os.path.realpath(out / name):
                 shutil.copyfile(src, out / name)
     return out
-
-
-def _family_model_type(conversion: HFConversion) -> str:
-    from megatron_hybrid.hf.weights import _model_type
-
-    return _model_type(conversion)

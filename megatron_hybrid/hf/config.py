@@ -9,14 +9,13 @@ dropped silently (``routed_scaling_factor``, ``n_group``, ``topk_group`` and the
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_hybrid.pattern import ParsedPattern, parse_pattern
+from megatron_hybrid.pattern import ParsedPattern
 
 __all__ = [
     "FAMILIES",
@@ -24,6 +23,7 @@ __all__ = [
     "HFConfigError",
     "HFConversion",
     "family_for",
+    "family_named",
     "hf_config_to_megatron",
     "register_family",
 ]
@@ -145,6 +145,15 @@ def _load_families() -> None:
     import megatron_hybrid.hf.families  # noqa: F401 - registers the families
 
 
+def family_named(name: str) -> Family:
+    """The registered family called ``name`` (an ``HFConversion.family``)."""
+    _load_families()
+    for family in FAMILIES.values():
+        if family.name == name:
+            return family
+    raise HFConfigError(f"no Hugging Face family {name!r} is registered")
+
+
 def family_for(hf_config: dict) -> Family:
     """The family of a config.json dict.
 
@@ -253,8 +262,3 @@ class ConfigReader:
 def dtype_name(dtype: torch.dtype) -> str:
     """config.json's name of a dtype."""
     return {v: k for k, v in _DTYPES.items()}[dtype]
-
-
-def replace_pattern(conversion: HFConversion, pattern: str) -> HFConversion:
-    """A copy of ``conversion`` with another pattern (same layers, e.g. pipeline pipes added)."""
-    return dataclasses.replace(conversion, pattern=parse_pattern(pattern))

@@ -75,10 +75,9 @@ def read_hf_record(root) -> dict:
 
 
 def _model_state(model) -> dict:
-    chunks = model_chunks(model)
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+
+    return model_sharded_state(model_chunks(model))
 
 
 def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool = False) -> Path:

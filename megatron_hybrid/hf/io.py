@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -104,9 +103,9 @@ class HFCheckpoint:
         """A whole tensor."""
         return self._handle(name).get_tensor(name)
 
-    def get_rows(self, name: str, rows: slice) -> torch.Tensor:
-        """Rows ``rows`` (a step-1 slice of dim 0) of a tensor, reading only those."""
-        return self._handle(name).get_slice(name)[rows]
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """A box of a tensor (step-1 slices per dimension), reading only those bytes."""
+        return self._handle(name).get_slice(name)[index]
 
     def close(self) -> None:
         """Release the open files."""
@@ -183,11 +182,6 @@ class HFCheckpointWriter:
         self._buffer[name] = tensor.detach().to("cpu").contiguous()
         self._buffered += size
         self._total += size
-
-    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Queue every ``(name, tensor)`` of ``items``."""
-        for name, tensor in items:
-            self.add(name, tensor)
 
     def _flush(self) -> None:
         from safetensors.torch import save_file

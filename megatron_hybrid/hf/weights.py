@@ -72,29 +72,18 @@ def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple
     Returns:
         ``(plan, unresolved)``: unresolved are key variants no model tensor matched.
     """
-    from megatron_hybrid.hf.config import family_for
+    from megatron_hybrid.hf.config import family_named
 
-    family = family or family_for({"model_type": _model_type(conversion)})
     builder = PlanBuilder(key_shapes)
-    family.plan(builder, conversion)
+    (family or family_named(conversion.family)).plan(builder, conversion)
     return builder.build(), builder.unresolved
-
-
-def _model_type(conversion: HFConversion) -> str:
-    from megatron_hybrid.hf.config import FAMILIES, _load_families
-
-    _load_families()
-    for model_type, family in FAMILIES.items():
-        if family.name == conversion.family:
-            return model_type
-    raise AssertionError(conversion.family)
 
 
 def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
     if isinstance(rows, slice):
-        return source._handle(name).get_slice(name)[(rows, *rest)]
+        return source.read(name, (rows, *rest))
     low, high = min(rows), max(rows) + 1
-    span = source._handle(name).get_slice(name)[(slice(low, high), *rest)]
+    span = source.read(name, (slice(low, high), *rest))
     return span[torch.tensor([r - low for r in rows])]
 
 

@@ -65,12 +65,9 @@ def _unwrapped(chunks) -> list:
 
 
 def _model_state(chunks, metadata):
-    chunks = _unwrapped(chunks)
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
-    return {
-        f"model{i}": chunk.sharded_state_dict(metadata=metadata) for i, chunk in enumerate(chunks)
-    }
+    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+
+    return model_sharded_state(_unwrapped(chunks), metadata)
 
 
 def _rng_state() -> dict:

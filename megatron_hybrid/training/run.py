@@ -91,12 +91,6 @@ class _Progress:
             print()
 
 
-def _hf_model_kwargs(source) -> dict:
-    from megatron_hybrid.training.hf_source import model_kwargs
-
-    return model_kwargs(source)
-
-
 def run_training(args: argparse.Namespace) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
     from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
@@ -107,6 +101,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
     from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.guard import check_step
     from megatron_hybrid.training.hf_source import hf_source
+    from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
     from megatron_hybrid.training.validation import validate_settings
 
@@ -204,7 +199,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
-        **({} if source is None else _hf_model_kwargs(source)),
+        **({} if source is None else hf_model_kwargs(source)),
     )
     if source is not None:
         # Before the optimizer: megatron's distributed optimizer copies the weights it starts

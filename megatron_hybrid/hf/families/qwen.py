@@ -70,7 +70,7 @@ def _mtp_depths(reader: ConfigReader, mtp, has_tensor, notes) -> int:
     return declared
 
 
-def _to_megatron(hf: dict, *, moe: bool, grouped_gdn: bool, name: str, mtp=None, has_tensor=None):
+def _to_megatron(hf: dict, *, moe: bool, name: str, mtp=None, has_tensor=None):
     r = ConfigReader(hf, _IGNORED)
     notes: list[str] = []
     layers = int(r.require("num_hidden_layers"))
@@ -146,7 +146,6 @@ def _to_megatron(hf: dict, *, moe: bool, grouped_gdn: bool, name: str, mtp=None,
             moe_token_dispatcher_type="alltoall",
             moe_aux_loss_coeff=0.0,
         )
-    r.get("intermediate_size")
     model_kwargs = dict(
         vocab_size=int(r.require("vocab_size")),
         max_sequence_length=int(r.get("max_position_embeddings", 4096)),
@@ -174,7 +173,6 @@ def _to_megatron(hf: dict, *, moe: bool, grouped_gdn: bool, name: str, mtp=None,
 def _gdn(b: PlanBuilder, p: str, h: str, cfg: dict, hidden: int, grouped: bool) -> None:
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    width = cfg["linear_conv_kernel_dim"]
     q, v = nk * dk, nv * dv
     b.copy(
         b.key(p, "input_layernorm.weight", "self_attention.in_proj.layer_norm_weight"),
@@ -212,7 +210,6 @@ def _gdn(b: PlanBuilder, p: str, h: str, cfg: dict, hidden: int, grouped: bool) 
         b.copy(keys["alpha"], f"{a}in_proj_a.weight")
     conv = [b.key(p, f"self_attention.conv1d.weight.{n}") for n in ("query", "key", "value")]
     b.split(f"{a}conv1d.weight", [(conv[0], q), (conv[1], q), (conv[2], v)])
-    del width
     b.copy(b.key(p, "self_attention.A_log"), f"{a}A_log")
     b.copy(b.key(p, "self_attention.dt_bias"), f"{a}dt_bias")
     b.copy(b.key(p, "self_attention.out_norm.weight"), f"{a}norm.weight")
@@ -370,7 +367,7 @@ def _family(name: str, model_types: tuple[str, ...], *, moe: bool, grouped: bool
         name=name,
         model_types=model_types,
         to_megatron=lambda hf, mtp=None, has_tensor=None: _to_megatron(
-            hf, moe=moe, grouped_gdn=grouped, name=name, mtp=mtp, has_tensor=has_tensor
+            hf, moe=moe, name=name, mtp=mtp, has_tensor=has_tensor
         ),
         plan=lambda b, conversion: _plan(b, conversion, grouped=grouped),
         to_hf_config=lambda conversion: _to_hf_config(
