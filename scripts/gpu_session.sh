@@ -42,7 +42,7 @@ for part in "$@"; do
   start=$(date +%s)
   case $part in
     functional)
-      torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | quiet | tee "$OUT/functional.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     launcher)
