@@ -168,6 +168,7 @@ def build_model(
 ):
     """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
     from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.modules.mamba_torch import with_mixer_params
 
     if transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(
@@ -199,9 +200,10 @@ def build_model(
         )
     backend = "te" if transformer_impl == "transformer_engine" else "local"
     kwargs = dict(conversion.model_kwargs)
+    spec = with_mixer_params(hybrid_stack_spec(backend, config=config), conversion.mamba_mixer_params)
     model = HybridModel(
         config,
-        hybrid_stack_spec(backend, config=config),
+        spec,
         vocab_size=kwargs.pop("vocab_size"),
         max_sequence_length=kwargs.pop("max_sequence_length"),
         hybrid_layer_pattern=conversion.pattern.pattern,

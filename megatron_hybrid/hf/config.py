@@ -84,6 +84,8 @@ class HFConversion:
         mtp_layers: MTP depths in the pattern.
         unsupported: ``(field, reason)`` of config fields that cannot be mapped.
         notes: things a user should know (e.g. MTP declared but absent).
+        mamba_mixer_params: arguments of the torch Mamba2 mixer that reproduce the family's
+            Mamba numerics (``dt_limit``, ``norm_eps``); empty for families without Mamba.
     """
 
     family: str
@@ -97,6 +99,7 @@ class HFConversion:
     mtp_layers: int = 0
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    mamba_mixer_params: dict = field(default_factory=dict)
 
     def transformer_config(self, **overrides: Any):
         """The ``TransformerConfig`` (or ``MLATransformerConfig``) with ``overrides`` applied."""

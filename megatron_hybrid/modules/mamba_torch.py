@@ -46,6 +46,7 @@ __all__ = [
     "TorchMambaMixer",
     "mamba_kernels_available",
     "resolve_mamba_impl",
+    "with_mixer_params",
 ]
 
 #: Values of ``hybrid_stack_spec(mamba_impl=...)`` and ``train --mamba-impl``.
@@ -147,6 +148,10 @@ class TorchMambaMixer(MegatronModule):
         bias: must be False (as in megatron-core).
         conv_bias: must be True (as in megatron-core).
         chunk_size: steps per chunk of the scan (any value computes the same function).
+        dt_limit: ``(low, high)`` clamp of the step size ``softplus(dt + dt_bias)``;
+            megatron-core's ``(0, inf)`` clamps nothing, transformers' Nemotron-H uses
+            ``(time_step_min, inf)``.
+        norm_eps: epsilon of the gated RMS norm (megatron-core hard-codes 1e-5).
         layer_number: 1-based layer number.
         pg_collection: process groups (``tp`` and ``cp`` are used).
         pp_layer_offset: unused (only inference caches need it).
@@ -173,6 +178,8 @@ class TorchMambaMixer(MegatronModule):
         bias: bool = False,
         conv_bias: bool = True,
         chunk_size: int = 128,
+        dt_limit: tuple[float, float] = (0.0, math.inf),
+        norm_eps: float = 1e-5,
         layer_number: int | None = None,
         pg_collection=None,
         pp_layer_offset: int = 0,
@@ -182,6 +189,8 @@ class TorchMambaMixer(MegatronModule):
         if pg_collection is None:
             raise ValueError("TorchMambaMixer needs pg_collection (a ProcessGroupCollection)")
         _check_options(config, bias, conv_bias, norm_before_gate, A_init_range, chunk_size)
+        _check_numerics(dt_limit, norm_eps)
+        self.dt_limit, self.norm_eps = (float(dt_limit[0]), float(dt_limit[1])), float(norm_eps)
         self.d_model, self.d_conv, self.conv_init, self.expand = d_model, d_conv, conv_init, expand
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, False
         self.chunk_size, self.layer_number = chunk_size, layer_number
@@ -238,7 +247,7 @@ class TorchMambaMixer(MegatronModule):
             self.norm = GatedRMSNorm(
                 self.d_inner_local_tp,
                 group_size=self.d_inner_local_tp // self.ngroups_local_tp,
-                eps=1e-5,
+                eps=self.norm_eps,
                 tp_group=self.tp_group,
                 device=self._device(),
                 dtype=config.params_dtype,
@@ -398,6 +407,8 @@ class TorchMambaMixer(MegatronModule):
         xbc = causal_conv1d(xbc, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), seq_idx)
         x, b, c = torch.split(xbc, [cp.d_inner_local_tpcp, groups * state, groups * state], -1)
         dt = torch.nn.functional.softplus(dt.float() + cp.get_dt_bias().float())
+        if self.dt_limit != (0.0, math.inf):
+            dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         d = cp.get_D()
         y = ssd_chunk_scan(
             x.unflatten(-1, (heads, self.headdim)),
@@ -410,6 +421,33 @@ class TorchMambaMixer(MegatronModule):
             seq_idx=seq_idx,
         ).flatten(-2)
         return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)
+
+
+def _check_numerics(dt_limit, norm_eps) -> None:
+    low, high = dt_limit
+    if not (0 <= low <= high):
+        raise ValueError(f"TorchMambaMixer: dt_limit {tuple(dt_limit)} needs 0 <= low <= high")
+    if not norm_eps > 0:
+        raise ValueError(f"TorchMambaMixer: norm_eps must be > 0, got {norm_eps}")
+
+
+def with_mixer_params(stack_spec, params: dict):
+    """``stack_spec`` with ``params`` added to its Mamba mixer's arguments (torch path only).
+
+    Hugging Face families whose Mamba numerics differ from megatron-core's defaults (Nemotron-H:
+    ``dt_limit``, ``norm_eps``) pass them here. megatron-core's ``MambaMixer`` takes neither, so
+    a spec that uses it is returned unchanged: the conversion's notes say what then differs.
+    """
+    import dataclasses
+
+    layer = getattr(stack_spec.submodules, "mamba_layer", None)
+    if not params or layer is None or layer.submodules.mixer.module is not TorchMambaMixer:
+        return stack_spec
+    mixer = layer.submodules.mixer
+    mixer = dataclasses.replace(mixer, params={**(mixer.params or {}), **params})
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mixer=mixer))
+    submodules = dataclasses.replace(stack_spec.submodules, mamba_layer=layer)
+    return dataclasses.replace(stack_spec, submodules=submodules)
 
 
 def _check_options(config, bias, conv_bias, norm_before_gate, a_init_range, chunk_size) -> None:

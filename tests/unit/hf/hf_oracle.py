@@ -133,6 +133,10 @@ _BASE: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
+        # transformers clamps softplus(dt + dt_bias) from below at time_step_min. The random
+        # dt_bias (about 1) puts softplus near 1.3, so only a floor this high makes the clamp
+        # bind for some tokens and heads and a converter that drops it fail the logits test.
+        "time_step_min": 0.5,
     },
 }
 
@@ -535,8 +539,10 @@ def to_vlm_layout(path: str | Path) -> Path:
 def _mtp_specs(
     family: str, config: dict[str, Any], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    if family == "nemotron_h":
+        return _nemotron_mtp_specs(config, tensors)
     if not (family.startswith("qwen3") or family == "deepseek_v3"):
-        raise ValueError(f"{family}: no known on-disk MTP layout (only Qwen3.5/Next, DeepSeek-V3)")
+        raise ValueError(f"{family}: no known on-disk MTP layout")
     hidden = config["hidden_size"]
     layers = config["num_hidden_layers"]
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -577,6 +583,33 @@ def _mtp_specs(
             specs[prefix + "shared_head.norm.weight"] = (wdtype, (hidden,))
             specs[prefix + "shared_head.head.weight"] = (wdtype, (vocab, hidden))
             specs[prefix + "embed_tokens.weight"] = (wdtype, (vocab, hidden))
+    return specs
+
+
+def _nemotron_mtp_specs(
+    config: dict[str, Any], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Nemotron-3's MTP: depth d's blocks flattened as ``mtp.layers.{d*L + i}.{norm,mixer}.*``,
+    ``eh_proj``/``enorm``/``hnorm`` on its first block, ``final_layernorm`` on its last
+    (Megatron-Bridge src/megatron/bridge/models/nemotronh/nemotron_h_bridge.py)."""
+    main, block_types = config["layers_block_type"], config["mtp_layers_block_type"]
+    hidden, per_depth = config["hidden_size"], len(block_types)
+    wdtype = tensors["backbone.embeddings.weight"][0]
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for depth in range(config.get("num_nextn_predict_layers", 0)):
+        for i, block_type in enumerate(block_types):
+            if block_type not in main:
+                raise ValueError(f"nemotron_h: MTP block {block_type!r} has no main-layer layout")
+            source = f"backbone.layers.{len(main) - 1 - main[::-1].index(block_type)}."
+            prefix = f"mtp.layers.{depth * per_depth + i}."
+            for name, spec in tensors.items():
+                if name.startswith(source):
+                    specs[prefix + name[len(source) :]] = spec
+        first, last = f"mtp.layers.{depth * per_depth}.", f"mtp.layers.{(depth + 1) * per_depth - 1}."
+        specs[first + "eh_proj.weight"] = (wdtype, (hidden, 2 * hidden))
+        specs[first + "enorm.weight"] = (wdtype, (hidden,))
+        specs[first + "hnorm.weight"] = (wdtype, (hidden,))
+        specs[last + "final_layernorm.weight"] = (wdtype, (hidden,))
     return specs
 
 
@@ -643,7 +676,7 @@ def add_fake_mtp_tensors(path: str | Path, family: str, *, seed: int = 1) -> dic
 
 
 #: The families megatron_hybrid.hf converts (Nemotron-H is added with the Mamba torch path).
-CONVERTED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3")
+CONVERTED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "nemotron_h")
 SEQ = 24
 
 #: Max abs logit difference allowed against transformers (float32, sequence 24) ...

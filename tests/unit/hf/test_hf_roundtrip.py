@@ -35,8 +35,12 @@ def _convert(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     ("family", "dtype"),
-    [("qwen3_5_moe", torch.float32), ("deepseek_v3", torch.bfloat16)],
-    ids=["qwen3_5_moe-fp32-mtp-sharded", "deepseek_v3-bf16-mtp"],
+    [
+        ("qwen3_5_moe", torch.float32),
+        ("deepseek_v3", torch.bfloat16),
+        ("nemotron_h", torch.bfloat16),
+    ],
+    ids=["qwen3_5_moe-fp32-mtp-sharded", "deepseek_v3-bf16-mtp", "nemotron_h-bf16-mtp"],
 )
 def test_cli_round_trip_is_bitwise(family, dtype, tmp_path, input_ids):
     source = hf_oracle.make_hf_checkpoint(
@@ -66,8 +70,12 @@ def test_cli_round_trip_is_bitwise(family, dtype, tmp_path, input_ids):
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype, name
         assert torch.equal(after[name], tensor), name
-    if family == "deepseek_v3":
-        assert after["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    router_bias = {
+        "deepseek_v3": "model.layers.1.mlp.gate.e_score_correction_bias",
+        "nemotron_h": "backbone.layers.1.mixer.gate.e_score_correction_bias",
+    }
+    if family in router_bias:
+        assert after[router_bias[family]].dtype == torch.float32
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == json.loads((source / "config.json").read_text())["model_type"]
