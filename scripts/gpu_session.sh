@@ -22,6 +22,10 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
+#                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
+#                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
+#                transformers on .hf_fixtures/) and benchmarks/mamba_torch.py
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -133,6 +137,18 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    mamba)
+      python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \
+        2>/dev/null || bash scripts/stage_mamba.sh --device 2>&1 | tail -20 | tee "$OUT/mamba_build.log"
+      NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
+        torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_mamba_torch_gpu.py \
+        tests/functional/test_hf_gpu.py::test_nemotron_h_mamba_kernels_torch_and_transformers \
+        2>&1 | quiet | tee "$OUT/mamba.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/mamba_torch.py --out "$OUT" ${MAMBA_BENCH_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/mamba_bench.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
   echo "== $part took $(( $(date +%s) - start )) s"

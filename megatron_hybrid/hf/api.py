@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -164,6 +165,7 @@ def build_model(
     transformer_impl: str = "local",
     params_dtype: torch.dtype | None = None,
     parallel_output: bool = False,
+    mamba_impl: str = "auto",
     **config_overrides,
 ):
     """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
@@ -200,7 +202,13 @@ def build_model(
         )
     backend = "te" if transformer_impl == "transformer_engine" else "local"
     kwargs = dict(conversion.model_kwargs)
-    spec = with_mixer_params(hybrid_stack_spec(backend, config=config), conversion.mamba_mixer_params)
+    base_spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
+    spec = with_mixer_params(base_spec, conversion.mamba_mixer_params)
+    if spec is base_spec and conversion.mamba_mixer_params and "M" in conversion.pattern.pattern:
+        # megatron-core's MambaMixer takes neither the step clamp nor the norm epsilon.
+        differ = [note for note in conversion.notes if "MambaMixer" in note]
+        if differ:
+            warnings.warn("; ".join(differ), stacklevel=2)
     model = HybridModel(
         config,
         spec,
@@ -237,6 +245,7 @@ def load_hf_model(
     ignore_config_fields=(),
     progress=None,
     config_overrides: dict | None = None,
+    mamba_impl: str = "auto",
 ):
     """Build the model a Hugging Face folder describes and load its weights strictly.
 
@@ -256,6 +265,9 @@ def load_hf_model(
         progress: optional ``(done, total)`` callback while weights are copied.
         config_overrides: further ``TransformerConfig`` fields (e.g. ``deterministic_mode``
             for GatedDeltaNet's torch path on a GPU, recompute settings).
+        mamba_impl: how ``M`` layers compute (``hybrid_stack_spec``'s argument): ``"auto"``,
+            ``"torch"`` (transformers' Mamba numerics exactly, see ``conversion.notes``) or
+            ``"kernels"`` (megatron-core's ``MambaMixer``).
 
     Returns:
         This rank's HybridModel (``model(input_ids, position_ids, None)`` gives logits
@@ -271,6 +283,7 @@ def load_hf_model(
         pg,
         transformer_impl=transformer_impl,
         params_dtype=params_dtype,
+        mamba_impl=mamba_impl,
         **(config_overrides or {}),
     )
     from megatron_hybrid.hf.weights import load_hf_weights

@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+#: Extra folders: ``name -> (family, config overrides)``. ``nemotron_h_mcore`` has the numerics
+#: megatron-core's Mamba kernels compute (a step floor that never binds, gated-norm eps 1e-5),
+#: so kernels and transformers can agree on it; the oracle's ``nemotron_h`` clamps the step.
+VARIANTS = {"nemotron_h_mcore": ("nemotron_h", {"time_step_min": 1e-4, "layer_norm_epsilon": 1e-5})}
 
 
 def main(out: str) -> None:
@@ -24,14 +28,15 @@ def main(out: str) -> None:
     from hf_oracle import CONVERTED, SEQ, logits_bound
 
     input_ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(7))
-    for family in CONVERTED:
-        folder = hf_oracle.make_hf_checkpoint(family, Path(out) / family)
+    folders = {family: (family, {}) for family in CONVERTED} | VARIANTS
+    for name, (family, overrides) in folders.items():
+        folder = hf_oracle.make_hf_checkpoint(family, Path(out) / name, **overrides)
         reference = hf_oracle.hf_logits(folder, input_ids)
         bound = logits_bound(folder, input_ids, reference)
         torch.save(
             {"input_ids": input_ids, "logits": reference, "bound": bound}, folder / "reference.pt"
         )
-        print(f"{family}: {folder} (bound {bound:.2e})")
+        print(f"{name}: {folder} (bound {bound:.2e})")
 
 
 if __name__ == "__main__":
