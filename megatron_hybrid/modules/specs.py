@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -53,10 +53,13 @@ class HybridStackSubmodules(_MCoreHybridStackSubmodules):
     """Specs of every layer type of a hybrid stack, plus the stack's final norm.
 
     A subclass of megatron-core's ``HybridStackSubmodules`` so that megatron-core's MTP block,
-    which builds its inner stack from these fields, accepts it unchanged.
+    which builds its inner stack from these fields, accepts it unchanged. Layer types
+    registered with :func:`~megatron_hybrid.modules.register_layer_type` keep their specs in
+    ``extra_layers`` (``LayerRuntime.spec_field`` -> spec).
     """
 
     final_norm: Any = None
+    extra_layers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,17 @@ def register_backend(name: str, build_layers: Callable[[_SpecOptions], dict]) ->
     BACKENDS[name] = build_layers
 
 
+def _registered_layer_specs(backend: str, layers: dict) -> dict:
+    """Specs of the registered layer types the backend does not build itself."""
+    from megatron_hybrid.modules.registry import LAYER_RUNTIMES
+
+    return {
+        runtime.spec_field: runtime.default_spec(backend)
+        for runtime in LAYER_RUNTIMES.values()
+        if runtime.spec_field not in layers and runtime.default_spec is not None
+    }
+
+
 def _mtp_block_spec(norm, eh_proj) -> ModuleSpec:
     """MTP block spec: norms and projection; the MTP layer builds its inner stack itself."""
     from megatron.core.transformer.multi_token_prediction import (
@@ -361,9 +375,10 @@ def hybrid_stack_spec(
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 
     layers = BACKENDS[backend](opts)
-    missing = {f.name for f in fields(HybridStackSubmodules)} - set(layers)
+    missing = {f.name for f in fields(HybridStackSubmodules)} - set(layers) - {"extra_layers"}
     if missing:
         raise ValueError(f"spec backend {backend!r} did not define {sorted(missing)}")
+    layers["extra_layers"] = _registered_layer_specs(backend, layers)
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(**layers),
