@@ -241,6 +241,11 @@ def register_layer_type(facts: LayerTypeFacts, runtime: LayerRuntime) -> None:
     """
     runtimes = _loaded()
     facts.check()
+    if facts.symbol in layer_symbols():
+        raise ValueError(
+            f"the layer symbol {facts.symbol!r} is already taken by "
+            f"{layer_facts(facts.symbol).name}; pick another character"
+        )
     runtime.check(facts)
     if runtime.default_spec is None:
         raise ValueError(
@@ -250,7 +255,7 @@ def register_layer_type(facts: LayerTypeFacts, runtime: LayerRuntime) -> None:
     taken = {r.spec_field for r in runtimes.values()}
     if runtime.spec_field in taken:
         raise ValueError(f"spec_field {runtime.spec_field!r} is already used by another type")
-    register_layer_facts(facts)  # raises if the symbol is taken, before anything changes
+    register_layer_facts(facts)
     runtimes[facts.symbol] = runtime
 
 
