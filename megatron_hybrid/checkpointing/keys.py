@@ -143,8 +143,9 @@ def decoder_layer_prefix(pattern: str | ParsedPattern, logical_index: int) -> st
     """Return the indexed checkpoint key prefix of logical layer ``logical_index``.
 
     For a grouped pattern every member of the group shares this prefix; it is the key when the
-    indexed form is used (see :func:`decoder_layer_key` for the form a default config saves). For a pattern without
-    groups the logical index is the physical index, so this is megatron-core's own key.
+    indexed form is used (:func:`decoder_layer_key` gives the form a default config saves). For a
+    pattern without groups the logical index is the physical index, so this is megatron-core's
+    own key.
 
     >>> decoder_layer_prefix("M[*E]-", 1), decoder_layer_prefix("M*E-", 1)
     ('decoder.layers.1.', 'decoder.layers.1.')

@@ -39,7 +39,6 @@ COMMAND_MODULES: tuple[str, ...] = (
 USAGE_ERROR = 2
 
 
-
 def _pattern_chars() -> frozenset[str]:
     """Characters of patterns (and repetition counts); no option name is made of these alone."""
     from megatron_hybrid.pattern import layer_symbols

@@ -167,7 +167,9 @@ class LayerRuntime:
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} of layer type {symbol!r} must be callable")
         if not self.spec_field.isidentifier():
-            raise ValueError(f"spec_field of {symbol!r} must be an identifier, got {self.spec_field!r}")
+            raise ValueError(
+                f"spec_field of {symbol!r} must be an identifier, got {self.spec_field!r}"
+            )
 
 
 class _LiveTable(Mapping[str, LayerRuntime]):

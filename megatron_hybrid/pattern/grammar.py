@@ -67,7 +67,6 @@ from megatron_hybrid.pattern.tokenizer import (
 __all__ = ["Token", "parse_pattern", "tokenize"]
 
 
-
 def _slot_list() -> str:
     """'one mixer (M), one attention (* D + G) and one MLP (- E)' for the current alphabet."""
     by_slot = {slot: [s for s in layer_symbols() if SLOT_OF_SYMBOL[s] == slot] for slot in Slot}

@@ -21,7 +21,6 @@ registration, so a pattern is never read with a stale alphabet.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
@@ -82,7 +81,7 @@ class GptRole(StrEnum):
 
 _COLOUR = re.compile(r"#[0-9A-Fa-f]{6}")
 _STRUCTURE = frozenset(
-    GROUP_OPEN + GROUP_CLOSE + RUN_OPEN + RUN_CLOSE + REPEAT_OPEN + REPEAT_CLOSE + PIPE + MTP_SEPARATOR
+    (GROUP_OPEN, GROUP_CLOSE, RUN_OPEN, RUN_CLOSE, REPEAT_OPEN, REPEAT_CLOSE, PIPE, MTP_SEPARATOR)
 )
 
 

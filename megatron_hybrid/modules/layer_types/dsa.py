@@ -1,4 +1,4 @@
-"""Runtime of ``D`` (DeepSeek sparse attention): the DSA attention half of a GPT ``TransformerLayer``."""
+"""Runtime of ``D`` (DeepSeek sparse attention): an attention half of a GPT layer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runtime of ``+`` (multi-latent attention): the MLA attention half of a GPT ``TransformerLayer``."""
+"""Runtime of ``+`` (multi-latent attention): an attention half of a GPT layer."""
 
 from __future__ import annotations
 
