@@ -121,6 +121,25 @@ def test_describe_names_the_type(toy_type, capsys):
     assert "decoder.layers.1." in out  # no GPT role: the indexed logical form
 
 
+def test_describe_draws_the_type_in_its_colour(toy_type, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PatchCollection
+
+    from megatron_hybrid.cli.main import main
+
+    colours = []
+    original = PatchCollection.__init__
+
+    def record(self, patches, *args, facecolors=None, **kwargs):
+        colours.append(facecolors)
+        original(self, patches, *args, facecolors=facecolors, **kwargs)
+
+    monkeypatch.setattr(PatchCollection, "__init__", record)
+    assert main(["describe", "[CE]", "--png", str(tmp_path / "stack.png")]) == 0
+    assert (tmp_path / "stack.png").stat().st_size > 0
+    assert colours[0] == [FACTS.colour, "#F0E442"]  # the layers: C, then E in MoE's colour
+
+
 def test_thd_rule_comes_from_the_facts(toy_type):
     from megatron_hybrid.padding.layout_support import thd_unsupported_reason
 
