@@ -106,12 +106,15 @@ class TerminalSlots(NamedTuple):
         dispatch: the communication slot before the experts.
         mlp: the ``mlp`` compute slot.
         combine: the communication slot after the experts.
+        num_local_experts: for an MoE terminal, its experts on this rank (the schedule's nodes
+            need it).
     """
 
     pre_dispatch_tail: Callable | None = None
     dispatch: Callable | None = None
     mlp: Callable | None = None
     combine: Callable | None = None
+    num_local_experts: int | None = None
 
 
 #: ``(layer, hidden_states, node) -> hidden_states``: a pre-layer in the pre-dispatch slot.

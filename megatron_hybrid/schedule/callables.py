@@ -173,15 +173,14 @@ def build_layer_callables(members: Members) -> LayerCallables:
     """
     pre_layers, terminal = split_members(members)
     if terminal is None:
-        slots, is_moe, num_local_experts = TerminalSlots(), False, None
+        slots, is_moe = TerminalSlots(), False
     else:
         symbol, layer = terminal
         runtime = layer_runtime(symbol)
         slots = runtime.terminal_slots(layer)
         is_moe = runtime.schedule_role == ScheduleRole.MOE
-        num_local_experts = layer.mlp.num_local_experts if is_moe else None
     forward = _forward_slots(pre_layers, slots)
-    return LayerCallables(forward, _backward_dw(members), is_moe, num_local_experts)
+    return LayerCallables(forward, _backward_dw(members), is_moe, slots.num_local_experts)
 
 
 class _PreLayerRunners(Mapping[str, Callable]):

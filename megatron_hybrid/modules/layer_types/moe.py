@@ -113,7 +113,13 @@ def terminal_slots(layer: nn.Module) -> TerminalSlots:
         state.residual = state.shared_expert_output = state.mlp_norm_manager = None
         return hidden_states
 
-    return TerminalSlots(pre_dispatch_tail=route, dispatch=dispatch, mlp=experts, combine=combine)
+    return TerminalSlots(
+        pre_dispatch_tail=route,
+        dispatch=dispatch,
+        mlp=experts,
+        combine=combine,
+        num_local_experts=mlp.num_local_experts,
+    )
 
 
 class MoEBackwardDW:
