@@ -297,6 +297,22 @@ def test_deprecated_registry_names_still_resolve(toy_type):
     assert PRE_LAYER_RUNNERS[SYMBOL] is runner
 
 
+def test_a_type_without_pre_dispatch_runner_is_refused_by_the_plan(pg):
+    from megatron_hybrid.schedule import UnschedulableLayerError, build_layer_callables
+    from megatron_hybrid.schedule.plan import logical_layer_members
+
+    register_layer_type(FACTS, dataclasses.replace(RUNTIME, run_pre_dispatch=None))
+    try:
+        model = _model(pg, "[CE]", seed=1)
+        members = logical_layer_members(model.decoder.layers[0], model.decoder.layer_type_list[0])
+        with pytest.raises(
+            UnschedulableLayerError, match=r"cumulative mixer \('C'\) layers cannot"
+        ):
+            build_layer_callables(members)
+    finally:
+        unregister_layer_type(SYMBOL)
+
+
 # --- the EP-overlap schedule plan on two gloo ranks ---------------------------------------------
 
 
