@@ -1,9 +1,9 @@
 """Which logical layers of a pattern are GPTModel layers (pure Python).
 
 A GPT ``TransformerLayer`` is an attention half followed by an MLP half. A group made of one
-attention-type symbol (``*`` attention, ``+`` MLA, ``D`` DSA) followed by one MLP-type symbol
-(``-`` dense, ``E`` MoE) therefore has exactly the parameters of a GPT layer, and the package
-stores it under a GPT layer's checkpoint keys.
+layer type whose ``gpt_role`` (in the layer-type table) is attention (``*``, ``+`` MLA, ``D``
+DSA) followed by one whose role is MLP (``-`` dense, ``E`` MoE) therefore has exactly the
+parameters of a GPT layer, and the package stores it under a GPT layer's checkpoint keys.
 
 >>> is_gpt_equivalent_group(("*", "E"))
 True
@@ -17,25 +17,41 @@ False
 
 from __future__ import annotations
 
-from megatron_hybrid.pattern import ATTENTION, DSA, MLA, MLP, MOE, ParsedPattern, parse_pattern
+from megatron_hybrid.pattern import LAYER_TYPES, GptRole, ParsedPattern, parse_pattern
 
 __all__ = [
     "GPT_ATTENTION_SYMBOLS",
     "GPT_MLP_SYMBOLS",
     "gpt_equivalent_layers",
+    "gpt_role_symbols",
     "is_gpt_equivalent_group",
     "uniform_gpt_layers",
 ]
 
-GPT_ATTENTION_SYMBOLS = frozenset({ATTENTION, MLA, DSA})
-GPT_MLP_SYMBOLS = frozenset({MLP, MOE})
+
+def gpt_role_symbols(role: GptRole) -> frozenset[str]:
+    """The symbols of the layer types that play ``role`` in a GPT layer (registered ones too)."""
+    return frozenset(s for s, facts in LAYER_TYPES.items() if facts.gpt_role == role)
+
+
+#: The built-in GPT attention-half and MLP-half symbols when this module was imported; read
+#: :func:`gpt_role_symbols` to include layer types registered later.
+GPT_ATTENTION_SYMBOLS = gpt_role_symbols(GptRole.ATTENTION)
+GPT_MLP_SYMBOLS = gpt_role_symbols(GptRole.MLP)
+
+
+def _role(symbol: str) -> GptRole | None:
+    facts = LAYER_TYPES.get(symbol)
+    return facts.gpt_role if facts is not None else None
 
 
 def is_gpt_equivalent_group(members) -> bool:
     """Whether a group's members are exactly a GPT layer: attention then MLP/MoE."""
     members = tuple(members)
     return (
-        len(members) == 2 and members[0] in GPT_ATTENTION_SYMBOLS and members[1] in GPT_MLP_SYMBOLS
+        len(members) == 2
+        and _role(members[0]) == GptRole.ATTENTION
+        and _role(members[1]) == GptRole.MLP
     )
 
 

@@ -23,7 +23,13 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group, uniform_gpt_layers
-from megatron_hybrid.checkpointing.keys import mtp_layer_prefix
+from megatron_hybrid.checkpointing.keys import (
+    final_norm_name,
+    logical_layer_key,
+    mtp_layer_prefix,
+    physical_layer_key,
+    uses_stacked_form,
+)
 
 __all__ = [
     "CheckpointKeyLayout",
@@ -58,22 +64,7 @@ class CheckpointKeyLayout:
 
     def stacked(self, config, metadata: dict | None) -> bool:
         """Whether to use the homogeneous form, by TransformerBlock's rules."""
-        if not self.uniform_gpt_layers:
-            return False
-        metadata = metadata or {}
-        if metadata.get("non_homogeneous_layers", False):
-            return False
-        if metadata.get("singleton_local_shards", False):
-            return False
-        if getattr(config, "hetereogenous_dist_checkpoint", False):
-            return False
-        if getattr(config, "heterogeneous_block_specs", False):
-            return False
-        for freq_name in ("moe_layer_freq", "linear_attention_freq"):
-            freq = getattr(config, freq_name, None)
-            if isinstance(freq, list) or (isinstance(freq, int) and freq > 1):
-                return False
-        return True
+        return uses_stacked_form(self.uniform_gpt_layers, config, metadata)
 
 
 def _member_sharded_state_dict(member, local_prefix, target_prefix, offsets, metadata):
@@ -100,19 +91,21 @@ def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadat
     if layout is None:
         for index, layer in enumerate(stack.layers):
             local = f"{layer_prefix}{index}."
-            target = f"{layer_prefix}{layer.layer_number - 1}."
+            target = physical_layer_key(layer.layer_number - 1, prefix).prefix
             sharded.update(_member_sharded_state_dict(layer, local, target, [], metadata))
-        final_norm_key = "final_norm"
     else:
         stacked = layout.stacked(stack.config, metadata)
         for index, (item, layer) in enumerate(
             zip(stack.layer_type_list, stack.layers, strict=True)
         ):
-            logical = stack.logical_layer_offset + index
-            if stacked:
-                target, offsets = layer_prefix, [(0, logical, layout.num_logical_layers)]
-            else:
-                target, offsets = f"{layer_prefix}{logical}.", []
+            key = logical_layer_key(
+                stack.logical_layer_offset + index,
+                layout.num_logical_layers,
+                stacked=stacked,
+                prefix=prefix,
+            )
+            target = key.prefix
+            offsets = [(0, *key.layer_axis)] if key.layer_axis is not None else []
             if isinstance(item, tuple):
                 members = [
                     (f"{layer_prefix}{index}.layers.{j}.", member)
@@ -122,7 +115,7 @@ def stack_sharded_state_dict(stack, prefix: str, sharded_offsets: tuple, metadat
                 members = [(f"{layer_prefix}{index}.", layer)]
             for local, member in members:
                 sharded.update(_member_sharded_state_dict(member, local, target, offsets, metadata))
-        final_norm_key = "final_layernorm"
+    final_norm_key = final_norm_name(grouped=layout is not None)
 
     for name, module in stack.named_children():
         if module is stack.layers:

@@ -12,21 +12,20 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_hybrid.checkpointing.equivalence import uniform_gpt_layers
 from megatron_hybrid.checkpointing.keys import (
-    decoder_layer_prefix,
+    decoder_layer_key,
     final_norm_prefix,
     mtp_layer_prefix,
 )
 from megatron_hybrid.cli.main import Command, CommandError
 from megatron_hybrid.pattern import (
-    SYMBOL_NAMES,
-    SYMBOLS,
     Item,
     ParsedPattern,
     PipelineSelection,
     item_to_str,
     items_to_str,
+    layer_facts,
+    layer_symbols,
     parse_pattern,
     pipeline_segments,
     with_option_names,
@@ -142,7 +141,7 @@ def _numbers(numbers: Sequence[int]) -> str:
 
 
 def _kinds(members: Sequence[str]) -> str:
-    return " + ".join(SYMBOL_NAMES[m] for m in members)
+    return " + ".join(layer_facts(m).name for m in members)
 
 
 def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
@@ -150,7 +149,9 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
     pp_size = stages[0].pp_size
     chunks = len(stages) // pp_size
     counts = parsed.layer_counts
-    symbols = ", ".join(f"{s} {SYMBOL_NAMES[s]}: {counts[s]}" for s in SYMBOLS if counts[s])
+    symbols = ", ".join(
+        f"{s} {layer_facts(s).name}: {counts[s]}" for s in layer_symbols() if counts.get(s)
+    )
     mtp = (
         f"{parsed.mtp_num_depths} depth(s) of {parsed.mtp_pattern!r} "
         f"({len(parsed.mtp_items)} layer(s) each)"
@@ -161,13 +162,11 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
         split = "stages set by '|'"
     else:
         split = "split by physical layer counts" if len(stages) > 1 else "no pipeline split"
+    first_key = decoder_layer_key(parsed, 0) if parsed.logical_layer_count else None
     if not parsed.has_groups:
         keys = "megatron-core hybrid"
-    elif uniform_gpt_layers(parsed):
-        keys = (
-            "logical; GPTModel's stacked form by default (decoder.layers.<param>, leading layer "
-            "dimension), the per-layer prefixes below with non_homogeneous_layers metadata"
-        )
+    elif first_key is not None and first_key.layer_axis is not None:
+        keys = "logical, GPTModel's stacked form ([i/L]: index i of a leading layer axis of size L)"
     else:
         keys = "logical (the main pattern has groups)"
     lines = [
@@ -206,7 +205,7 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
                     _numbers(layer.layer_numbers),
                     s.pp_rank,
                     s.vp_stage,
-                    decoder_layer_prefix(parsed, layer.index),
+                    str(decoder_layer_key(parsed, layer.index)),
                 )
             )
     headers = ("logical", "members", "kind", "layer numbers", "pp rank", "vpp chunk", "key prefix")
@@ -219,7 +218,7 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
                 depth,
                 j,
                 symbol,
-                SYMBOL_NAMES[symbol],
+                layer_facts(symbol).name,
                 last.pp_rank,
                 last.vp_stage,
                 mtp_layer_prefix(depth, j, parsed),
@@ -230,18 +229,6 @@ def describe(parsed: ParsedPattern, stages: Sequence[PipelineSelection]) -> str:
         headers = ("MTP depth", "layer", "symbol", "kind", "pp rank", "vpp chunk", "key prefix")
         lines += ["", *_table(headers, mtp_rows)]
     return "\n".join(lines)
-
-
-# Colours per symbol (colour-blind-safe Okabe-Ito palette).
-_COLOURS = {
-    "M": "#0072B2",
-    "G": "#56B4E9",
-    "*": "#E69F00",
-    "D": "#D55E00",
-    "+": "#CC79A7",
-    "-": "#009E73",
-    "E": "#F0E442",
-}
 
 
 def draw(parsed: ParsedPattern, stages: Sequence[PipelineSelection], path: Path) -> None:
@@ -277,7 +264,7 @@ def draw(parsed: ParsedPattern, stages: Sequence[PipelineSelection], path: Path)
             members = item if isinstance(item, tuple) else (item,)
             for symbol in members:
                 layers.append(Rectangle((x + 0.1, y), 0.8, 0.9))
-                colours.append(_COLOURS[symbol])
+                colours.append(layer_facts(symbol).colour)
                 letters.append((x + 0.5, y + 0.45, symbol))
                 y += 1
             if isinstance(item, tuple):
@@ -302,7 +289,9 @@ def draw(parsed: ParsedPattern, stages: Sequence[PipelineSelection], path: Path)
     ax.set_title(title, fontsize=9)
     counts = parsed.layer_counts
     handles = [
-        Patch(color=_COLOURS[s], label=f"{s} {SYMBOL_NAMES[s]}") for s in SYMBOLS if counts[s]
+        Patch(color=layer_facts(s).colour, label=f"{s} {layer_facts(s).name}")
+        for s in layer_symbols()
+        if counts.get(s)
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()

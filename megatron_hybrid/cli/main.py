@@ -38,8 +38,12 @@ COMMAND_MODULES: tuple[str, ...] = (
 #: Exit code for bad input, as argparse uses.
 USAGE_ERROR = 2
 
-# Characters of patterns (and repetition counts); no option name is made of these alone.
-_PATTERN_CHARS = frozenset("MG*D+-E[](){}|/0123456789")
+
+def _pattern_chars() -> frozenset[str]:
+    """Characters of patterns (and repetition counts); no option name is made of these alone."""
+    from megatron_hybrid.pattern import layer_symbols
+
+    return frozenset("".join(layer_symbols()) + "[](){}|/0123456789")
 
 
 class CommandError(Exception):
@@ -143,7 +147,7 @@ def _pattern_hint(argv: list[str]) -> None:
     dashed = [
         a
         for a in argv
-        if a.startswith("-") and set(a) <= _PATTERN_CHARS and not re.fullmatch(r"-\d+", a)
+        if a.startswith("-") and set(a) <= _pattern_chars() and not re.fullmatch(r"-\d+", a)
     ]
     if not dashed:
         return

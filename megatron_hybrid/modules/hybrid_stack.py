@@ -25,10 +25,28 @@ from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_
 from torch import Tensor, nn
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, stack_sharded_state_dict
-from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs, layer_kind
+from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs, layer_runtime
 from megatron_hybrid.pattern import item_physical_count
 
-__all__ = ["HybridStack", "layer_quant_context", "sequence_parallel_rng_context"]
+__all__ = ["HybridStack", "layer_quant_context", "layer_spec", "sequence_parallel_rng_context"]
+
+
+def layer_spec(submodules, spec_field: str, symbol: str):
+    """The spec of a layer type: a ``HybridStackSubmodules`` field, or a registered type's entry
+    in its ``extra_layers``.
+
+    Raises:
+        ValueError: the spec has neither (a spec built before the type was registered).
+    """
+    spec = getattr(submodules, spec_field, None)
+    if spec is None:
+        spec = (getattr(submodules, "extra_layers", None) or {}).get(spec_field)
+    if spec is None:
+        raise ValueError(
+            f"the stack spec has no {spec_field!r} for layer symbol {symbol!r}; build the spec "
+            "with hybrid_stack_spec(...) after registering the layer type"
+        )
+    return spec
 
 
 def _init_quant_context(config, physical_index: int):
@@ -150,8 +168,8 @@ class HybridStack(MegatronModule):
                     stage_offset=stage_offset,
                 )
             else:
-                kind = layer_kind(item)
-                spec = getattr(submodules, kind.spec_field)
+                runtime = layer_runtime(item)
+                spec = layer_spec(submodules, runtime.spec_field, item)
                 args = LayerBuildArgs(
                     config=config,
                     pg_collection=pg_collection,
@@ -161,7 +179,7 @@ class HybridStack(MegatronModule):
                     name=layer_name,
                 )
                 with _init_quant_context(config, physical):
-                    layer = kind.build(spec, args)
+                    layer = runtime.build(spec, args)
             self.layers.append(layer)
             physical += item_physical_count(item)
 
@@ -190,11 +208,12 @@ class HybridStack(MegatronModule):
 
     def mamba_state_shapes_per_request(self):
         """Conv and SSM state shapes of the first Mamba layer of this stack, or None."""
-        for item, layer in zip(self.layer_type_list, self.layers, strict=True):
-            if isinstance(item, tuple) or item == "M":
-                shapes = layer.mamba_state_shapes_per_request()
-                if shapes is not None:
-                    return shapes
+        for layer in self.layers:
+            # Groups and Mamba layers answer; other layer types keep no such state.
+            shapes_of = getattr(layer, "mamba_state_shapes_per_request", None)
+            shapes = shapes_of() if shapes_of is not None else None
+            if shapes is not None:
+                return shapes
         return None
 
     def iter_physical_layers(self):
@@ -210,7 +229,7 @@ class HybridStack(MegatronModule):
         if isinstance(item, tuple):
             return layer._run_layers(0, len(layer.layers), hidden_states, inputs)
         with layer_quant_context(self.config, layer.layer_number - 1):
-            hidden_states = layer_kind(item).forward(layer, hidden_states, inputs)
+            hidden_states = layer_runtime(item).forward(layer, hidden_states, inputs)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
         return hidden_states

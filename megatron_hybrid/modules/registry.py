@@ -1,29 +1,44 @@
-"""Layer kinds of a hybrid stack: one registry entry per pattern symbol.
+"""Runtime part of the layer-type table, and the one call that registers a layer type.
 
-Each entry says which field of :class:`~megatron_hybrid.modules.specs.HybridStackSubmodules`
-holds the symbol's spec, how to build a layer from it, and how to call that layer. Generic code
-(the stack, recompute, the EP-overlap plan) looks symbols up here instead of branching on them,
-so a new layer type is one :func:`register_layer_kind` call.
+A layer type is two records with the same symbol: its pure facts
+(:class:`~megatron_hybrid.pattern.LayerTypeFacts`: name, slot, GPT role, THD rule, colour; read
+by the parser and ``describe`` without torch) and its :class:`LayerRuntime` (where its spec lives,
+how to build and call a layer, what it runs in the EP-overlap schedule and which delayed weight
+gradients it owns). The built-in types have one module each under
+:mod:`megatron_hybrid.modules.layer_types`. Generic code — the stack, recompute, the schedule
+plan — looks a symbol up here and never branches on it, so a new layer type is one
+:func:`register_layer_type` call (``tests/unit/test_new_layer_type.py`` defines one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, NamedTuple
 
-from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
-from megatron_hybrid.pattern import ATTENTION, DSA, GDN, MAMBA, MLA, MLP, MOE
+from megatron_hybrid.pattern import (
+    LayerTypeFacts,
+    Slot,
+    layer_facts,
+    layer_symbols,
+    register_layer_facts,
+    unregister_layer_facts,
+)
 
 __all__ = [
-    "LAYER_KINDS",
+    "LAYER_RUNTIMES",
     "LayerBuildArgs",
     "LayerInputs",
-    "LayerKind",
-    "layer_kind",
-    "register_layer_kind",
+    "LayerRuntime",
+    "ScheduleRole",
+    "TerminalSlots",
+    "layer_runtime",
+    "register_layer_type",
+    "unregister_layer_type",
 ]
 
 
@@ -65,119 +80,222 @@ class LayerInputs:
     padding_mask: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class LayerKind:
-    """How one pattern symbol becomes a layer and how that layer is called.
+class ScheduleRole(StrEnum):
+    """What a layer does in the combined-1F1B schedule (``docs/ep_overlap.md``).
+
+    ``PRE_LAYER``: runs whole in the pre-dispatch slot (mixers and attention-slot types);
+    ``DENSE_MLP``: a terminal whose MLP runs in the ``mlp`` slot; ``MOE``: a terminal whose
+    router runs in the pre-dispatch slot, its experts between dispatch and combine.
+    """
+
+    PRE_LAYER = "pre_layer"
+    DENSE_MLP = "dense_mlp"
+    MOE = "moe"
+
+
+class TerminalSlots(NamedTuple):
+    """What the MLP-slot member of a logical layer runs in the schedule's slots.
+
+    Each is ``(node, *inputs) -> outputs`` as megatron-core's ``TransformerLayerNode`` calls it,
+    or None where the terminal has nothing to do (the schedule then passes hidden states on).
+    The schedule adds the pre-layers before ``pre_dispatch_tail`` and the decoder's final norm
+    after the last slot.
 
     Attributes:
-        symbol: the pattern symbol.
-        description: human name, used in messages.
-        spec_field: the HybridStackSubmodules field holding the symbol's spec.
+        pre_dispatch_tail: after the pre-layers, in the pre-dispatch slot (an MoE's router).
+        dispatch: the communication slot before the experts.
+        mlp: the ``mlp`` compute slot.
+        combine: the communication slot after the experts.
+        num_local_experts: for an MoE terminal, its experts on this rank (the schedule's nodes
+            need it).
+    """
+
+    pre_dispatch_tail: Callable | None = None
+    dispatch: Callable | None = None
+    mlp: Callable | None = None
+    combine: Callable | None = None
+    num_local_experts: int | None = None
+
+
+#: ``(layer, hidden_states, node) -> hidden_states``: a pre-layer in the pre-dispatch slot.
+PreDispatchRunner = Callable[[nn.Module, Tensor, Any], Tensor]
+#: ``layer -> {slot name: [objects with backward_dw() and parameters()]}``.
+BackwardDW = Callable[[nn.Module], dict[str, list]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRuntime:
+    """How one layer type is specified, built, called and scheduled.
+
+    Attributes:
+        symbol: the pattern symbol (its facts must be registered under the same symbol).
+        spec_field: the :class:`~megatron_hybrid.modules.specs.HybridStackSubmodules` field
+            holding the spec, or for a registered type the key in its ``extra_layers``.
         build: ``(spec, LayerBuildArgs) -> nn.Module``.
         forward: ``(layer, hidden_states, LayerInputs) -> hidden_states``.
+        schedule_role: what the layer runs in the EP-overlap schedule.
+        run_pre_dispatch: for ``PRE_LAYER`` types, the layer in the pre-dispatch slot (None: the
+            type cannot run before the MLP of an overlapped logical layer).
+        terminal_slots: for ``DENSE_MLP`` and ``MOE`` types, ``layer -> TerminalSlots``.
+        backward_dw: the layer's delayed weight-gradient callables per schedule slot.
+        default_spec: ``backend name -> ModuleSpec`` for the backends that do not build the type
+            themselves (every registered type needs it; built-ins come from the backends).
     """
 
     symbol: str
-    description: str
     spec_field: str
     build: Callable[[Any, LayerBuildArgs], nn.Module]
     forward: Callable[[nn.Module, Tensor, LayerInputs], Tensor]
+    schedule_role: ScheduleRole = ScheduleRole.PRE_LAYER
+    run_pre_dispatch: PreDispatchRunner | None = None
+    terminal_slots: Callable[[nn.Module], TerminalSlots] | None = None
+    backward_dw: BackwardDW = field(default=lambda layer: {})
+    default_spec: Callable[[str], Any] | None = None
+
+    def check(self, facts: LayerTypeFacts) -> None:
+        """Raise ``ValueError`` if this runtime does not fit ``facts``."""
+        symbol = facts.symbol
+        if self.symbol != symbol:
+            raise ValueError(f"runtime symbol {self.symbol!r} differs from facts {symbol!r}")
+        terminal = self.schedule_role != ScheduleRole.PRE_LAYER
+        if terminal != (facts.slot == Slot.MLP):
+            raise ValueError(
+                f"{facts.name} ({symbol!r}) takes the {facts.slot.value} slot, so its "
+                f"schedule_role must be {'DENSE_MLP or MOE' if not terminal else 'PRE_LAYER'}, "
+                f"not {self.schedule_role.name}"
+            )
+        if terminal and not callable(self.terminal_slots):
+            raise ValueError(f"{facts.name} ({symbol!r}) is an MLP-slot type: give terminal_slots")
+        for name in ("build", "forward", "backward_dw"):
+            if not callable(getattr(self, name)):
+                raise ValueError(f"{name} of layer type {symbol!r} must be callable")
+        if not self.spec_field.isidentifier():
+            raise ValueError(
+                f"spec_field of {symbol!r} must be an identifier, got {self.spec_field!r}"
+            )
 
 
-def _transformer_layer_builder(*, attention: bool) -> Callable[[Any, LayerBuildArgs], nn.Module]:
-    def build(spec, args: LayerBuildArgs) -> nn.Module:
-        kwargs = dict(
-            config=args.config,
-            layer_number=args.layer_number,
-            pg_collection=args.pg_collection,
-            # layer_number is already global; megatron must not add a PP offset again.
-            add_layer_offset=False,
-            name=args.name,
-        )
-        if attention:
-            kwargs.update(is_mtp_layer=args.is_mtp_layer, pp_layer_offset=args.stage_offset)
-        return build_module(spec, **kwargs)
+class _LiveTable(Mapping[str, LayerRuntime]):
+    """Symbol -> LayerRuntime, read-only; the built-in types load on first use."""
 
-    return build
+    def __getitem__(self, symbol: str) -> LayerRuntime:
+        return _loaded()[symbol]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_loaded())
+
+    def __len__(self) -> int:
+        return len(_loaded())
 
 
-def _build_mamba(spec, args: LayerBuildArgs) -> nn.Module:
-    return build_module(
-        spec,
-        config=args.config,
-        layer_number=args.layer_number,
-        pp_layer_offset=args.stage_offset,
-        pg_collection=args.pg_collection,
-        name=args.name,
-    )
+_runtimes: dict[str, LayerRuntime] = {}
+_builtins_loaded = [False]
+
+#: Symbol -> LayerRuntime of every layer type (read-only, live).
+LAYER_RUNTIMES: Mapping[str, LayerRuntime] = _LiveTable()
 
 
-def _forward_transformer_layer(layer: nn.Module, hidden_states: Tensor, inputs: LayerInputs):
-    hidden_states, _ = layer(
-        hidden_states=hidden_states,
-        attention_mask=inputs.attention_mask,
-        rotary_pos_emb=inputs.rotary_pos_emb,
-        rotary_pos_cos=inputs.rotary_pos_cos,
-        rotary_pos_sin=inputs.rotary_pos_sin,
-        rotary_pos_cos_sin=inputs.rotary_pos_cos_sin,
-        inference_context=inputs.inference_context,
-        packed_seq_params=inputs.packed_seq_params,
-        sequence_len_offset=inputs.sequence_len_offset,
-        padding_mask=inputs.padding_mask,
-    )
-    return hidden_states
+def _loaded() -> dict[str, LayerRuntime]:
+    if not _builtins_loaded[0]:
+        _builtins_loaded[0] = True
+        # Each built-in type's module registers its runtime through _register_builtin; imported
+        # here, not at the top, because those modules import this one.
+        import megatron_hybrid.modules.layer_types  # noqa: F401
+    return _runtimes
 
 
-def _forward_mamba_layer(layer: nn.Module, hidden_states: Tensor, inputs: LayerInputs):
-    return layer(
-        hidden_states=hidden_states,
-        attention_mask=inputs.attention_mask,
-        inference_context=inputs.inference_context,
-        packed_seq_params=inputs.packed_seq_params,
-    )
+def _register_builtin(runtime: LayerRuntime) -> None:
+    """Add a built-in type's runtime (its facts are in the pattern package's table)."""
+    runtime.check(layer_facts(runtime.symbol))
+    assert runtime.symbol not in _runtimes, runtime.symbol
+    _runtimes[runtime.symbol] = runtime
 
 
-#: Pattern symbol -> LayerKind.
-LAYER_KINDS: dict[str, LayerKind] = {}
+def _replace_runtime(runtime: LayerRuntime) -> None:
+    """Swap the runtime of an existing type (the deprecated hooks that patch one piece)."""
+    runtime.check(layer_facts(runtime.symbol))
+    _loaded()[runtime.symbol] = runtime
 
 
-def register_layer_kind(kind: LayerKind) -> None:
-    """Register how a pattern symbol is built and called.
+def layer_runtime(symbol: str) -> LayerRuntime:
+    """The runtime of ``symbol``.
 
     Raises:
-        ValueError: the symbol is already registered.
+        ValueError: no layer type has that symbol, or it has facts but no runtime.
     """
-    if kind.symbol in LAYER_KINDS:
-        raise ValueError(f"layer kind for symbol {kind.symbol!r} is already registered")
-    LAYER_KINDS[kind.symbol] = kind
-
-
-def layer_kind(symbol: str) -> LayerKind:
-    """The registered kind of ``symbol``.
-
-    Raises:
-        ValueError: no kind is registered for it.
-    """
-    try:
-        return LAYER_KINDS[symbol]
-    except KeyError:
+    runtimes = _loaded()
+    if symbol not in runtimes:
+        facts = layer_facts(symbol)  # raises for an unknown symbol
         raise ValueError(
-            f"no layer kind is registered for symbol {symbol!r}; registered: "
-            f"{', '.join(sorted(LAYER_KINDS))}"
-        ) from None
+            f"{facts.name} ({symbol!r}) has facts but no runtime; register both with "
+            "megatron_hybrid.modules.register_layer_type(facts, runtime)"
+        )
+    return runtimes[symbol]
 
 
-_attention = _transformer_layer_builder(attention=True)
-_mlp = _transformer_layer_builder(attention=False)
-for _kind in (
-    LayerKind(MAMBA, "Mamba", "mamba_layer", _build_mamba, _forward_mamba_layer),
-    LayerKind(GDN, "GatedDeltaNet", "gdn_layer", _mlp, _forward_transformer_layer),
-    LayerKind(ATTENTION, "attention", "attention_layer", _attention, _forward_transformer_layer),
-    LayerKind(
-        DSA, "DeepSeek sparse attention", "dsa_layer", _attention, _forward_transformer_layer
-    ),
-    LayerKind(MLA, "multi-latent attention", "mla_layer", _attention, _forward_transformer_layer),
-    LayerKind(MLP, "dense MLP", "mlp_layer", _mlp, _forward_transformer_layer),
-    LayerKind(MOE, "MoE", "moe_layer", _mlp, _forward_transformer_layer),
-):
-    register_layer_kind(_kind)
+def register_layer_type(facts: LayerTypeFacts, runtime: LayerRuntime) -> None:
+    """Add a layer type: its symbol parses, describes, builds, checkpoints and schedules.
+
+    Args:
+        facts: the pure facts (symbol, name, slot, GPT role, THD rule, colour).
+        runtime: spec field, build and forward, schedule role and pieces, delayed wgrad, and
+            ``default_spec`` for the backends.
+
+    Raises:
+        ValueError: the symbol is taken, or a field of either record is invalid.
+    """
+    runtimes = _loaded()
+    facts.check()
+    if facts.symbol in layer_symbols():
+        raise ValueError(
+            f"the layer symbol {facts.symbol!r} is already taken by "
+            f"{layer_facts(facts.symbol).name}; pick another character"
+        )
+    runtime.check(facts)
+    if runtime.default_spec is None:
+        raise ValueError(
+            f"layer type {facts.symbol!r} needs runtime.default_spec (backend -> ModuleSpec): "
+            "the spec backends only build the built-in types"
+        )
+    taken = {r.spec_field for r in runtimes.values()}
+    if runtime.spec_field in taken:
+        raise ValueError(f"spec_field {runtime.spec_field!r} is already used by another type")
+    register_layer_facts(facts)
+    runtimes[facts.symbol] = runtime
+
+
+def unregister_layer_type(symbol: str) -> None:
+    """Remove a registered layer type (built-in types stay).
+
+    Raises:
+        ValueError: ``symbol`` is built in or not registered.
+    """
+    unregister_layer_facts(symbol)
+    _loaded().pop(symbol, None)
+
+
+def registered_symbols() -> tuple[str, ...]:
+    """Symbols with both facts and runtime, in table order."""
+    runtimes = _loaded()
+    return tuple(s for s in layer_symbols() if s in runtimes)
+
+
+# Names of the registry before the layer-type table; kept working with a DeprecationWarning.
+_DEPRECATED = {
+    "LayerKind": ("LayerRuntime", lambda: LayerRuntime),
+    "LAYER_KINDS": ("LAYER_RUNTIMES", lambda: LAYER_RUNTIMES),
+    "layer_kind": ("layer_runtime", lambda: layer_runtime),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new, value = _DEPRECATED[name]
+        warnings.warn(
+            f"megatron_hybrid.modules.registry.{name} is deprecated; use {new} (a layer type is "
+            "now registered once, with register_layer_type(facts, runtime))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

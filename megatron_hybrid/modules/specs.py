@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -53,10 +53,13 @@ class HybridStackSubmodules(_MCoreHybridStackSubmodules):
     """Specs of every layer type of a hybrid stack, plus the stack's final norm.
 
     A subclass of megatron-core's ``HybridStackSubmodules`` so that megatron-core's MTP block,
-    which builds its inner stack from these fields, accepts it unchanged.
+    which builds its inner stack from these fields, accepts it unchanged. Layer types
+    registered with :func:`~megatron_hybrid.modules.register_layer_type` keep their specs in
+    ``extra_layers`` (``LayerRuntime.spec_field`` -> spec).
     """
 
     final_norm: Any = None
+    extra_layers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -267,10 +270,28 @@ BACKENDS: dict[str, Callable[[_SpecOptions], dict]] = {"local": _local_layers, "
 
 
 def register_backend(name: str, build_layers: Callable[[_SpecOptions], dict]) -> None:
-    """Add a spec backend (for example a Kitchen or inference variant)."""
+    """Add a spec backend (for example a Kitchen or inference variant).
+
+    ``build_layers(options)`` returns every :class:`HybridStackSubmodules` field; it may add
+    specs for registered layer types under their ``LayerRuntime.spec_field`` (those it leaves
+    out come from the type's ``default_spec``).
+    """
     if name in BACKENDS:
         raise ValueError(f"spec backend {name!r} is already registered")
     BACKENDS[name] = build_layers
+
+
+def _registered_layer_specs(backend: str, extra: dict) -> dict:
+    """``extra`` (specs a backend built beyond the built-in fields) plus the default spec of
+    every registered layer type the backend did not build."""
+    from megatron_hybrid.modules.registry import LAYER_RUNTIMES
+
+    defaults = {
+        runtime.spec_field: runtime.default_spec(backend)
+        for runtime in LAYER_RUNTIMES.values()
+        if runtime.spec_field not in extra and runtime.default_spec is not None
+    }
+    return {**extra, **defaults}
 
 
 def _mtp_block_spec(norm, eh_proj) -> ModuleSpec:
@@ -361,9 +382,14 @@ def hybrid_stack_spec(
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 
     layers = BACKENDS[backend](opts)
-    missing = {f.name for f in fields(HybridStackSubmodules)} - set(layers)
+    names = {f.name for f in fields(HybridStackSubmodules)} - {"extra_layers"}
+    missing = names - set(layers)
     if missing:
         raise ValueError(f"spec backend {backend!r} did not define {sorted(missing)}")
+    # Specs of registered layer types: the backend's own where it builds them, else the type's
+    # default.
+    extra = {name: layers.pop(name) for name in set(layers) - names}
+    layers["extra_layers"] = _registered_layer_specs(backend, extra)
     return ModuleSpec(
         module=HybridStack,
         submodules=HybridStackSubmodules(**layers),

@@ -13,6 +13,18 @@ megatron-core's ``--hybrid-layer-pattern``.
 
 from megatron_hybrid.pattern.errors import HybridPatternError
 from megatron_hybrid.pattern.grammar import parse_pattern
+from megatron_hybrid.pattern.layer_types import (
+    LAYER_TYPES,
+    SLOT_OF_SYMBOL,
+    SYMBOL_NAMES,
+    GptRole,
+    LayerTypeFacts,
+    alphabet_version,
+    layer_facts,
+    layer_symbols,
+    register_layer_facts,
+    unregister_layer_facts,
+)
 from megatron_hybrid.pattern.layout import (
     Item,
     LogicalLayer,
@@ -43,11 +55,10 @@ from megatron_hybrid.pattern.symbols import (
     MOE,
     MTP_SEPARATOR,
     PIPE,
-    SLOT_OF_SYMBOL,
-    SYMBOL_NAMES,
     SYMBOLS,
     Slot,
 )
+from megatron_hybrid.pattern.thd_rules import ThdOptions, accepts_thd
 
 # The public surface; the tokenizer (tokenizer.py) and parse-tree nodes (grammar.py) stay internal.
 __all__ = [
@@ -55,6 +66,7 @@ __all__ = [
     "DSA",
     "GDN",
     "GRAMMAR_VERSION",
+    "LAYER_TYPES",
     "MAMBA",
     "MAX_NESTING_DEPTH",
     "MAX_PATTERN_LENGTH",
@@ -67,19 +79,28 @@ __all__ = [
     "SLOT_OF_SYMBOL",
     "SYMBOLS",
     "SYMBOL_NAMES",
+    "GptRole",
     "HybridPatternError",
     "Item",
+    "LayerTypeFacts",
     "LogicalLayer",
     "ParsedPattern",
     "PipelineSelection",
     "Slot",
+    "ThdOptions",
+    "accepts_thd",
+    "alphabet_version",
     "flatten_items",
     "is_group",
     "item_physical_count",
     "item_to_str",
     "items_to_str",
+    "layer_facts",
+    "layer_symbols",
     "parse_pattern",
     "pipeline_segments",
-    "with_option_names",
+    "register_layer_facts",
     "select_pipeline_segment",
+    "unregister_layer_facts",
+    "with_option_names",
 ]

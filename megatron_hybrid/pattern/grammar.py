@@ -27,6 +27,12 @@ import functools
 from typing import NamedTuple
 
 from megatron_hybrid.pattern.errors import HybridPatternError
+from megatron_hybrid.pattern.layer_types import (
+    SLOT_OF_SYMBOL,
+    SYMBOL_NAMES,
+    alphabet_version,
+    layer_symbols,
+)
 from megatron_hybrid.pattern.layout import (
     Item,
     ParsedPattern,
@@ -39,13 +45,10 @@ from megatron_hybrid.pattern.symbols import (
     MAX_NESTING_DEPTH,
     MAX_PATTERN_LENGTH,
     MAX_PHYSICAL_LAYERS,
-    SLOT_OF_SYMBOL,
-    SYMBOL_NAMES,
     Slot,
 )
 from megatron_hybrid.pattern.tokenizer import (
     _CAP,
-    _ELEMENT,
     END,
     GROUP_END,
     GROUP_START,
@@ -56,13 +59,20 @@ from megatron_hybrid.pattern.tokenizer import (
     RUN_START,
     SEGMENT_SEP,
     Token,
+    lexicon,
     tokenize,
 )
 
 # Token and tokenize are re-exported: they were defined here before tokenizer.py existed.
 __all__ = ["Token", "parse_pattern", "tokenize"]
 
-_SLOT_LIST = "one mixer (M), one attention (* D + G) and one MLP (- E)"
+
+def _slot_list() -> str:
+    """'one mixer (M), one attention (* D + G) and one MLP (- E)' for the current alphabet."""
+    by_slot = {slot: [s for s in layer_symbols() if SLOT_OF_SYMBOL[s] == slot] for slot in Slot}
+    names = {Slot.MIXER: "mixer", Slot.ATTENTION: "attention", Slot.MLP: "MLP"}
+    parts = [f"one {names[slot]} ({' '.join(by_slot[slot])})" for slot in Slot]
+    return f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 # A node of the parse tree; counts are physical layers, saturated at _CAP.
@@ -221,7 +231,7 @@ class _Parser:
             raise self.group_in_mtp(at + text.index(GROUP_OPEN))
         read = _read_literal(text)
         if read is None:  # some group breaks a slot rule: find it and raise with its position
-            for match in _ELEMENT.finditer(text):
+            for match in lexicon().element.finditer(text):
                 filled: dict[Slot, tuple[str, int]] = {}
                 for offset, symbol in enumerate(match.group().strip("[]")):
                     self.add_member(
@@ -298,7 +308,7 @@ class _Parser:
                 f"at position {opening} ('{first}' at position {first_at} already fills "
                 f"the {name} slot)",
                 at,
-                f"at most {_SLOT_LIST} per group",
+                f"at most {_slot_list()} per group",
                 "a group is one Transformer layer; split it into groups, e.g. '[*E][*E]'",
             )
         if Slot.MLP in filled:
@@ -335,8 +345,11 @@ class _Parser:
 
 
 @functools.lru_cache(maxsize=256)
-def _follows_slot_rules(members: str) -> bool:
-    """At most one member per slot, the MLP-slot member last (cached: groups repeat a lot)."""
+def _follows_slot_rules(members: str, version: int) -> bool:
+    """At most one member per slot, the MLP-slot member last (cached: groups repeat a lot).
+
+    ``version`` is the alphabet version: a cache key, so a re-registered symbol is re-read.
+    """
     slots = [SLOT_OF_SYMBOL[symbol] for symbol in members]
     return len(set(slots)) == len(slots) and Slot.MLP not in slots[:-1]
 
@@ -348,24 +361,29 @@ _CACHED_LITERAL_LENGTH = 256
 
 def _read_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
     """Items of a literal, their offsets in it and its physical count; None if a group is bad."""
+    version = alphabet_version()
     if len(text) <= _CACHED_LITERAL_LENGTH:
-        return _read_short_literal(text)
-    return _read_literal_uncached(text)
+        return _read_short_literal(text, version)
+    return _read_literal_uncached(text, version)
 
 
 @functools.lru_cache(maxsize=256)
-def _read_short_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
-    return _read_literal_uncached(text)
+def _read_short_literal(
+    text: str, version: int
+) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+    return _read_literal_uncached(text, version)
 
 
-def _read_literal_uncached(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+def _read_literal_uncached(
+    text: str, version: int
+) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
     items: list[Item] = []
     offsets: list[int] = []
-    for match in _ELEMENT.finditer(text):
+    for match in lexicon().element.finditer(text):
         element = match.group()
         if element[0] == GROUP_OPEN:
             members = element[1:-1]
-            if not _follows_slot_rules(members):
+            if not _follows_slot_rules(members, version):
                 return None
             items.append(tuple(members))
         else:
@@ -433,7 +451,6 @@ def _check_whole_pattern(pattern: str, main: list[list[_Node]], mtp: list[list[_
         )
 
 
-@functools.lru_cache(maxsize=128)
 def parse_pattern(pattern: str | ParsedPattern) -> ParsedPattern:
     """Parse a hybrid layer pattern (cached: model building calls this many times).
 
@@ -468,6 +485,13 @@ layer of its group, but '*' follows it
         return pattern
     if not isinstance(pattern, str):
         raise TypeError(f"a hybrid layer pattern must be a str, got {type(pattern).__name__}")
+    # The alphabet version is part of the cache key: registering a layer type changes which
+    # patterns are valid.
+    return _parse(pattern, alphabet_version())
+
+
+@functools.lru_cache(maxsize=128)
+def _parse(pattern: str, version: int) -> ParsedPattern:
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise HybridPatternError(
             f"the pattern is {len(pattern):,} characters long, above the limit of "

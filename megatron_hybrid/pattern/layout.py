@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 from megatron_hybrid.pattern.errors import HybridPatternError
+from megatron_hybrid.pattern.layer_types import SYMBOL_NAMES, layer_symbols
 from megatron_hybrid.pattern.symbols import (
     ATTENTION,
     DSA,
@@ -24,8 +25,6 @@ from megatron_hybrid.pattern.symbols import (
     MLA,
     MTP_SEPARATOR,
     PIPE,
-    SYMBOL_NAMES,
-    SYMBOLS,
 )
 
 if TYPE_CHECKING:
@@ -200,7 +199,7 @@ position=8)
         >>> parse_pattern("M[*E]M/*E/*E").layer_counts
         {'M': 2, 'G': 0, '*': 3, 'D': 0, '+': 0, '-': 0, 'E': 3}
         """
-        counts = dict.fromkeys(SYMBOLS, 0)
+        counts = dict.fromkeys(layer_symbols(), 0)
         for symbol in flatten_items(self.items):
             counts[symbol] += 1
         for symbol in self.mtp_items:
@@ -226,7 +225,7 @@ def make_parsed_pattern(
     """
     layers: list[LogicalLayer] = []
     physical = 0
-    singles = {symbol: (symbol,) for symbol in SYMBOLS}
+    singles = {symbol: (symbol,) for symbol in layer_symbols()}
     new = tuple.__new__  # skips NamedTuple's keyword handling: this loop runs once per layer
     for segment_index, (segment, segment_positions) in enumerate(
         zip(segments, positions, strict=True)

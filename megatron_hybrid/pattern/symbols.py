@@ -1,7 +1,9 @@
-"""The alphabet of hybrid layer patterns: layer symbols, their slots and the separators.
+"""The characters of hybrid layer patterns: built-in layer symbols, slots and separators.
 
-This module is the single source of valid characters; the parser, the error messages and the
-module registry all read it. Vocabulary used across the package:
+The facts about each layer type (name, slot, GPT role, THD rule, colour) live in one table,
+:mod:`megatron_hybrid.pattern.layer_types`, which also takes registrations of new types; this
+module holds the characters the table and the parser are written with. Vocabulary used across
+the package:
 
 * *layer* (or *physical layer*): one symbol, one module with its own ``layer_number``;
 * *group*: ``[...]``, several physical layers that form one Transformer-equivalent layer;
@@ -11,14 +13,12 @@ module registry all read it. Vocabulary used across the package:
 
 >>> SYMBOLS
 ('M', 'G', '*', 'D', '+', '-', 'E')
->>> SLOT_OF_SYMBOL[MOE], SYMBOL_NAMES[MOE]
-(<Slot.MLP: 'mlp'>, 'MoE')
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "ATTENTION",
@@ -40,9 +40,7 @@ __all__ = [
     "REPEAT_OPEN",
     "RUN_CLOSE",
     "RUN_OPEN",
-    "SLOT_OF_SYMBOL",
     "SYMBOLS",
-    "SYMBOL_NAMES",
     "Slot",
 ]
 
@@ -55,20 +53,9 @@ MLA = "+"
 MLP = "-"
 MOE = "E"
 
-#: All layer symbols, in the order used for counts and tables.
+#: The built-in layer symbols, in table order. Types registered later are in
+#: ``megatron_hybrid.pattern.layer_types.layer_symbols()``, which the parser reads.
 SYMBOLS: tuple[str, ...] = (MAMBA, GDN, ATTENTION, DSA, MLA, MLP, MOE)
-
-SYMBOL_NAMES: MappingProxyType[str, str] = MappingProxyType(
-    {
-        MAMBA: "Mamba",
-        GDN: "GatedDeltaNet",
-        ATTENTION: "attention",
-        DSA: "DeepSeek sparse attention",
-        MLA: "MLA",
-        MLP: "dense MLP",
-        MOE: "MoE",
-    }
-)
 
 # Structure characters.
 PIPE = "|"
@@ -93,20 +80,6 @@ class Slot(StrEnum):
     MLP = "mlp"
 
 
-#: Slot of each layer symbol. GatedDeltaNet takes the attention slot because megatron-core builds
-#: it as a TransformerLayer's ``self_attention`` (its checkpoint keys live there too).
-SLOT_OF_SYMBOL: MappingProxyType[str, Slot] = MappingProxyType(
-    {
-        MAMBA: Slot.MIXER,
-        GDN: Slot.ATTENTION,
-        ATTENTION: Slot.ATTENTION,
-        DSA: Slot.ATTENTION,
-        MLA: Slot.ATTENTION,
-        MLP: Slot.MLP,
-        MOE: Slot.MLP,
-    }
-)
-
 #: Largest number of physical layers a pattern may expand to (main plus every MTP depth). It
 #: catches typos such as ``{50000}`` for ``{50}`` before anything is expanded.
 MAX_PHYSICAL_LAYERS = 100_000
@@ -121,3 +94,13 @@ MAX_NESTING_DEPTH = 32
 
 #: Version of the grammar; bumped on any change to what a pattern string means.
 GRAMMAR_VERSION = 1
+
+
+def __getattr__(name: str) -> Any:
+    # SYMBOL_NAMES and SLOT_OF_SYMBOL were defined here before the layer-type table existed;
+    # they are now live views of that table (importing it here eagerly would be a cycle).
+    if name in ("SYMBOL_NAMES", "SLOT_OF_SYMBOL"):
+        from megatron_hybrid.pattern import layer_types
+
+        return getattr(layer_types, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,9 @@
 Tokens are literals (runs of layer symbols and well-formed groups), repetitions ``{N}`` and the
 single characters ``[ ] ( ) | /``. Reading a run such as ``M[*E]-[*E]`` as one token keeps long
 written-out patterns fast; a repetition binds to the last element of a run only, so that element
-gets a token of its own. Counts are checked here (no ``{}``, ``{0}`` or leading zeros) and
+gets a token of its own. The layer symbols come from the layer-type table
+(:mod:`megatron_hybrid.pattern.layer_types`), so a registered type's symbol is a token like the
+built-in ones. Counts are checked here (no ``{}``, ``{0}`` or leading zeros) and
 saturate at 10**15, far above any valid size, so the parser's size arithmetic stays O(1).
 Malformed input becomes an ``INVALID`` token carrying its :class:`HybridPatternError`, which the
 parser raises when it reaches it, so errors come in the order the parser meets them.
@@ -16,10 +18,12 @@ parser raises when it reaches it, so errors come in the order the parser meets t
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
 from megatron_hybrid.pattern.errors import HybridPatternError, display_char
+from megatron_hybrid.pattern.layer_types import alphabet_version, layer_symbols
 from megatron_hybrid.pattern.symbols import (
     GROUP_CLOSE,
     GROUP_OPEN,
@@ -29,7 +33,6 @@ from megatron_hybrid.pattern.symbols import (
     REPEAT_OPEN,
     RUN_CLOSE,
     RUN_OPEN,
-    SYMBOLS,
 )
 
 __all__ = [
@@ -60,7 +63,7 @@ __all__ = [
     END,
     INVALID,
 ) = range(10)
-_SINGLE_CHAR_KINDS = {symbol: LITERAL for symbol in SYMBOLS} | {
+_STRUCTURE_KINDS = {
     GROUP_OPEN: GROUP_START,
     GROUP_CLOSE: GROUP_END,
     RUN_OPEN: RUN_START,
@@ -69,19 +72,50 @@ _SINGLE_CHAR_KINDS = {symbol: LITERAL for symbol in SYMBOLS} | {
     MTP_SEPARATOR: MTP_SEP,
 }
 _DIGITS = re.compile(r"[0-9]*")
-_SYMBOL_CLASS = "[" + re.escape("".join(SYMBOLS)) + "]"
-# An element is one symbol or one well-formed group; a literal is a run of elements.
-_ELEMENT = re.compile(
-    f"{re.escape(GROUP_OPEN)}{_SYMBOL_CLASS}+{re.escape(GROUP_CLOSE)}|{_SYMBOL_CLASS}"
-)
-_LITERAL = re.compile(f"(?:{_ELEMENT.pattern})+")
 # Counts saturate at _CAP: far above the limit (so messages can say how far above it a pattern
 # goes), yet small enough to keep the size arithmetic O(1) however many digits or nested
 # repetitions a pattern has.
 _CAP = 10**15
 _MAX_COUNT_DIGITS = len(str(_CAP))
-_SYMBOL_LIST = " ".join(SYMBOLS)
-_ANY_EXPECTED = f"a layer symbol ({_SYMBOL_LIST}) or one of [ ] ( ) {{ }} | /"
+
+
+class Lexicon(NamedTuple):
+    """What the tokenizer derives from the alphabet (rebuilt when a layer type is registered).
+
+    Attributes:
+        symbols: the layer symbols.
+        single_char_kinds: character -> token kind for symbols and structure characters.
+        element: one symbol or one well-formed group.
+        literal: a run of elements.
+        expected: the "expected" text of an invalid-character error.
+    """
+
+    symbols: tuple[str, ...]
+    single_char_kinds: dict[str, int]
+    element: re.Pattern
+    literal: re.Pattern
+    expected: str
+
+
+@functools.lru_cache(maxsize=4)
+def _lexicon_for(version: int) -> Lexicon:
+    symbols = layer_symbols()
+    symbol_class = "[" + re.escape("".join(symbols)) + "]"
+    element = re.compile(
+        f"{re.escape(GROUP_OPEN)}{symbol_class}+{re.escape(GROUP_CLOSE)}|{symbol_class}"
+    )
+    return Lexicon(
+        symbols=symbols,
+        single_char_kinds={symbol: LITERAL for symbol in symbols} | _STRUCTURE_KINDS,
+        element=element,
+        literal=re.compile(f"(?:{element.pattern})+"),
+        expected=f"a layer symbol ({' '.join(symbols)}) or one of [ ] ( ) {{ }} | /",
+    )
+
+
+def lexicon() -> Lexicon:
+    """The lexicon of the current alphabet."""
+    return _lexicon_for(alphabet_version())
 
 
 class Token(NamedTuple):
@@ -111,12 +145,13 @@ def tokenize(pattern: str) -> list[Token]:
     >>> [t.text for t in tokenize("[*E]{12}M[*-]*E{3}[*")]
     ['[*E]', '{12}', 'M[*-]*', 'E', '{3}', '[', '*', '']
     """
+    lex = lexicon()
     tokens: list[Token] = []
     position, length = 0, len(pattern)
     while position < length:
         char = pattern[position]
-        kind = _SINGLE_CHAR_KINDS.get(char)
-        match = _LITERAL.match(pattern, position) if kind in (LITERAL, GROUP_START) else None
+        kind = lex.single_char_kinds.get(char)
+        match = lex.literal.match(pattern, position) if kind in (LITERAL, GROUP_START) else None
         if match:
             # One token per run of symbols and well-formed groups keeps long literal patterns
             # fast. A repetition binds to the last element only: it gets a token of its own.
@@ -139,7 +174,8 @@ def tokenize(pattern: str) -> list[Token]:
                 break
             position += len(token.text)
         else:
-            tokens.append(Token(INVALID, position, char, error=_invalid_char(pattern, position)))
+            error = _invalid_char(pattern, position, lex)
+            tokens.append(Token(INVALID, position, char, error=error))
             break
     tokens.append(Token(END, length, ""))
     return tokens
@@ -190,7 +226,7 @@ def _repeat_token(pattern: str, start: int) -> Token:
     return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, _CAP))
 
 
-def _invalid_char(pattern: str, position: int) -> HybridPatternError:
+def _invalid_char(pattern: str, position: int, lex: Lexicon) -> HybridPatternError:
     char = pattern[position]
     shown = f"'{display_char(char)}'"
     message = f"invalid character {shown} at position {position}"
@@ -198,11 +234,11 @@ def _invalid_char(pattern: str, position: int) -> HybridPatternError:
     if char.isspace():
         message = f"whitespace {shown} at position {position} is not allowed"
         hint = "remove the whitespace"
-    elif char.upper() in SYMBOLS:
+    elif char.upper() in lex.symbols:
         hint = f"layer symbols are upper case: write '{char.upper()}'"
     elif char == REPEAT_CLOSE:
         message = f"'}}' at position {position} closes a repetition count that was not opened"
         hint = "remove the '}' or open the count with '{', e.g. 'M{2}'"
     elif char.isdigit() or char in "xX":
         hint = "repeat a unit with {N} right after it, e.g. '[*E]{4}' or '(M*){3}'"
-    return HybridPatternError(message, pattern, position, _ANY_EXPECTED, hint)
+    return HybridPatternError(message, pattern, position, lex.expected, hint)

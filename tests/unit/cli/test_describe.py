@@ -93,6 +93,13 @@ def test_describe_names_the_stacked_form(capsys, pattern, stacked):
     assert keys.startswith("keys       logical")
 
 
+def test_describe_prints_stacked_keys_with_their_layer_index(capsys):
+    assert main(["describe", "[*E]{3}"]) == 0
+    layers = rows(capsys.readouterr().out, "logical")
+    # The stacked form: one key prefix, the layer's index on the leading layer axis after it.
+    assert [r[-2:] for r in layers] == [["decoder.layers.", f"[{i}/3]"] for i in range(3)]
+
+
 def test_describe_first_stage_layers(capsys):
     assert main(["describe", "M{5}", "--pp", "2", "--first-stage-layers", "2"]) == 0
     stages = rows(capsys.readouterr().out, "stage")

@@ -1,0 +1,112 @@
+"""Runtime pieces that several built-in layer types share.
+
+Every built-in type except Mamba is a megatron-core ``TransformerLayer`` holding one half of a
+GPT layer, so they share a builder, a forward call, the attention-half runner of the schedule's
+pre-dispatch slot and the delayed weight-gradient wrapper that ``TransformerLayer`` provides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megatron.core.transformer.spec_utils import build_module
+from torch import Tensor, nn
+
+from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs
+
+__all__ = [
+    "ModuleBackwardDW",
+    "build_transformer_layer",
+    "forward_transformer_layer",
+    "pre_layer_backward_dw",
+    "run_attention_half",
+]
+
+PRE_DISPATCH = "pre_dispatch_computation"
+MLP_SLOT = "mlp"
+
+
+def build_transformer_layer(*, attention: bool) -> Callable[[Any, LayerBuildArgs], nn.Module]:
+    """A builder for ``TransformerLayer`` specs (``attention``: pass the attention-only args)."""
+
+    def build(spec, args: LayerBuildArgs) -> nn.Module:
+        kwargs = dict(
+            config=args.config,
+            layer_number=args.layer_number,
+            pg_collection=args.pg_collection,
+            # layer_number is already global; megatron must not add a PP offset again.
+            add_layer_offset=False,
+            name=args.name,
+        )
+        if attention:
+            kwargs.update(is_mtp_layer=args.is_mtp_layer, pp_layer_offset=args.stage_offset)
+        return build_module(spec, **kwargs)
+
+    return build
+
+
+def forward_transformer_layer(layer: nn.Module, hidden_states: Tensor, inputs: LayerInputs):
+    """Call a ``TransformerLayer`` with the stack's inputs; return its hidden states."""
+    hidden_states, _ = layer(
+        hidden_states=hidden_states,
+        attention_mask=inputs.attention_mask,
+        rotary_pos_emb=inputs.rotary_pos_emb,
+        rotary_pos_cos=inputs.rotary_pos_cos,
+        rotary_pos_sin=inputs.rotary_pos_sin,
+        rotary_pos_cos_sin=inputs.rotary_pos_cos_sin,
+        inference_context=inputs.inference_context,
+        packed_seq_params=inputs.packed_seq_params,
+        sequence_len_offset=inputs.sequence_len_offset,
+        padding_mask=inputs.padding_mask,
+    )
+    return hidden_states
+
+
+def run_attention_half(layer: nn.Module, hidden_states: Tensor, node) -> Tensor:
+    """Pre-dispatch slot: input norm, attention (or GatedDeltaNet / MLA / DSA), residual add."""
+    state = node.chunk_state
+    hidden_states, _ = layer._forward_attention(
+        hidden_states=hidden_states,
+        attention_mask=state.attention_mask,
+        rotary_pos_emb=state.rotary_pos_emb,
+        rotary_pos_cos=getattr(state, "rotary_pos_cos", None),
+        rotary_pos_sin=getattr(state, "rotary_pos_sin", None),
+        packed_seq_params=state.packed_seq_params,
+        sequence_len_offset=getattr(state, "sequence_len_offset", None),
+        padding_mask=state.padding_mask,
+    )
+    return hidden_states
+
+
+class ModuleBackwardDW:
+    """Delayed weight gradients of the linear layers inside a module (e.g. a Mamba mixer)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.targets = [
+            m
+            for m in module.modules()
+            if m is not module and callable(getattr(m, "backward_dw", None))
+        ]
+
+    def backward_dw(self) -> None:
+        """Run every inner linear layer's delayed weight gradient."""
+        for target in self.targets:
+            target.backward_dw()
+
+    def parameters(self):
+        """The module's parameters (the slot fires their post-wgrad hooks)."""
+        return self.module.parameters()
+
+
+def pre_layer_backward_dw(layer: nn.Module) -> dict[str, list]:
+    """A pre-layer's delayed wgrad, in the pre-dispatch slot.
+
+    A ``TransformerLayer`` has its own wrapper (``init_backward_dw_wrapper``); any other module
+    gets :class:`ModuleBackwardDW` over its linear layers.
+    """
+    if hasattr(layer, "init_backward_dw_wrapper"):
+        layer.init_backward_dw_wrapper()
+        return {PRE_DISPATCH: [layer.backward_dw_wrapper]}
+    return {PRE_DISPATCH: [ModuleBackwardDW(layer)]}

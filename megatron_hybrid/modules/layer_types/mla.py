@@ -1,0 +1,22 @@
+"""Runtime of ``+`` (multi-latent attention): an attention half of a GPT layer."""
+
+from __future__ import annotations
+
+from megatron_hybrid.modules.layer_types.common import (
+    build_transformer_layer,
+    forward_transformer_layer,
+    pre_layer_backward_dw,
+    run_attention_half,
+)
+from megatron_hybrid.modules.registry import LayerRuntime, ScheduleRole
+from megatron_hybrid.pattern import MLA
+
+RUNTIME = LayerRuntime(
+    symbol=MLA,
+    spec_field="mla_layer",
+    build=build_transformer_layer(attention=True),
+    forward=forward_transformer_layer,
+    schedule_role=ScheduleRole.PRE_LAYER,
+    run_pre_dispatch=run_attention_half,
+    backward_dw=pre_layer_backward_dw,
+)
