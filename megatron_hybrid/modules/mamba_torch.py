@@ -445,7 +445,9 @@ def with_mixer_params(stack_spec, params: dict):
         return stack_spec
     mixer = layer.submodules.mixer
     mixer = dataclasses.replace(mixer, params={**(mixer.params or {}), **params})
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mixer=mixer))
+    layer = dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, mixer=mixer)
+    )
     submodules = dataclasses.replace(stack_spec.submodules, mamba_layer=layer)
     return dataclasses.replace(stack_spec, submodules=submodules)
 

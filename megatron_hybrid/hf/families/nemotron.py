@@ -331,7 +331,10 @@ def _plan(b: PlanBuilder, conversion: HFConversion) -> None:
     per_depth = len(pattern.mtp_items)
     for depth in range(pattern.mtp_num_depths):
         p = f"mtp.layers.{depth}."
-        first, last = f"mtp.layers.{depth * per_depth}.", f"mtp.layers.{(depth + 1) * per_depth - 1}."
+        first, last = (
+            f"mtp.layers.{depth * per_depth}.",
+            f"mtp.layers.{(depth + 1) * per_depth - 1}.",
+        )
         for name in ("enorm", "hnorm", "eh_proj"):
             b.copy(b.key(p, f"{name}.weight"), f"{first}{name}.weight")
         for i, symbol in enumerate(pattern.mtp_items):

@@ -605,7 +605,10 @@ def _nemotron_mtp_specs(
             for name, spec in tensors.items():
                 if name.startswith(source):
                     specs[prefix + name[len(source) :]] = spec
-        first, last = f"mtp.layers.{depth * per_depth}.", f"mtp.layers.{(depth + 1) * per_depth - 1}."
+        first, last = (
+            f"mtp.layers.{depth * per_depth}.",
+            f"mtp.layers.{(depth + 1) * per_depth - 1}.",
+        )
         specs[first + "eh_proj.weight"] = (wdtype, (hidden, 2 * hidden))
         specs[first + "enorm.weight"] = (wdtype, (hidden,))
         specs[first + "hnorm.weight"] = (wdtype, (hidden,))
