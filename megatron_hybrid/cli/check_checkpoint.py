@@ -95,11 +95,7 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hybrid.checkpointing.inspect import (
-        compare_with_checkpoint,
-        expected_checkpoint_tensors,
-        resolve_checkpoint_dir,
-    )
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, resolve_checkpoint_dir
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
@@ -120,12 +116,11 @@ def _run(args: argparse.Namespace) -> int:
     config = hybrid_config_from_args(
         argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
     )
-    build = partial(
-        _expected,
-        expected_checkpoint_tensors,
-        config,
-        args,
-    )
+    from megatron_hybrid.model import expected_keys
+    from megatron_hybrid.runtime import select_backend
+
+    select_backend().activate()  # the meta-device build calls megatron's CUDA-only functions
+    build = partial(_expected, expected_keys.expected_checkpoint_tensors, config, args)
     try:
         result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:

@@ -59,6 +59,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_hybrid.runtime import select_backend
     from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
@@ -68,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
             "model), e.g. --hybrid-layer-pattern '[*E]{4}'"
         )
     try:
-        summary = run_training(args)
+        summary = run_training(args, backend=select_backend())
     except CheckpointExistsError as error:  # an OSError: main() would print a traceback
         raise CommandError(str(error)) from None
     if torch.distributed.get_rank() == 0:

@@ -20,6 +20,7 @@ from megatron_hybrid.hf.config import (
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import PlanReport, check_plan
 from megatron_hybrid.hf.weights import HFWeightsError, build_plan, iter_hf_weights, model_chunks
+from megatron_hybrid.runtime import select_backend
 
 __all__ = [
     "conversion_for",
@@ -65,10 +66,12 @@ def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) 
 
 
 def _expected_key_shapes(conversion: HFConversion, backend: str) -> dict:
-    from megatron_hybrid.checkpointing.inspect import expected_checkpoint_tensors
     from megatron_hybrid.hf.weights import SHARDED_METADATA
+    from megatron_hybrid.model import expected_checkpoint_tensors
 
-    config = conversion.transformer_config(**_cpu_or_gpu_overrides(), params_dtype=torch.float32)
+    runtime = select_backend()
+    runtime.activate()  # the meta-device build calls megatron's CUDA-only functions
+    config = conversion.transformer_config(**runtime.config_overrides(), params_dtype=torch.float32)
     kwargs = dict(conversion.model_kwargs)
     vocab, length = kwargs.pop("vocab_size"), kwargs.pop("max_sequence_length")
     return expected_checkpoint_tensors(
@@ -115,14 +118,6 @@ def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_con
     return conversion, checked
 
 
-def _cpu_or_gpu_overrides() -> dict:
-    if torch.cuda.is_available():
-        return {}
-    from megatron_hybrid.testing.cpu import cpu_config_overrides
-
-    return cpu_config_overrides()
-
-
 def _ensure_process_groups(tp: int, pp: int, ep: int):
     """The current process groups, set up first if nothing is (plain process or torchrun)."""
     import torch.distributed as dist
@@ -131,10 +126,7 @@ def _ensure_process_groups(tp: int, pp: int, ep: int):
 
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 
-    if not torch.cuda.is_available():
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
-
-        enable_cpu_emulation()
+    select_backend().activate()
     init_world()
     if parallel_state.model_parallel_is_initialized():
         have = (
@@ -167,7 +159,8 @@ def build_model(
     **config_overrides,
 ):
     """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     if transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(
@@ -176,7 +169,7 @@ def build_model(
     dtype = params_dtype or conversion.dtype
     pp = pg_collection.pp
     config = conversion.transformer_config(
-        **_cpu_or_gpu_overrides(),
+        **select_backend().config_overrides(),
         tensor_model_parallel_size=pg_collection.tp.size(),
         pipeline_model_parallel_size=pp.size(),
         expert_model_parallel_size=pg_collection.ep.size(),

@@ -1,4 +1,4 @@
 """Test and demo support: opt-in CPU emulation of megatron-core, state resets, small models.
 
-Nothing here runs on import; see :func:`megatron_hybrid.testing.cpu.enable_cpu_emulation`.
+Nothing here runs on import; see :func:`megatron_hybrid.runtime.cpu.enable_cpu_emulation`.
 """

@@ -48,7 +48,8 @@ def build_model_chunks(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
     # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
@@ -219,7 +220,7 @@ def train_step(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hybrid.training.steps import lm_forward_step
+    from megatron_hybrid.schedule.steps import lm_forward_step
 
     _configure_hooks(chunks, config, pg_collection)
     for chunk in chunks:

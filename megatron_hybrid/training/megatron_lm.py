@@ -37,7 +37,7 @@ import torch
 
 from megatron_hybrid.pattern import parse_pattern
 from megatron_hybrid.training.arguments import add_hybrid_args, spec_backend
-from megatron_hybrid.training.steps import lm_forward_step
+from megatron_hybrid.schedule.steps import lm_forward_step
 
 __all__ = [
     "SyntheticLMDataset",
@@ -128,7 +128,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
