@@ -95,7 +95,10 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, resolve_checkpoint_dir
+    from megatron_hybrid.checkpointing.inspect import (
+        compare_with_checkpoint,
+        resolve_checkpoint_dir,
+    )
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
@@ -112,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     args = with_defaults(args)
     validate_settings(args, scopes=("model",))
     # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
-    unsplit = parse_pattern(args.hybrid_layer_pattern).canonical.replace("|", "")
+    unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
     config = hybrid_config_from_args(
         argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
     )

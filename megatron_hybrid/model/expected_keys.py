@@ -47,7 +47,7 @@ def _single_rank_groups():
 
 def expected_checkpoint_tensors(
     config,
-    pattern: str,
+    pattern: str | ParsedPattern,
     *,
     vocab_size: int,
     max_sequence_length: int,
@@ -66,9 +66,8 @@ def expected_checkpoint_tensors(
         metadata: sharded-state-dict metadata (``non_homogeneous_layers``, ...).
         **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
     """
-    parsed = parse_pattern(pattern)
     # Keys and global shapes do not depend on the split, so build every layer at once.
-    single = parsed.canonical.replace("|", "")
+    single = parse_pattern(pattern).unsplit
     config = dataclasses.replace(
         config,
         tensor_model_parallel_size=1,

@@ -26,12 +26,13 @@ from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
-from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment
+from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment, virtual_stages
 from megatron_hybrid.schedule.plan import build_hybrid_schedule_plan, check_schedulable
 
 __all__ = ["HybridModel"]
 
 logger = logging.getLogger(__name__)
+
 
 def _resolve_pattern(config, hybrid_layer_pattern, attention_ratio, mlp_ratio, override_pattern):
     """megatron-core's deprecated ways of giving a pattern, resolved to one string."""
@@ -87,7 +88,7 @@ def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
             "separators define the pipeline stages; unset the layout"
         )
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    if parsed.num_segments > 1 and parsed.num_segments != pp_size * vpp:
+    if parsed.num_segments > 1 and virtual_stages(parsed, pp_size) != vpp:
         raise ValueError(
             f"the pattern {parsed.pattern!r} has {parsed.num_segments} '|'-separated segments, "
             f"but pipeline size {pp_size} x virtual pipeline size {vpp} = {pp_size * vpp}; "

@@ -18,7 +18,6 @@ from megatron_hybrid.pattern.layout import (
     LogicalLayer,
     ParsedPattern,
     flatten_items,
-    is_group,
     item_physical_count,
     item_to_str,
     items_to_str,
@@ -27,6 +26,7 @@ from megatron_hybrid.pattern.pipeline import (
     PipelineSelection,
     pipeline_segments,
     select_pipeline_segment,
+    virtual_stages,
     with_option_names,
 )
 from megatron_hybrid.pattern.symbols import (
@@ -74,7 +74,6 @@ __all__ = [
     "PipelineSelection",
     "Slot",
     "flatten_items",
-    "is_group",
     "item_physical_count",
     "item_to_str",
     "items_to_str",
@@ -82,4 +81,5 @@ __all__ = [
     "pipeline_segments",
     "with_option_names",
     "select_pipeline_segment",
+    "virtual_stages",
 ]

@@ -30,8 +30,8 @@ from megatron_hybrid.pattern.errors import HybridPatternError
 from megatron_hybrid.pattern.layout import (
     Item,
     ParsedPattern,
-    _check_attention_family,
-    _check_mtp,
+    check_attention_family,
+    check_mtp_parts,
     make_parsed_pattern,
 )
 from megatron_hybrid.pattern.symbols import (
@@ -44,8 +44,8 @@ from megatron_hybrid.pattern.symbols import (
     Slot,
 )
 from megatron_hybrid.pattern.tokenizer import (
-    _CAP,
-    _ELEMENT,
+    COUNT_CAP,
+    ELEMENT_RE,
     END,
     GROUP_END,
     GROUP_START,
@@ -65,7 +65,7 @@ __all__ = ["Token", "parse_pattern", "tokenize"]
 _SLOT_LIST = "one mixer (M), one attention (* D + G) and one MLP (- E)"
 
 
-# A node of the parse tree; counts are physical layers, saturated at _CAP.
+# A node of the parse tree; counts are physical layers, saturated at COUNT_CAP.
 class _Unit(NamedTuple):
     # LITERAL: value = (items, their offsets in the literal); GROUP_START: the group's members;
     # RUN_START: the nodes inside '(...)'.
@@ -204,7 +204,9 @@ class _Parser:
         if again.kind == REPEAT:
             written = self.pattern[unit.position : following.position]
             combined = following.count * again.count
-            example = f"'{written}{{{combined}}}'" if combined < _CAP and len(written) < 40 else ""
+            example = (
+                f"'{written}{{{combined}}}'" if combined < COUNT_CAP and len(written) < 40 else ""
+            )
             raise self.error(
                 f"'{{' at position {again.position} has nothing to repeat: "
                 f"'{written[:40]}' is already repeated by {following.text}",
@@ -212,7 +214,7 @@ class _Parser:
                 "a layer symbol, a group '[...]' or a run '(...)' before '{N}'",
                 f"write one count (the product), e.g. {example}" if example else "write one count",
             )
-        return _Node(unit, following.count, min(unit.physical * following.count, _CAP))
+        return _Node(unit, following.count, min(unit.physical * following.count, COUNT_CAP))
 
     def literal(self, token: Token, part: str) -> _Unit:
         """Symbols and well-formed groups the tokenizer read as one token."""
@@ -221,7 +223,7 @@ class _Parser:
             raise self.group_in_mtp(at + text.index(GROUP_OPEN))
         read = _read_literal(text)
         if read is None:  # some group breaks a slot rule: find it and raise with its position
-            for match in _ELEMENT.finditer(text):
+            for match in ELEMENT_RE.finditer(text):
                 filled: dict[Slot, tuple[str, int]] = {}
                 for offset, symbol in enumerate(match.group().strip("[]")):
                     self.add_member(
@@ -330,7 +332,7 @@ class _Parser:
                 "layers between '(' and ')'",
                 "remove the '()' or put layers in it, e.g. '(M*){3}'",
             )
-        physical = min(sum(node.physical for node in nodes), _CAP)
+        physical = min(sum(node.physical for node in nodes), COUNT_CAP)
         return _Unit(RUN_START, tuple(nodes), opening.position, physical)
 
 
@@ -361,7 +363,7 @@ def _read_short_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], i
 def _read_literal_uncached(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
     items: list[Item] = []
     offsets: list[int] = []
-    for match in _ELEMENT.finditer(text):
+    for match in ELEMENT_RE.finditer(text):
         element = match.group()
         if element[0] == GROUP_OPEN:
             members = element[1:-1]
@@ -407,21 +409,21 @@ def _expand(
 
 
 def _physical(nodes: list[_Node]) -> int:
-    return min(sum(node.physical for node in nodes), _CAP)
+    return min(sum(node.physical for node in nodes), COUNT_CAP)
 
 
 def _check_whole_pattern(pattern: str, main: list[list[_Node]], mtp: list[list[_Node]]) -> None:
     """Raise for the errors that concern the whole pattern: no layer, or too many layers."""
-    main_size = min(sum(map(_physical, main)), _CAP)
+    main_size = min(sum(map(_physical, main)), COUNT_CAP)
     mtp_sizes = [_physical(part) for part in mtp]
-    total = main_size + sum(mtp_sizes)  # each term is at most _CAP, so this stays small
+    total = main_size + sum(mtp_sizes)  # each term is at most COUNT_CAP, so this stays small
     if total == 0:
         what = "the pattern is empty" if not pattern else "the pattern has no layer"
         raise HybridPatternError(
             what, pattern, None, "at least one layer symbol", "write layers, e.g. '[*E]{4}'"
         )
     if total > MAX_PHYSICAL_LAYERS:
-        exact = _CAP not in (main_size, *mtp_sizes)
+        exact = COUNT_CAP not in (main_size, *mtp_sizes)
         size = f"{total:,}" if exact else f"more than {MAX_PHYSICAL_LAYERS:,}"
         raise HybridPatternError(
             f"the pattern expands to {size} physical layers (main plus every MTP depth), above "
@@ -493,9 +495,9 @@ layer of its group, but '*' follows it
         part: list[Item] = []
         _expand(nodes, part, [])
         mtp_parts.append(tuple(part))  # type: ignore[arg-type]  # MTP parts hold no groups
-    _check_mtp(pattern, mtp_parts)
+    check_mtp_parts(pattern, mtp_parts)
     parsed = make_parsed_pattern(
         pattern, segments, positions, mtp_parts[0] if mtp_parts else (), len(mtp_parts)
     )
-    _check_attention_family(pattern, set(parsed.canonical))
+    check_attention_family(pattern, set(parsed.canonical))
     return parsed

@@ -71,15 +71,15 @@ _SINGLE_CHAR_KINDS = {symbol: LITERAL for symbol in SYMBOLS} | {
 _DIGITS = re.compile(r"[0-9]*")
 _SYMBOL_CLASS = "[" + re.escape("".join(SYMBOLS)) + "]"
 # An element is one symbol or one well-formed group; a literal is a run of elements.
-_ELEMENT = re.compile(
+ELEMENT_RE = re.compile(
     f"{re.escape(GROUP_OPEN)}{_SYMBOL_CLASS}+{re.escape(GROUP_CLOSE)}|{_SYMBOL_CLASS}"
 )
-_LITERAL = re.compile(f"(?:{_ELEMENT.pattern})+")
-# Counts saturate at _CAP: far above the limit (so messages can say how far above it a pattern
+_LITERAL = re.compile(f"(?:{ELEMENT_RE.pattern})+")
+# Counts saturate at COUNT_CAP: far above the limit (so messages can say how far above it a pattern
 # goes), yet small enough to keep the size arithmetic O(1) however many digits or nested
 # repetitions a pattern has.
-_CAP = 10**15
-_MAX_COUNT_DIGITS = len(str(_CAP))
+COUNT_CAP = 10**15
+_MAX_COUNT_DIGITS = len(str(COUNT_CAP))
 _SYMBOL_LIST = " ".join(SYMBOLS)
 _ANY_EXPECTED = f"a layer symbol ({_SYMBOL_LIST}) or one of [ ] ( ) {{ }} | /"
 
@@ -186,8 +186,8 @@ def _repeat_token(pattern: str, start: int) -> Token:
             "a decimal number without leading zeros",
             f"write {{{digits.lstrip('0')}}}",
         )
-    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else _CAP
-    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, _CAP))
+    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else COUNT_CAP
+    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, COUNT_CAP))
 
 
 def _invalid_char(pattern: str, position: int) -> HybridPatternError:

@@ -1,7 +1,8 @@
 """Combined-1F1B expert-parallel overlap for HybridModel (``build_schedule_plan``).
 
 :class:`~megatron_hybrid.HybridModel` (one layer up) imports the plan builder from here; the
-forward step megatron-core's schedules call is :func:`megatron_hybrid.schedule.steps.lm_forward_step`.
+forward step that megatron-core's schedules call is
+:func:`megatron_hybrid.schedule.steps.lm_forward_step`.
 """
 
 from megatron_hybrid.schedule.callables import (

@@ -13,15 +13,26 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, parse_pattern
+from megatron_hybrid.pattern import (
+    GDN,
+    MAMBA,
+    MLA,
+    MOE,
+    ParsedPattern,
+    parse_pattern,
+    virtual_stages,
+    with_option_names,
+)
 
 __all__ = [
     "FLAGS",
     "FLAG_GROUPS",
     "MODEL_SHAPE_GROUPS",
+    "PATTERN_REQUIRED",
     "Flag",
     "add_hybrid_args",
     "hybrid_config_from_args",
+    "required_pattern",
     "spec_backend",
     "vpp_size_from_pattern",
     "with_defaults",
@@ -44,6 +55,9 @@ def _flag(option: str, group: str, **kwargs: Any) -> Flag:
 _MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT = "model", "parallelism", "MoE", "training", "checkpointing"
 
 #: Every flag the package defines, in ``--help`` order (frozen by a snapshot test).
+#: The one message for a missing pattern (train, check-checkpoint, Megatron-LM integration).
+PATTERN_REQUIRED = "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
+
 FLAGS: tuple[Flag, ...] = (
     _flag(
         "--hybrid-layer-pattern",
@@ -312,22 +326,24 @@ def add_hybrid_args(
     return parser
 
 
-def vpp_size_from_pattern(pattern, pp_size: int) -> int | None:
+def required_pattern(args: argparse.Namespace) -> ParsedPattern:
+    """The parsed ``--hybrid-layer-pattern``; a ValueError saying so when it is missing."""
+    if not args.hybrid_layer_pattern:
+        raise ValueError(PATTERN_REQUIRED)
+    return parse_pattern(args.hybrid_layer_pattern)
+
+
+def vpp_size_from_pattern(pattern: str | ParsedPattern, pp_size: int) -> int | None:
     """Virtual pipeline size implied by the pattern's ``|`` segments (None without pipes).
 
     Raises:
-        ValueError: the segment count is not a multiple of ``pp_size``.
+        ValueError: the segment count is not a multiple of ``pp_size``, or pipes without PP.
     """
     parsed = parse_pattern(pattern)
-    if parsed.num_segments == 1:
-        return None
-    if parsed.num_segments % pp_size:
-        raise ValueError(
-            f"the pattern has {parsed.num_segments} '|'-separated segments, which is not a "
-            f"multiple of --pipeline-model-parallel-size {pp_size}; use a multiple of {pp_size} "
-            "segments (segments / PP = virtual stages per rank)"
-        )
-    vpp = parsed.num_segments // pp_size
+    try:
+        vpp = virtual_stages(parsed, pp_size)
+    except ValueError as error:
+        raise with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}) from None
     if vpp > 1 and pp_size == 1:
         raise ValueError(
             f"the pattern has {parsed.num_segments} '|'-separated segments but there is no "
@@ -385,11 +401,7 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     args = with_defaults(args)
-    if not args.hybrid_layer_pattern:
-        raise ValueError(
-            "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
-        )
-    parsed = parse_pattern(args.hybrid_layer_pattern)
+    parsed = required_pattern(args)
     counts = parsed.layer_counts
     if counts.get(MOE, 0) and not args.num_experts:
         raise ValueError(f"the pattern {parsed.pattern!r} has MoE ('E') layers; set --num-experts")

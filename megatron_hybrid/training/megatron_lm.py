@@ -36,8 +36,8 @@ import sys
 import torch
 
 from megatron_hybrid.pattern import parse_pattern
-from megatron_hybrid.training.arguments import add_hybrid_args, spec_backend
 from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.training.arguments import add_hybrid_args, required_pattern, spec_backend
 
 __all__ = [
     "SyntheticLMDataset",
@@ -78,9 +78,7 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
         return extra_args_provider(parser) if extra_args_provider else parser
 
     args = megatron_args.parse_args(provider)
-    if not args.hybrid_layer_pattern:
-        raise ValueError("--hybrid-layer-pattern is required, e.g. '[*E]{4}'")
-    parsed = parse_pattern(args.hybrid_layer_pattern)
+    parsed = required_pattern(args)
     if parsed.mtp_num_depths and args.position_embedding_type != "rope":
         # megatron.training defaults to learned_absolute; the MTP block applies RoPE.
         raise ValueError(

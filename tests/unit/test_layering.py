@@ -30,6 +30,7 @@ class Import:
     imported: str
     line: int
     in_function: bool
+    names: tuple[str, ...] = ()
 
 
 def layer_table(text: str) -> dict[str, int]:
@@ -73,7 +74,7 @@ def module_imports(source: str, module: str, is_package: bool, root: Path) -> li
     in_function = _functions_lines(tree)
     found = []
     for node in ast.walk(tree):
-        targets = []
+        targets, names = [], ()
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -82,12 +83,14 @@ def module_imports(source: str, module: str, is_package: bool, root: Path) -> li
                 anchor = module.split(".") if is_package else module.split(".")[:-1]
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
+            names = tuple(alias.name for alias in node.names)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 targets.append(sub if _is_module(root, sub) else base)
-        for target in targets:
+        for target in dict.fromkeys(targets):
             if target == PACKAGE or target.startswith(PACKAGE + "."):
-                found.append(Import(module, target, node.lineno, node.lineno in in_function))
+                lazy = node.lineno in in_function
+                found.append(Import(module, target, node.lineno, lazy, names))
     return found
 
 
@@ -110,8 +113,11 @@ def layering_violations(imports: list[Import], layers: dict[str, int]) -> list[s
         if src == dst or (src, dst) in ALLOWED:
             continue
         if src not in layers or dst not in layers:
-            problems.append(f"{imp.importer}:{imp.line}: package {src if src not in layers else dst}"
-                            " is not in the layer table of docs/architecture.md")  # fmt: skip
+            missing = src if src not in layers else dst
+            problems.append(
+                f"{imp.importer}:{imp.line}: package {missing} is not in the layer table of "
+                "docs/architecture.md"
+            )
         elif layers[dst] >= layers[src]:
             kind = "same-layer" if layers[dst] == layers[src] else "upward"
             problems.append(
@@ -119,6 +125,16 @@ def layering_violations(imports: list[Import], layers: dict[str, int]) -> list[s
                 f"(layer {layers[src]} {src} -> layer {layers[dst]} {dst})"
             )
     return problems
+
+
+def private_imports(imports: list[Import]) -> list[str]:
+    """``from x import _name`` across modules: a private name is its module's business."""
+    return [
+        f"{imp.importer}:{imp.line}: imports {name} from {imp.imported}"
+        for imp in imports
+        for name in imp.names
+        if name.startswith("_") and not name.startswith("__") and imp.imported != imp.importer
+    ]
 
 
 def package_cycles(imports: list[Import]) -> list[list[str]]:
@@ -186,9 +202,15 @@ def test_no_import_cycle_between_packages(imports):
     assert package_cycles(imports) == []
 
 
+def test_no_private_name_is_imported_across_modules(imports):
+    assert private_imports(imports) == []
+
+
 def test_allowed_exceptions_are_lazy_and_still_needed(imports):
     for src, dst in ALLOWED:
-        uses = [i for i in imports if (package_of(i.importer), package_of(i.imported)) == (src, dst)]
+        uses = [
+            i for i in imports if (package_of(i.importer), package_of(i.imported)) == (src, dst)
+        ]
         assert uses, f"{src} -> {dst} is allowed but no longer imported: drop it from ALLOWED"
         assert all(i.in_function for i in uses), f"{src} -> {dst} must stay a lazy import"
 
@@ -228,7 +250,9 @@ def test_an_upward_import_is_reported(tmp_path, layers, source):
     )
     problems = layering_violations(package_imports(root), layers)
     assert len(problems) == 1
-    assert re.search(r"pattern\.grammar:\d+: upward import of megatron_hybrid(\.training)?", problems[0])
+    assert re.search(
+        r"pattern\.grammar:\d+: upward import of megatron_hybrid(\.training)?", problems[0]
+    )
 
 
 def test_a_same_layer_import_is_reported(tmp_path, layers):
@@ -250,6 +274,17 @@ def test_a_downhill_import_is_not_reported(tmp_path, layers):
     (imp,) = package_imports(root)
     assert imp.imported == "megatron_hybrid.pattern.grammar"
     assert layering_violations([imp], layers) == []
+
+
+def test_a_private_import_is_reported(tmp_path):
+    root = _fake_package(
+        tmp_path,
+        {"padding/__init__.py": "", "padding/thd.py": "from .multiples import _count, quant\n",
+         "padding/multiples.py": ""},
+    )  # fmt: skip
+    assert private_imports(package_imports(root)) == [
+        "megatron_hybrid.padding.thd:1: imports _count from megatron_hybrid.padding.multiples"
+    ]
 
 
 def test_a_cycle_is_reported():
