@@ -26,7 +26,12 @@ from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
-from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment, virtual_stages
+from megatron_hybrid.pattern import (
+    ParsedPattern,
+    parse_pattern,
+    select_pipeline_segment,
+    virtual_stages,
+)
 from megatron_hybrid.schedule.plan import build_hybrid_schedule_plan, check_schedulable
 
 __all__ = ["HybridModel"]
@@ -125,7 +130,8 @@ class HybridModel(LanguageModule):
         hybrid_stack_spec: from :func:`~megatron_hybrid.hybrid_stack_spec`.
         vocab_size: vocabulary size.
         max_sequence_length: maximum sequence length (positional embeddings).
-        hybrid_layer_pattern: the pattern, e.g. ``"[*-]{3}[*E]{58}/*E"``.
+        hybrid_layer_pattern: the pattern, e.g. ``"[*-]{3}[*E]{58}/*E"``, or its parse
+            (:class:`~megatron_hybrid.pattern.ParsedPattern`, used as is).
         hybrid_attention_ratio: deprecated (megatron-core); builds a pattern from ratios.
         hybrid_mlp_ratio: deprecated (megatron-core); builds a pattern from ratios.
         hybrid_override_pattern: deprecated alias of ``hybrid_layer_pattern``.
@@ -149,7 +155,7 @@ class HybridModel(LanguageModule):
         hybrid_stack_spec: ModuleSpec,
         vocab_size: int,
         max_sequence_length: int,
-        hybrid_layer_pattern: str | None = None,
+        hybrid_layer_pattern: str | ParsedPattern | None = None,
         hybrid_attention_ratio: float | None = None,
         hybrid_mlp_ratio: float | None = None,
         hybrid_override_pattern: str | None = None,
@@ -180,7 +186,7 @@ class HybridModel(LanguageModule):
         _check_config(config, parsed, hybrid_stack_spec, pp_size, vp_stage)
 
         self.hybrid_stack_spec = hybrid_stack_spec
-        self.hybrid_layer_pattern = pattern
+        self.hybrid_layer_pattern = parsed.pattern
         self.parsed_pattern = parsed
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length

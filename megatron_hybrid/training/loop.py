@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.pattern import ParsedPattern
+
 __all__ = [
     "CPUOptimizer",
     "StepResult",
@@ -30,7 +32,7 @@ __all__ = [
 
 def build_model_chunks(
     config,
-    pattern: str,
+    pattern: str | ParsedPattern,
     pg_collection,
     *,
     backend: str,

@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.pattern import ParsedPattern, parse_pattern
 from megatron_hybrid.schedule.steps import lm_forward_step
 from megatron_hybrid.training.arguments import add_hybrid_args, required_pattern, spec_backend
 
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-def flatten_for_megatron(pattern: str) -> str:
+def flatten_for_megatron(pattern: str | ParsedPattern) -> str:
     """The pattern in megatron-core's own grammar: groups dissolved, repetition expanded.
 
     >>> flatten_for_megatron("[*-]{2}|[*E]{2}/*E")
@@ -86,7 +86,7 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
             f"{args.position_embedding_type})"
         )
     args.megatron_hybrid_layer_pattern = parsed.canonical
-    args.hybrid_layer_pattern = flatten_for_megatron(args.hybrid_layer_pattern)
+    args.hybrid_layer_pattern = flatten_for_megatron(parsed)
     megatron_args.validate_args(args, args_defaults or {})
     check_fused_kernels(args)
     # Keys of this package's models are already GPT's (grouped) or megatron-core's (ungrouped):

@@ -139,7 +139,7 @@ def run_training(
     rank, world = init_world()
     pg, global_batch, num_microbatches = _parallel_setup(args, config, world)
     seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
-    chunks = _build_chunks(args, config, pg, source, seq_length, rank)
+    chunks = _build_chunks(args, config, pg, parsed, source, seq_length, rank)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )
@@ -240,7 +240,7 @@ def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend)
     return seq_length, builder
 
 
-def _build_chunks(args, config, pg, source, seq_length: int, rank: int) -> list:
+def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any."""
     from megatron_hybrid.training.arguments import spec_backend
     from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
@@ -248,7 +248,7 @@ def _build_chunks(args, config, pg, source, seq_length: int, rank: int) -> list:
 
     chunks = build_model_chunks(
         config,
-        args.hybrid_layer_pattern,
+        parsed,
         pg,
         backend=spec_backend(args),
         vocab_size=args.vocab_size,
