@@ -217,14 +217,7 @@ class HybridModel(LanguageModule):
         self.mtp_process = parsed.mtp_num_depths > 0 and is_last_chunk
 
         if self.pre_process or self.mtp_process:
-            self.embedding = LanguageModelEmbedding(
-                config=config,
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                position_embedding_type=position_embedding_type,
-                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                tp_group=self.pg_collection.tp,
-            )
+            self._build_embedding(scatter_embedding_sequence_parallel)
         self._build_rotary(rotary_percent, rotary_base, seq_len_interpolation_factor)
         self._build_decoder()
         if self.mtp_process:
@@ -239,6 +232,17 @@ class HybridModel(LanguageModule):
         if config.overlap_moe_expert_parallel_comm:
             # Refuse now what the EP-overlap schedule cannot run, not in the first step.
             check_schedulable(self)
+
+    def _build_embedding(self, scatter_to_sequence_parallel: bool) -> None:
+        """megatron-core's word (and position) embedding, on the first stage and for MTP."""
+        self.embedding = LanguageModelEmbedding(
+            config=self.config,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            position_embedding_type=self.position_embedding_type,
+            scatter_to_sequence_parallel=scatter_to_sequence_parallel,
+            tp_group=self.pg_collection.tp,
+        )
 
     def _build_decoder(self) -> None:
         """The decoder: a HybridStack over this pipeline chunk's logical layers."""

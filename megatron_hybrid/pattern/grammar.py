@@ -10,10 +10,9 @@ Grammar (``docs/pattern_grammar.md`` explains every rule and error)::
     unit     := SYMBOL | group | "(" item+ ")"
     group    := "[" SYMBOL+ "]"            at most one layer per slot, the MLP-slot layer last
 
-Parsing runs in two passes over the tokens of :mod:`megatron_hybrid.pattern.tokenizer`. The first
-builds a small tree and computes, for every node, how many physical layers it expands to
-(saturating at 10**15), so ``[*E]{1000000000}`` fails at once, before anything is expanded. The
-second expands the tree into items.
+Two passes over the tokens of :mod:`megatron_hybrid.pattern.tokenizer`: the first builds a tree
+that knows each node's physical layer count (saturating at 10**15), so ``[*E]{1000000000}`` fails
+before anything is expanded; the second expands the tree into items.
 
 >>> parse_pattern("(M-M*-){2}").canonical
 'M-M*-M-M*-'
@@ -59,8 +58,7 @@ from megatron_hybrid.pattern.tokenizer import (
     tokenize,
 )
 
-# Token and tokenize are re-exported: they were defined here before tokenizer.py existed.
-__all__ = ["Token", "parse_pattern", "tokenize"]
+__all__ = ["parse_pattern"]
 
 _SLOT_LIST = "one mixer (M), one attention (* D + G) and one MLP (- E)"
 
@@ -204,9 +202,8 @@ class _Parser:
         if again.kind == REPEAT:
             written = self.pattern[unit.position : following.position]
             combined = following.count * again.count
-            example = (
-                f"'{written}{{{combined}}}'" if combined < COUNT_CAP and len(written) < 40 else ""
-            )
+            short = combined < COUNT_CAP and len(written) < 40
+            example = f"'{written}{{{combined}}}'" if short else ""
             raise self.error(
                 f"'{{' at position {again.position} has nothing to repeat: "
                 f"'{written[:40]}' is already repeated by {following.text}",
