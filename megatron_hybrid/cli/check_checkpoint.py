@@ -102,7 +102,8 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
+    from megatron_hybrid.training.arguments import with_defaults
+    from megatron_hybrid.training.config import hybrid_config_from_args
     from megatron_hybrid.training.validation import validate_settings
 
     try:

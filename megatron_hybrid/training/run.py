@@ -162,7 +162,7 @@ def run_training(
 
 def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     """The TransformerConfig of the flags (and of the Hugging Face source, if any)."""
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.training.config import hybrid_config_from_args
 
     overrides = backend.config_overrides()
     config = hybrid_config_from_args(args, **overrides)
