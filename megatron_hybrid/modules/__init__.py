@@ -3,7 +3,7 @@
 ``HybridModel`` lives one layer up, in :mod:`megatron_hybrid.model` (it needs the EP-overlap
 schedule plan, which is built on this package); import it as ``from megatron_hybrid import
 HybridModel``. ``megatron_hybrid.modules.HybridModel`` still resolves, with a
-``DeprecationWarning``, until 0.3.
+``DeprecationWarning``, until 0.2.
 """
 
 import warnings
@@ -25,12 +25,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Deprecated alias (0.2): the one upward import in the package, listed in
+    # Deprecated alias (since 0.1.x): the one upward import in the package, listed in
     # docs/architecture.md and allowed by name in tests/unit/test_layering.py.
     if name == "HybridModel":
         warnings.warn(
             "megatron_hybrid.modules.HybridModel is deprecated; use "
-            "`from megatron_hybrid import HybridModel` (removed in 0.3)",
+            "`from megatron_hybrid import HybridModel` (removed in 0.2)",
             DeprecationWarning,
             stacklevel=2,
         )
