@@ -40,7 +40,16 @@ setup(
     extras_require={
         # fla-core: GatedDeltaNet ('G') layers run in the CPU tests (megatron's torch path).
         # transformers: the reference the Hugging Face conversion tests compare against.
-        "test": ["pytest>=8", "hypothesis>=6", "fla-core==0.6.0", "transformers==5.23.0"],
+        # ruff, black: .ci/run lints and format-checks before the tests; pinned, because their
+        # rules and formatting change between releases.
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "fla-core==0.6.0",
+            "transformers==5.23.0",
+            "ruff==0.17.6",
+            "black==26.10.1",
+        ],
         "viz": ["matplotlib>=3.7"],
         # GatedDeltaNet ('G') layers; pure-Python wheels.
         "gdn": ["fla-core==0.6.0", "flash-linear-attention==0.6.0"],

@@ -71,7 +71,7 @@ def _config(args, pattern: str, overlap: bool, ep: int):
                      linear_key_head_dim=128, linear_value_head_dim=128,
                      deterministic_mode=args.gdn_kernel == "torch")  # fmt: skip
     if not torch.cuda.is_available():  # CPU smoke runs of this script
-        from megatron_hybrid.testing.cpu import cpu_config_overrides
+        from megatron_hybrid.runtime.cpu import cpu_config_overrides
 
         extra.update(cpu_config_overrides())
     return TransformerConfig(
@@ -460,11 +460,11 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.distributed.init_process_group("nccl")
     else:  # a CPU smoke run (numbers meaningless): megatron-core needs its CUDA calls emulated
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+        from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
         enable_cpu_emulation()
         torch.distributed.init_process_group("gloo")
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
 
     assert torch.distributed.get_world_size() == ep, "WORLD_SIZE disagrees with the process group"
     rounds: dict[str, list[dict]] = {v: [] for v in variants}

@@ -116,11 +116,15 @@ def main(argv=None) -> int:
     if device.type == "cpu" and torch.cuda.is_available():
         parser.error("--device cpu on a CUDA machine is not supported (CPU emulation refuses it)")
 
-    from megatron_hybrid.hf.api import _ensure_process_groups, build_model
+    from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.config import hf_config_to_megatron
+    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
+    from megatron_hybrid.runtime import select_backend
 
     conversion = hf_config_to_megatron(hf_config(args.preset))
-    pg = _ensure_process_groups(1, 1, 1)
+    select_backend("cpu" if device.type == "cpu" else "cuda").activate()
+    init_world()
+    pg = initialize_model_parallel()
     model = build_model(conversion, pg, perform_initialization=False).eval()
     params = sum(p.numel() for p in model.parameters())
     rows = {"views": [], "copies": []}

@@ -36,7 +36,7 @@ def _setup():
         init_single_process_world("nccl")
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+        from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
         enable_cpu_emulation()
         init_single_process_world("gloo")

@@ -17,11 +17,12 @@ micro-batches (sequences packed greedily up to ``seq_length``) are planned four 
 are pad tokens added *beyond the longest row / the packed content* as a percentage of the real
 tokens:
 
-* ``planner``: this package (least valid length, spec §4/§5);
+* ``planner``: this package (least valid length, docs/padding.md);
 * ``+ group max``: the planner followed by the equal-count step over a TP×EP group of 8 ranks that
-  hold different data (spec §6 mode 2), what HybridEP actually needs (n/a without HybridEP);
-* ``to 128``: round up to a multiple of 128 (THD: after the 2*cp per-sequence pad), with the
-  share of micro-batches for which that is *invalid* (violates I1-I4 / T1-T4);
+  hold different data (one pre-pad to the group maximum, docs/padding.md §6), what HybridEP actually
+  needs (n/a without HybridEP);
+* ``to 128``: round up to a multiple of 128 (THD: after the 2*cp per-sequence pad), with the share
+  of micro-batches for which that is *invalid* (violates a constraint of docs/padding.md §1);
 * ``to seq_length``: a fixed length (the upstream rule when PP > 1 or EP > 1).
 """
 

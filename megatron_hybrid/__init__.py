@@ -11,10 +11,9 @@ import importlib
 
 from megatron_hybrid.package_info import __version__
 
-# Public name -> module that defines it. HybridModel comes through megatron_hybrid.schedule so
-# that build_schedule_plan is always available on it.
+# Public name -> package that exports it.
 _LAZY = {
-    "HybridModel": "megatron_hybrid.schedule",
+    "HybridModel": "megatron_hybrid.model",
     "HybridStack": "megatron_hybrid.modules",
     "HybridStackSubmodules": "megatron_hybrid.modules",
     "hybrid_stack_spec": "megatron_hybrid.modules",
@@ -32,8 +31,7 @@ __all__ = [
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'megatron_hybrid' has no attribute {name!r}")
-    importlib.import_module(_LAZY[name])
-    value = getattr(importlib.import_module("megatron_hybrid.modules"), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

@@ -1,16 +1,12 @@
-"""Would a ``torch_dist`` checkpoint load into a pattern? Decided from metadata alone.
+"""Would a ``torch_dist`` checkpoint load into a model? Decided from metadata alone.
 
-:func:`expected_checkpoint_tensors` builds the model a pattern describes on the ``meta`` device
-(no parameter memory, any size) at TP=PP=EP=1 — checkpoint keys and global shapes do not depend
-on the parallel layout — and returns its checkpoint keys with global shapes.
 :func:`compare_with_checkpoint` reads only the checkpoint's metadata and lists missing,
-unexpected and shape-mismatched tensors.
+unexpected and shape-mismatched tensors against the keys a caller expects (for a pattern's
+model, :func:`megatron_hybrid.model.expected_checkpoint_tensors` builds them).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +14,6 @@ __all__ = [
     "TRACKER_FILE",
     "CheckpointComparison",
     "compare_with_checkpoint",
-    "expected_checkpoint_tensors",
     "iteration_folder_name",
     "resolve_checkpoint_dir",
     "sharded_tensor_shapes",
@@ -97,99 +92,6 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     )
 
 
-@contextlib.contextmanager
-def _meta_device():
-    """Build modules on the meta device: megatron allocates on ``torch.cuda.current_device()``."""
-    import torch
-
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("meta")
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        torch.cuda.current_device = original
-
-
-def _single_rank_groups():
-    """Process groups of one rank (a one-process gloo world is started if there is none)."""
-    import torch.distributed as dist
-
-    from megatron_hybrid.process_groups import (
-        init_single_process_world,
-        initialize_model_parallel,
-    )
-
-    init_single_process_world()
-    if dist.get_world_size() != 1:
-        raise RuntimeError("expected_checkpoint_tensors runs in a single process")
-    return initialize_model_parallel()
-
-
-def expected_checkpoint_tensors(
-    config,
-    pattern: str,
-    *,
-    vocab_size: int,
-    max_sequence_length: int,
-    backend: str = "local",
-    metadata: dict | None = None,
-    **model_kwargs,
-) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> global shape of every tensor of the pattern's model.
-
-    Args:
-        config: the model config (any parallel sizes; the model is built unparallelised).
-        pattern: the hybrid layer pattern.
-        vocab_size: (padded) vocabulary size.
-        max_sequence_length: maximum sequence length.
-        backend: spec backend.
-        metadata: sharded-state-dict metadata (``non_homogeneous_layers``, ...).
-        **model_kwargs: further ``HybridModel`` arguments (position embedding type, ...).
-    """
-    import torch
-
-    from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
-    from megatron_hybrid.pattern import parse_pattern
-
-    parsed = parse_pattern(pattern)
-    # Keys and global shapes do not depend on the split, so build every layer at once.
-    single = parsed.canonical.replace("|", "")
-    config = dataclasses.replace(
-        config,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        expert_model_parallel_size=1,
-        expert_tensor_parallel_size=1,
-        context_parallel_size=1,
-        sequence_parallel=False,
-        overlap_moe_expert_parallel_comm=False,
-        use_cpu_initialization=False,
-        perform_initialization=False,
-        num_layers_in_first_pipeline_stage=None,
-        num_layers_in_last_pipeline_stage=None,
-    )
-    if not torch.cuda.is_available():
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
-
-        enable_cpu_emulation()
-    pg = _single_rank_groups()
-    with _meta_device():
-        model = HybridModel(
-            config,
-            hybrid_stack_spec(backend, config=config),
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            hybrid_layer_pattern=single,
-            pg_collection=pg,
-            **model_kwargs,
-        )
-        # A copy: megatron adds process groups to the metadata dict it is given.
-        sharded = model.sharded_state_dict(metadata=dict(metadata) if metadata else None)
-    return sharded_tensor_shapes(sharded)
-
-
 def sharded_tensor_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> global shape of every tensor a sharded state dict saves.
 
@@ -240,7 +142,7 @@ def compare_with_checkpoint(checkpoint_dir: str | Path, build_expected) -> Check
     Args:
         checkpoint_dir: save root or iteration folder.
         build_expected: ``metadata -> {key: global shape}`` (e.g. a partial of
-            :func:`expected_checkpoint_tensors`).
+            :func:`megatron_hybrid.model.expected_checkpoint_tensors`).
     """
     from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, describe_read_error
 

@@ -97,13 +97,13 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.checkpointing.inspect import (
         compare_with_checkpoint,
-        expected_checkpoint_tensors,
         resolve_checkpoint_dir,
     )
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.settings import mismatched_flags
     from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.training.arguments import hybrid_config_from_args, with_defaults
+    from megatron_hybrid.training.arguments import with_defaults
+    from megatron_hybrid.training.config import hybrid_config_from_args
     from megatron_hybrid.training.validation import validate_settings
 
     try:
@@ -116,16 +116,15 @@ def _run(args: argparse.Namespace) -> int:
     args = with_defaults(args)
     validate_settings(args, scopes=("model",))
     # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
-    unsplit = parse_pattern(args.hybrid_layer_pattern).canonical.replace("|", "")
+    unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
     config = hybrid_config_from_args(
         argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
     )
-    build = partial(
-        _expected,
-        expected_checkpoint_tensors,
-        config,
-        args,
-    )
+    from megatron_hybrid.model import expected_keys
+    from megatron_hybrid.runtime import select_backend
+
+    select_backend().activate()  # the meta-device build calls megatron's CUDA-only functions
+    build = partial(_expected, expected_keys.expected_checkpoint_tensors, config, args)
     try:
         result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:

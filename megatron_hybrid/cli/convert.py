@@ -202,7 +202,7 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from megatron_hybrid.hf.api import _ensure_process_groups, build_model, save_hf_checkpoint
+    from megatron_hybrid.hf.api import build_model, save_hf_checkpoint
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
         hf_dtypes_of_checkpoint,
@@ -226,10 +226,21 @@ def _to_hf(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     if args.no_mtp and conversion.mtp_layers:
         raise CommandError("--no-mtp: the checkpoint holds MTP layers; they are always exported")
-    pg = _ensure_process_groups(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.expert_model_parallel_size,
+    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
+    from megatron_hybrid.runtime import select_backend
+
+    select_backend().activate()
+    _, world = init_world()
+    tp_pp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world % tp_pp:
+        raise CommandError(
+            f"{world} processes cannot hold --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size = {tp_pp}; launch a multiple of {tp_pp} processes"
+        )
+    pg = initialize_model_parallel(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
     )
     model = build_model(conversion, pg, transformer_impl=args.transformer_impl)
     load_model_state(model, args.load)

@@ -59,16 +59,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_hybrid.runtime import select_backend
+    from megatron_hybrid.training.arguments import PATTERN_REQUIRED
     from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
     if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
-        raise ValueError(
-            "--hybrid-layer-pattern is required (or --load-hf HF_DIR, whose config sets the "
-            "model), e.g. --hybrid-layer-pattern '[*E]{4}'"
-        )
+        raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
     try:
-        summary = run_training(args)
+        summary = run_training(args, backend=select_backend())
     except CheckpointExistsError as error:  # an OSError: main() would print a traceback
         raise CommandError(str(error)) from None
     if torch.distributed.get_rank() == 0:

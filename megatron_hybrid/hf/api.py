@@ -21,6 +21,7 @@ from megatron_hybrid.hf.config import (
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import PlanReport, check_plan
 from megatron_hybrid.hf.weights import HFWeightsError, build_plan, iter_hf_weights, model_chunks
+from megatron_hybrid.runtime import select_backend
 
 __all__ = [
     "conversion_for",
@@ -66,10 +67,12 @@ def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) 
 
 
 def _expected_key_shapes(conversion: HFConversion, backend: str) -> dict:
-    from megatron_hybrid.checkpointing.inspect import expected_checkpoint_tensors
     from megatron_hybrid.hf.weights import SHARDED_METADATA
+    from megatron_hybrid.model import expected_checkpoint_tensors
 
-    config = conversion.transformer_config(**_cpu_or_gpu_overrides(), params_dtype=torch.float32)
+    runtime = select_backend()
+    runtime.activate()  # the meta-device build calls megatron's CUDA-only functions
+    config = conversion.transformer_config(**runtime.config_overrides(), params_dtype=torch.float32)
     kwargs = dict(conversion.model_kwargs)
     vocab, length = kwargs.pop("vocab_size"), kwargs.pop("max_sequence_length")
     return expected_checkpoint_tensors(
@@ -116,14 +119,6 @@ def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_con
     return conversion, checked
 
 
-def _cpu_or_gpu_overrides() -> dict:
-    if torch.cuda.is_available():
-        return {}
-    from megatron_hybrid.testing.cpu import cpu_config_overrides
-
-    return cpu_config_overrides()
-
-
 def _ensure_process_groups(tp: int, pp: int, ep: int):
     """The current process groups, set up first if nothing is (plain process or torchrun)."""
     import torch.distributed as dist
@@ -132,10 +127,7 @@ def _ensure_process_groups(tp: int, pp: int, ep: int):
 
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 
-    if not torch.cuda.is_available():
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
-
-        enable_cpu_emulation()
+    select_backend().activate()
     init_world()
     if parallel_state.model_parallel_is_initialized():
         have = (
@@ -158,6 +150,25 @@ def _ensure_process_groups(tp: int, pp: int, ep: int):
     return initialize_model_parallel(tp=tp, pp=pp, ep=ep)
 
 
+def stack_spec_for(conversion: HFConversion, backend: str, config, mamba_impl: str = "auto"):
+    """``hybrid_stack_spec(backend)`` computing the conversion's model as transformers does.
+
+    The torch Mamba2 path gets the family's Mamba numerics (``conversion.mamba_mixer_params``);
+    megatron-core's ``MambaMixer`` takes neither argument, so where it is chosen the
+    conversion's notes on what then differs are issued as a warning.
+    """
+    from megatron_hybrid.modules import hybrid_stack_spec
+    from megatron_hybrid.modules.mamba_torch import with_mixer_params
+
+    base_spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
+    spec = with_mixer_params(base_spec, conversion.mamba_mixer_params)
+    if spec is base_spec and conversion.mamba_mixer_params and "M" in conversion.pattern.pattern:
+        differ = [note for note in conversion.notes if "MambaMixer" in note]
+        if differ:
+            warnings.warn("; ".join(differ), stacklevel=3)
+    return spec
+
+
 def build_model(
     conversion: HFConversion,
     pg_collection,
@@ -169,8 +180,7 @@ def build_model(
     **config_overrides,
 ):
     """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
-    from megatron_hybrid.modules.mamba_torch import with_mixer_params
+    from megatron_hybrid.model import HybridModel
 
     if transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(
@@ -179,7 +189,7 @@ def build_model(
     dtype = params_dtype or conversion.dtype
     pp = pg_collection.pp
     config = conversion.transformer_config(
-        **_cpu_or_gpu_overrides(),
+        **select_backend().config_overrides(),
         tensor_model_parallel_size=pg_collection.tp.size(),
         pipeline_model_parallel_size=pp.size(),
         expert_model_parallel_size=pg_collection.ep.size(),
@@ -202,16 +212,9 @@ def build_model(
         )
     backend = "te" if transformer_impl == "transformer_engine" else "local"
     kwargs = dict(conversion.model_kwargs)
-    base_spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
-    spec = with_mixer_params(base_spec, conversion.mamba_mixer_params)
-    if spec is base_spec and conversion.mamba_mixer_params and "M" in conversion.pattern.pattern:
-        # megatron-core's MambaMixer takes neither the step clamp nor the norm epsilon.
-        differ = [note for note in conversion.notes if "MambaMixer" in note]
-        if differ:
-            warnings.warn("; ".join(differ), stacklevel=2)
     model = HybridModel(
         config,
-        spec,
+        stack_spec_for(conversion, backend, config, mamba_impl),
         vocab_size=kwargs.pop("vocab_size"),
         max_sequence_length=kwargs.pop("max_sequence_length"),
         hybrid_layer_pattern=conversion.pattern.pattern,

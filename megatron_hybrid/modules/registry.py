@@ -198,13 +198,13 @@ LAYER_RUNTIMES: Mapping[str, LayerRuntime] = _LiveTable()
 def _loaded() -> dict[str, LayerRuntime]:
     if not _builtins_loaded[0]:
         _builtins_loaded[0] = True
-        # Each built-in type's module registers its runtime through _register_builtin; imported
+        # Each built-in type's module registers its runtime through register_builtin_runtime; imported
         # here, not at the top, because those modules import this one.
         import megatron_hybrid.modules.layer_types  # noqa: F401
     return _runtimes
 
 
-def _register_builtin(runtime: LayerRuntime) -> None:
+def register_builtin_runtime(runtime: LayerRuntime) -> None:
     """Add a built-in type's runtime (its facts are in the pattern package's table)."""
     runtime.check(layer_facts(runtime.symbol))
     assert runtime.symbol not in _runtimes, runtime.symbol

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -34,6 +35,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from megatron_hybrid.modules.router import PaddingAwareTopKRouter
 
 __all__ = [
     "BACKENDS",
@@ -97,6 +100,19 @@ def _layer(module: type, **submodules) -> ModuleSpec:
     return ModuleSpec(module=module, submodules=TransformerLayerSubmodules(**submodules))
 
 
+def _with_router(moe_spec, router: type):
+    """The MoE layer spec (a ``ModuleSpec`` or, in megatron-core 0.19.2, a ``partial`` of
+    ``MoELayer``) with its ``MoESubmodules.router`` replaced."""
+    if isinstance(moe_spec, functools.partial):
+        submodules = dataclasses.replace(moe_spec.keywords["submodules"], router=router)
+        return functools.partial(
+            moe_spec.func, *moe_spec.args, **{**moe_spec.keywords, "submodules": submodules}
+        )
+    return dataclasses.replace(
+        moe_spec, submodules=dataclasses.replace(moe_spec.submodules, router=router)
+    )
+
+
 def _gpt_derived_layers(gpt_submodules: Callable[..., TransformerLayerSubmodules], opts) -> dict:
     """Specs of ``*``, ``+``, ``-`` and ``E`` cut from the GPT layer spec of one backend."""
     common = dict(qk_layernorm=opts.qk_layernorm)
@@ -108,6 +124,7 @@ def _gpt_derived_layers(gpt_submodules: Callable[..., TransformerLayerSubmodules
             num_experts=_ANY_NUM_EXPERTS, moe_grouped_gemm=opts.moe_grouped_gemm, **common
         )
     )
+    moe["mlp"] = _with_router(moe["mlp"], PaddingAwareTopKRouter)
     return dict(
         attention_layer=_layer(TransformerLayer, **attention),
         mla_layer=_layer(TransformerLayer, **mla),

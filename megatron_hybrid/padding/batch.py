@@ -1,4 +1,4 @@
-"""Apply padding plans to tensors: BSHD pad/unpad and THD pack/unpack (spec §4.3, §5.3).
+"""Apply padding plans to tensors: BSHD pad/unpad and THD pack/unpack.
 
 The planners in :mod:`~megatron_hybrid.padding.multiples` (BSHD) and
 :mod:`~megatron_hybrid.padding.thd` (THD) decide lengths; this module only moves tensors. Both
@@ -6,10 +6,10 @@ directions are exact: padding then unpadding (or packing then unpacking) returns
 tensors bit for bit, because pads only ever go *after* real tokens and the real tokens are
 copied, never recomputed.
 
-Pad values (spec §4.3, S1/S7/S17): tokens the pad id, ``labels`` -100, ``loss_mask`` 0,
-``padding_mask`` True (True = pad, as megatron-core's MoE code reads it), ``position_ids``
-continue each row, a 2D (HF-style, 1 = real) ``attention_mask`` 0. Other ``[B, S, ...]`` keys
-need a value in ``pad_values``.
+Pad values (as Megatron-Bridge's ``training/utils/padding_utils.py`` uses them): tokens the pad
+id, ``labels`` -100, ``loss_mask`` 0, ``padding_mask`` True (True = pad, as megatron-core's MoE
+code reads it), ``position_ids`` continue each row, a 2D (HF-style, 1 = real) ``attention_mask``
+0. Other ``[B, S, ...]`` keys need a value in ``pad_values``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _extend(x: torch.Tensor, dim: int, extra: int, value: object) -> torch.Tenso
 
 
 def _continue_positions(pos: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
-    """Continue position ids after the last one, so pads look like a longer sequence (S7)."""
+    """Continue position ids after the last one, so pads look like a longer sequence (as
+    Megatron-Bridge does)."""
     last = pos.narrow(dim, pos.shape[dim] - 1, 1)
     steps = torch.arange(1, extra + 1, dtype=pos.dtype, device=pos.device)
     view = [1] * pos.dim()
@@ -82,9 +83,9 @@ def _continue_positions(pos: torch.Tensor, extra: int, dim: int) -> torch.Tensor
 def _pad_4d_mask(mask: torch.Tensor, length: int, padded: int) -> torch.Tensor:
     """Grow a Megatron ``[B, 1, S, S]`` bool mask (True = masked) to ``padded``.
 
-    New rows are all False (an all-True row makes softmax NaN, spec §4.3). The block "real query
-    x pad key" is True: the spec leaves it False and relies on the causal mask, but
-    megatron-core's unfused softmax uses a given mask as is (fused_softmax.py L319-327), so real
+    New rows are all False (an all-True row makes softmax NaN). The block "real query
+    x pad key" is True: leaving it False and relying on the causal mask is not enough, because
+    megatron-core's unfused softmax uses a given mask as is (fusions/fused_softmax.py), so real
     tokens would attend to pads there. Under a causal mask the two choices are identical.
     """
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (length, length):
@@ -141,7 +142,7 @@ def pad_bshd(
     pad_values: Mapping[str, float | int | bool] | None = None,
     lengths: Sequence[int] | torch.Tensor | None = None,
 ) -> PaddedBatch:
-    """Pad every ``[B, S, ...]`` tensor of ``batch`` to ``plan.padded_len`` (spec §4.3).
+    """Pad every ``[B, S, ...]`` tensor of ``batch`` to ``plan.padded_len``.
 
     Args:
         batch: tensors with the batch on dim 0 and the sequence on dim 1; ``tokens`` or
@@ -217,7 +218,7 @@ def unpad_seq(tensor: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
 def packed_seq_params_from(
     plan: ThdPlan, device: torch.device | str | None = None
 ) -> PackedSeqParams:
-    """Build megatron's ``PackedSeqParams`` for a THD plan (spec §5.3).
+    """Build megatron's ``PackedSeqParams`` for a THD plan.
 
     ``cu_seqlens_*`` are the real boundaries and ``cu_seqlens_*_padded`` the physical offsets
     (always set: GatedDeltaNet and CP read them, and ``total_tokens`` makes megatron-core
@@ -274,7 +275,7 @@ def pack_thd(
     pad_token_id: int = 0,
     pad_values: Mapping[str, float | int | bool] | None = None,
 ) -> PackedBatch:
-    """Pack per-sequence tensors (sequence on dim 0) into ``[1, T, ...]`` (spec §5).
+    """Pack per-sequence tensors (sequence on dim 0) into ``[1, T, ...]``.
 
     Args:
         sequences: one mapping per sequence with the same keys; ``tokens`` or ``input_ids`` is
@@ -285,7 +286,7 @@ def pack_thd(
 
     Returns:
         A :class:`PackedBatch`. ``position_ids`` restart at 0 for every sequence when the
-        sequences bring none; pads continue them (spec §5.3).
+        sequences bring none; pads continue them.
 
     Raises:
         ValueError: the sequences do not match the plan, keys differ between sequences, a key

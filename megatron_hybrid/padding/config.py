@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_hybrid.checks import check_int
 from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     BshdPlan,
-    _count,
-    _flag,
     bshd_pad,
+    check_flag,
     hybridep_chunk,
     quant_align,
     seq_divisible_by,
@@ -42,7 +42,8 @@ class PaddingConfig:
         ep: expert-parallel size.
         tp_ep: size of the TP×EP group HybridEP dispatches over.
         variable_seq_lengths: pipeline P2P shapes follow each micro-batch.
-        strict_quant_per_rank: also align the per-rank GEMM rows (spec U12).
+        strict_quant_per_rank: also align the per-rank GEMM rows (``quant_per_rank`` in
+            ``docs/padding.md``).
     """
 
     tp: int = 1
@@ -60,9 +61,9 @@ class PaddingConfig:
     def __post_init__(self) -> None:
         quant_align(self.quant)  # reject unknown recipes when the config is built
         for name in ("tp", "cp", "chunk", "pp", "ep", "tp_ep"):
-            _count(name, getattr(self, name), "PaddingConfig")
+            check_int(name, getattr(self, name), 1, where="PaddingConfig")
         for name in ("sp", "hybridep", "variable_seq_lengths", "strict_quant_per_rank"):
-            _flag(name, getattr(self, name), "PaddingConfig")
+            check_flag(name, getattr(self, name), "PaddingConfig")
         if self.sp and self.tp == 1:
             raise ValueError(
                 "PaddingConfig: sp=True needs tp > 1 (megatron-core turns sequence parallelism "
@@ -71,7 +72,8 @@ class PaddingConfig:
 
     @property
     def fixed_length_required(self) -> bool:
-        """PP without ``variable_seq_lengths`` sizes its P2P buffers from ``seq_length`` (S15)."""
+        """PP without ``variable_seq_lengths`` sizes its P2P buffers from ``seq_length``
+        (megatron-core 0.19.2 ``pipeline_parallel/schedules.py``)."""
         return self.pp > 1 and not self.variable_seq_lengths
 
     @property
@@ -140,7 +142,7 @@ class PaddingConfig:
         force_policy: str = "raise",
         max_position_embeddings: int | None = None,
     ) -> int:
-        """Check (or round up) a fixed ``seq_length`` once, at setup time (spec §4.2, §8).
+        """Check (or round up) a fixed ``seq_length`` once, at setup time.
 
         Write the result back to the training config before pipeline shapes are computed; never
         call this per batch.
@@ -182,7 +184,7 @@ def _size(pg_collection: Any, name: str) -> int:
 
 
 def _quant_of(config: Any) -> str | None:
-    """The recipe whose multiple applies, in megatron-core's order (moe_utils.py L1397-1416)."""
+    """The recipe whose multiple applies, in megatron-core's order (``moe_utils.py``)."""
     if getattr(config, "fp8", None):
         recipe = getattr(config, "fp8_recipe", None) or "delayed"
         return str(getattr(recipe, "value", recipe))
@@ -207,7 +209,7 @@ def padding_config_from(
         pg_collection: a ``ProcessGroupCollection``; ``tp``, ``cp``, ``pp``, ``ep`` and ``tp_ep``
             are read with ``.size()``, and a missing (None) group counts as size 1.
         chunk: HybridEP combine chunk override; the environment variable
-            ``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API`` is honoured on top (spec §4.0).
+            ``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API`` is honoured on top.
         strict_quant_per_rank: see :func:`~megatron_hybrid.padding.seq_divisible_by`.
         environ: environment to read instead of ``os.environ``.
 
@@ -220,7 +222,7 @@ def padding_config_from(
             "from parallel_state globals"
         )
     tp, cp, ep = (_size(pg_collection, name) for name in ("tp", "cp", "ep"))
-    # S1 L284-287: HybridEP is the flex dispatcher's "hybridep" backend (MoE models only).
+    # HybridEP is the flex dispatcher's "hybridep" backend (MoE models only).
     hybridep = (
         bool(getattr(config, "num_moe_experts", None))
         and getattr(config, "moe_token_dispatcher_type", None) == "flex"
@@ -229,7 +231,7 @@ def padding_config_from(
     return PaddingConfig(
         tp=tp,
         cp=cp,
-        # megatron-core switches SP off when tp == 1 (training/arguments.py L1391-1399).
+        # megatron-core switches SP off when tp == 1 (training/arguments.py).
         sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1,
         quant=_quant_of(config),
         hybridep=hybridep,

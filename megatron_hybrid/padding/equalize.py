@@ -1,20 +1,22 @@
-"""Equal HybridEP token counts across the TP×EP group (spec §6, mode 2 "prepad_group_max").
+"""Equal HybridEP token counts across the TP×EP group: one pre-pad to the group maximum.
 
 HybridEP (before DeepEP's ragged dispatch) needs every rank of the TP×EP group to pass the same
-number of tokens to dispatch (megatron-core 0.19.2 ``token_dispatcher.py`` L1055-1076). Instead of
-megatron-core's per-MoE-layer MAX all-reduce (``moe_hybridep_pad_uneven_dispatch_inputs``, one
+number of tokens to dispatch (megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``). Instead
+of megatron-core's per-MoE-layer MAX all-reduce (``moe_hybridep_pad_uneven_dispatch_inputs``, one
 collective per layer, rounded to 64, which can interleave with optimizer collectives and hang,
-spec U5/U8), each rank pads its micro-batch once, before the forward pass, to the group maximum:
+NeMo-RL #2964 at EP = 32), each rank pads its micro-batch once, before the forward pass, to the
+group maximum:
 
 * BSHD: ``B`` is the same on every rank, so the padded row length ``S_pad`` is reduced; the
-  maximum is already a multiple of ``divisible_by``, so I1-I4 still hold.
+  maximum is already a multiple of ``divisible_by``, so every BSHD constraint still holds.
 * THD: the packed total ``T`` is reduced; ``N = T / D`` is then equal everywhere and, as every
-  ``T`` is a multiple of ``t``, still a multiple of the chunk (T1-T4 hold; the last sequence
-  absorbs the extra tokens).
+  ``T`` is a multiple of ``t``, still a multiple of the chunk (every THD constraint holds; the last
+  sequence absorbs the extra tokens).
 
 One all-reduce carries the count, the multiple, ``B`` (or ``D``) and the "fixed length" flag, in
 both signs, so every rank sees the same maxima and minima and raises the same error on a mismatch
 instead of some ranks hanging in the next collective.
+
 """
 
 from __future__ import annotations

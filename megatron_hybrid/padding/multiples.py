@@ -1,11 +1,11 @@
 """Least sequence multiples for TP/SP, CP, FP8/FP4 and HybridEP (pure Python, no torch).
 
-Implements ``research/padding-spec.md`` §4 and §6 (the THD planner of §5 is in
-:mod:`~megatron_hybrid.padding.thd` and builds on the terms here). Every requirement has the form
-"x divides the padded length", so the least valid length is a round-up to the lcm of the terms.
-Each term is a :class:`Constraint` with its name, its multiple and a sentence saying which setting
-forced it, so an error reads "HybridEP combine chunk 128 with D=2 and micro-batch 4 requires a
-multiple of 64" rather than only "must be divisible by 64".
+The BSHD planner and the group maximum (the THD planner is in :mod:`~megatron_hybrid.padding.thd`
+and builds on the terms here); ``docs/padding.md`` lists every term with its upstream source. Every
+requirement has the form "x divides the padded length", so the least valid length is a round-up to
+the lcm of the terms. Each term is a :class:`Constraint` with its name, its multiple and a sentence
+saying which setting forced it, so an error reads "HybridEP combine chunk 128 with D=2 and
+micro-batch 4 requires a multiple of 64" rather than only "must be divisible by 64".
 
 Vocabulary: ``S`` is a BSHD row length, ``B`` the micro-batch size, ``T`` the packed (THD) token
 count, ``D = cp * (tp if sp else 1)`` how often a row is split before MoE dispatch, ``q`` the
@@ -15,7 +15,6 @@ quantisation multiple and ``chunk`` the HybridEP combine chunk.
 from __future__ import annotations
 
 import math
-import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -23,6 +22,8 @@ from types import MappingProxyType
 from typing import Any
 
 # Public surface; names starting with "_" are implementation details.
+from megatron_hybrid.checks import check_int
+
 __all__ = [
     "CHUNK_ENV_VAR",
     "DEFAULT_HYBRIDEP_CHUNK",
@@ -37,12 +38,12 @@ __all__ = [
     "seq_divisible_by",
 ]
 
-# 128 is safe for both historical DeepEP defaults (128 until a0d27f1, 64 after), spec §4.0.
+# 128 is safe for both historical DeepEP defaults (128 until DeepEP commit a0d27f1, 64 after).
 DEFAULT_HYBRIDEP_CHUNK = 128
-# The DeepEP variable that sets the combine chunk (config.cuh L383-391, spec S20).
+# The DeepEP variable that sets the combine chunk (hybrid-ep ``csrc/hybrid_ep/config.cuh``).
 CHUNK_ENV_VAR = "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API"
-# Spec S11: fp8_utils.get_fp8_align_size (mxfp8 32, other FP8 16), fp4_utils (NVFP4 128).
-# "fp8_legacy16" is Megatron-Bridge's unconditional use_fp8_padding=True (spec U3).
+# megatron-core 0.19.2 fp8_utils.get_fp8_align_size (mxfp8 32, other FP8 16), fp4_utils (NVFP4 128).
+# "fp8_legacy16" is Megatron-Bridge #3294's unconditional use_fp8_padding=True (16 even for bf16).
 QUANT_ALIGN: Mapping[str | None, int] = MappingProxyType(
     {None: 1, "bf16": 1, "mxfp8": 32, "nvfp4": 128}
     | dict.fromkeys(("delayed", "tensorwise", "blockwise", "custom", "fp8_legacy16"), 16)
@@ -50,39 +51,28 @@ QUANT_ALIGN: Mapping[str | None, int] = MappingProxyType(
 FORCE_POLICIES = ("raise", "round_up")
 
 
-def _count(name: str, value: Any, where: str, minimum: int = 1) -> int:
-    """Return ``value`` as an int >= ``minimum`` or raise a ValueError naming it."""
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or number < minimum:
-        raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
-    return number
-
-
-def _flag(name: str, value: Any, where: str) -> bool:
+def check_flag(name: str, value: Any, where: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
     return value
 
 
-def _policy(force_policy: str, where: str) -> str:
+def check_policy(force_policy: str, where: str) -> str:
     if force_policy not in FORCE_POLICIES:
         raise ValueError(
             f"{where}: force_policy must be one of {FORCE_POLICIES}, got {force_policy!r}. "
             "Overwriting the aligned length with the fixed one (upstream's 'legacy_overwrite', "
-            "spec U1) is deliberately not offered: it breaks HybridEP silently."
+            "Megatron-Bridge #3294) is deliberately not offered: it breaks HybridEP silently."
         )
     return force_policy
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
 def quant_align(quant: str | None) -> int:
-    """Return the sequence multiple a quantisation recipe needs (spec §4.0, S11).
+    """Return the sequence multiple a quantisation recipe needs.
 
     Args:
         quant: None or ``"bf16"`` (none), an FP8 recipe (``"delayed"``, ``"tensorwise"``,
@@ -103,7 +93,7 @@ def quant_align(quant: str | None) -> int:
 
 
 def hybridep_chunk(chunk: int | None = None, *, environ: Mapping[str, str] | None = None) -> int:
-    """Return the HybridEP combine chunk that padding must honour (spec §4.0).
+    """Return the HybridEP combine chunk that padding must honour.
 
     DeepEP compiles the combine kernel with ``NUM_OF_TOKENS_PER_CHUNK_COMBINE_API`` when it is
     set, so the result is ``lcm(chunk or 128, env)`` then, else ``chunk or 128``. Pass
@@ -115,14 +105,18 @@ def hybridep_chunk(chunk: int | None = None, *, environ: Mapping[str, str] | Non
 
     Raises:
         ValueError: ``chunk`` or the variable is not a positive integer, or the variable is not a
-            multiple of 32 (DeepEP ``static_assert``, hybrid_ep_backend.cuh L899).
+            multiple of 32 (a DeepEP ``static_assert`` in ``hybrid_ep_backend.cuh``).
 
     >>> hybridep_chunk(environ={}), hybridep_chunk(64, environ={})
     (128, 64)
     >>> hybridep_chunk(64, environ={"NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": "128"})
     128
     """
-    base = DEFAULT_HYBRIDEP_CHUNK if chunk is None else _count("chunk", chunk, "hybridep_chunk")
+    base = (
+        DEFAULT_HYBRIDEP_CHUNK
+        if chunk is None
+        else check_int("chunk", chunk, 1, where="hybridep_chunk")
+    )
     raw = (os.environ if environ is None else environ).get(CHUNK_ENV_VAR, "").strip()
     if not raw:
         return base
@@ -161,8 +155,8 @@ def _violated(constraints: Iterable[Constraint], length: int) -> str:
     )
 
 
-class _Result:
-    """Dict-style read access, so results also work where the spec's field names are keys."""
+class PaddingResult:
+    """Dict-style read access (``plan["padded_len"]``), for callers that pass results as dicts."""
 
     constraints: tuple[Constraint, ...]
 
@@ -179,13 +173,13 @@ class _Result:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BshdPlan(_Result):
-    """How to pad a ``[B, S]`` micro-batch (spec §4.2-§4.3); returned by :func:`bshd_pad`.
+class BshdPlan(PaddingResult):
+    """How to pad a ``[B, S]`` micro-batch; returned by :func:`bshd_pad`.
 
     ``divisible_by``, ``padded_len`` (S_pad), ``truncated``, ``per_rank_tokens`` (``B*S_pad/D``,
     what HybridEP dispatches per rank), ``local_token_divisor`` (D) and ``effective_seq_length``
     (the length the model runs with; under a fixed length, what ``config.seq_length`` must equal)
-    are the spec's fields. Also: ``cur_len``, ``batch_size``, ``cp``, ``gemm_rows``
+    are the planner's answer. Also: ``cur_len``, ``batch_size``, ``cp``, ``gemm_rows``
     (``B*S_pad/cp``, the TE GEMM rows per rank), ``forced``, ``rounded_up`` (write
     ``effective_seq_length`` back to the config) and ``constraints``.
     """
@@ -205,40 +199,45 @@ class BshdPlan(_Result):
     constraints: tuple[Constraint, ...] = field(default=(), repr=False)
 
 
-def _parallel(tp: Any, cp: Any, sp: Any, chunk: Any, hybridep: Any, where: str) -> tuple:
+def check_parallel(tp: Any, cp: Any, sp: Any, chunk: Any, hybridep: Any, where: str) -> tuple:
     """Validate the arguments shared by the BSHD and THD planners."""
-    tp, cp, chunk = (_count(n, v, where) for n, v in (("tp", tp), ("cp", cp), ("chunk", chunk)))
-    return tp, cp, _flag("sp", sp, where), chunk, _flag("hybridep", hybridep, where)
+    tp, cp, chunk = (
+        check_int(n, v, 1, where=where) for n, v in (("tp", tp), ("cp", cp), ("chunk", chunk))
+    )
+    return tp, cp, check_flag("sp", sp, where), chunk, check_flag("hybridep", hybridep, where)
 
 
 def _seq_terms(
     batch_size: Any, tp: Any, cp: Any, sp: Any, quant: Any, hybridep: Any, chunk: Any, strict: Any
 ) -> tuple[Constraint, ...]:
-    """The BSHD terms whose lcm is :func:`seq_divisible_by` (spec §4.1)."""
+    """The BSHD terms whose lcm is :func:`seq_divisible_by`."""
     where = "seq_divisible_by"
-    b = _count("batch_size", batch_size, where)
-    tp, cp, sp, chunk, hybridep = _parallel(tp, cp, sp, chunk, hybridep, where)
-    strict = _flag("strict_quant_per_rank", strict, where)
+    b = check_int("batch_size", batch_size, 1, where=where)
+    tp, cp, sp, chunk, hybridep = check_parallel(tp, cp, sp, chunk, hybridep, where)
+    strict = check_flag("strict_quant_per_rank", strict, where)
     q = quant_align(quant)
     terms = []
     if cp > 1:
-        # Zig-zag CP cuts a row into 2*cp chunks; upstream keeps each shard divisible by tp (S13).
+        # Zig-zag CP cuts a row into 2*cp chunks; upstream keeps each shard divisible by tp
+        # (megatron-core 0.19.2 utils.py).
         m = 2 * tp * cp
         why = f"CP load balancing over cp={cp} cuts each row into {2 * cp} chunks, each split"
         terms.append(Constraint("cp_zigzag", m, f"{why} over tp={tp}: requires a multiple of {m}"))
     elif tp > 1:
-        # The SP scatter asserts dim0 % tp == 0 (S14); upstream applies it even without SP.
+        # The SP scatter asserts dim0 % tp == 0 (tensor_parallel/mappings.py); upstream applies it
+        # even without SP.
         why = f"TP/SP split over tp={tp} requires a multiple of {tp}"
         terms.append(Constraint("tp_split", tp, why))
     if q > 1:
         terms.append(Constraint("quant", q, f"{quant} quantisation requires a multiple of {q}"))
         if strict:
-            # Per-rank GEMM rows: q | B*S/cp <=> (q*cp / gcd(B, q*cp)) | S (spec U12).
+            # Per-rank GEMM rows: q | B*S/cp <=> (q*cp / gcd(B, q*cp)) | S; lcm(8, 16) alone
+            # misses it (cp=4, B=1, S=1040 gives 260 rows).
             m = (q * cp) // math.gcd(b, q * cp)
             why = f"{quant} GEMM rows per rank (B*S/cp, cp={cp}, micro-batch {b}) require"
             terms.append(Constraint("quant_per_rank", m, f"{why} a multiple of {m}"))
     if hybridep:
-        # chunk | B*S/D <=> chunk*D | B*S <=> (chunk*D / gcd(B, chunk*D)) | S (spec §4.1).
+        # chunk | B*S/D <=> chunk*D | B*S <=> (chunk*D / gcd(B, chunk*D)) | S.
         d = cp * (tp if sp else 1)
         m = (chunk * d) // math.gcd(b, chunk * d)
         why = f"HybridEP combine chunk {chunk} with D={d} and micro-batch {b} requires"
@@ -257,7 +256,7 @@ def seq_divisible_by(
     chunk: int = DEFAULT_HYBRIDEP_CHUNK,
     strict_quant_per_rank: bool = False,
 ) -> int:
-    """Return the least multiple every padded BSHD row length must have (spec §4.1).
+    """Return the least multiple every padded BSHD row length must have.
 
     Args:
         batch_size: rows in the micro-batch (``B``).
@@ -281,16 +280,18 @@ def seq_divisible_by(
     return math.lcm(1, *(c.multiple for c in terms))
 
 
-def _fixed(force: Any, multiple: int, terms: Sequence[Constraint], policy: str, what: str) -> tuple:
-    """Apply a force policy to a fixed length; return ``(length, rounded_up)`` (spec §4.2)."""
+def fixed_length(
+    force: Any, multiple: int, terms: Sequence[Constraint], policy: str, what: str
+) -> tuple:
+    """Apply a force policy to a fixed length; return ``(length, rounded_up)``."""
     where = "thd_pack" if what == "force_total" else "bshd_pad"
-    force = _count(what, force, where)
+    force = check_int(what, force, 1, where=where)
     if force % multiple == 0:
         return force, False
     if policy == "round_up":
-        return _round_up(force, multiple), True
+        return round_up(force, multiple), True
     below = force - force % multiple
-    options = f"{_round_up(force, multiple)}" + (f" or {below}" if below else "")
+    options = f"{round_up(force, multiple)}" + (f" or {below}" if below else "")
     raise ValueError(
         f"{where}: {what}={force} is not a multiple of {multiple}: {_violated(terms, force)}. "
         f"Set {what} to {options}, or pass force_policy='round_up' at setup time and write the "
@@ -312,7 +313,7 @@ def bshd_pad(
     force_len: int | None = None,
     force_policy: str = "raise",
 ) -> BshdPlan:
-    """Plan the padding of a ``[B, S]`` micro-batch (spec §4.2).
+    """Plan the padding of a ``[B, S]`` micro-batch.
 
     Without ``force_len`` rows are padded to the least valid length ``>= cur_len``. With it (PP > 1
     without ``variable_seq_lengths``, or fixed-shape HybridEP) every row gets exactly
@@ -341,14 +342,14 @@ D=1 and micro-batch 4 requires a multiple of 32 (1776 % 32 = 16). Set seq_length
 or pass force_policy='round_up' at setup time and write the result back to the config before \
 pipeline shapes are computed.
     """
-    cur_len = _count("cur_len", cur_len, "bshd_pad")
-    policy = _policy(force_policy, "bshd_pad")
+    cur_len = check_int("cur_len", cur_len, 1, where="bshd_pad")
+    policy = check_policy(force_policy, "bshd_pad")
     terms = _seq_terms(batch_size, tp, cp, sp, quant, hybridep, chunk, strict_quant_per_rank)
     div = math.lcm(1, *(c.multiple for c in terms))
     if force_len is None:
-        padded, rounded = _round_up(cur_len, div), False
+        padded, rounded = round_up(cur_len, div), False
     else:
-        padded, rounded = _fixed(force_len, div, terms, policy, "seq_length")
+        padded, rounded = fixed_length(force_len, div, terms, policy, "seq_length")
     d = cp * (tp if sp else 1)
     # The tp/cp term makes D and cp divide S_pad, so the per-rank counts are exact.
     assert padded % d == 0 and padded % cp == 0, (padded, d, cp)
@@ -382,8 +383,10 @@ def group_equalize(per_rank_counts: Iterable[int], align: int = DEFAULT_HYBRIDEP
     (7168, 128)
     """
     where = "group_equalize"
-    align = _count("align", align, where)
-    counts = [_count(f"per_rank_counts[{i}]", c, where, 0) for i, c in enumerate(per_rank_counts)]
+    align = check_int("align", align, 1, where=where)
+    counts = [
+        check_int(f"per_rank_counts[{i}]", c, 0, where=where) for i, c in enumerate(per_rank_counts)
+    ]
     if not counts:
         raise ValueError(f"{where}: per_rank_counts is empty; pass one count per rank")
-    return _round_up(max(counts), align)
+    return round_up(max(counts), align)

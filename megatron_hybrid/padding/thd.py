@@ -1,6 +1,6 @@
 """THD (packed) planning: pad each sequence and the packed total for TP/SP, CP, FP8/FP4, HybridEP.
 
-Implements ``research/padding-spec.md`` §5 on top of the shared terms in
+Builds on the shared terms in
 :mod:`~megatron_hybrid.padding.multiples` (pure Python, no torch). Sequences of lengths ``L_i``
 are each padded to a multiple ``s`` (the *mode* decides it) and packed into one ``[1, T]`` row
 whose total ``T`` is a multiple of ``t``, the lcm of every term; the last sequence absorbs the
@@ -14,16 +14,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_hybrid.checks import check_int
 from megatron_hybrid.padding.multiples import (
     DEFAULT_HYBRIDEP_CHUNK,
     Constraint,
-    _count,
-    _fixed,
-    _parallel,
-    _policy,
-    _Result,
-    _round_up,
+    PaddingResult,
+    check_parallel,
+    check_policy,
+    fixed_length,
     quant_align,
+    round_up,
 )
 
 # Public surface; names starting with "_" are implementation details.
@@ -33,10 +33,10 @@ THD_MODES = ("minimal", "upstream", "bridge_vlm")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ThdPlan(_Result):
-    """How to pack sequences into one ``[1, T]`` row (spec §5); returned by :func:`thd_pack`.
+class ThdPlan(PaddingResult):
+    """How to pack sequences into one ``[1, T]`` row; returned by :func:`thd_pack`.
 
-    The spec's fields: ``seq_multiple`` (s), ``total_multiple`` (t), ``padded_seqlens`` (P_i; the
+    Fields: ``seq_multiple`` (s), ``total_multiple`` (t), ``padded_seqlens`` (P_i; the
     last absorbs the tail), ``cu_seqlens`` (real boundaries), ``cu_seqlens_padded`` (physical
     offsets, ending at T), ``max_seqlen`` (max P_i), ``total_tokens`` (T), ``per_rank_tokens``
     (T/D) and ``effective_seq_length`` (T). Also: ``seqlens`` (L_i), ``local_token_divisor`` (D),
@@ -64,13 +64,14 @@ class ThdPlan(_Result):
 def _thd_terms(
     tp: Any, cp: Any, sp: Any, quant: Any, hybridep: Any, chunk: Any, mode: str
 ) -> tuple[Constraint, ...]:
-    """The THD terms (spec §5.1-§5.2); the first is the per-sequence multiple ``s``."""
+    """The THD terms; the first is the per-sequence multiple ``s``."""
     where = "thd_pack"
-    tp, cp, sp, chunk, hybridep = _parallel(tp, cp, sp, chunk, hybridep, where)
+    tp, cp, sp, chunk, hybridep = check_parallel(tp, cp, sp, chunk, hybridep, where)
     q = quant_align(quant)
     zigzag = 2 * cp if cp > 1 else 1
     if mode == "minimal":
-        # The only per-document requirement: each document is cut into 2*cp chunks (S13).
+        # The only per-document requirement: each document is cut into 2*cp chunks
+        # (megatron-core 0.19.2 utils.py, through TE's thd_get_partitioned_indices).
         s, why = zigzag, f"CP load balancing over cp={cp} cuts each sequence into {zigzag} chunks"
     elif mode == "upstream":
         s, why = (2 * tp * cp if cp > 1 else tp), f"upstream (verl/AReaL) rule for tp={tp}, cp={cp}"
@@ -106,7 +107,7 @@ def thd_pack(
     force_total: int | None = None,
     force_policy: str = "raise",
 ) -> ThdPlan:
-    """Plan packing sequences of lengths ``seqlens`` into one ``[1, T]`` row (spec §5).
+    """Plan packing sequences of lengths ``seqlens`` into one ``[1, T]`` row.
 
     Each sequence is padded to ``P_i = ceil(L_i / s) * s``; ``T`` is the least multiple of ``t``
     that holds them (or ``force_total``), and the last sequence absorbs ``T - sum(P_i)``.
@@ -127,25 +128,25 @@ def thd_pack(
     ((8, 4, 500), (0, 5, 8, 17), (0, 8, 12, 512), 128)
     """
     where = "thd_pack"
-    policy = _policy(force_policy, where)
+    policy = check_policy(force_policy, where)
     terms = _thd_terms(tp, cp, sp, quant, hybridep, chunk, mode)
     if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Iterable):
         raise ValueError(f"{where}: seqlens must be a sequence of ints, got {seqlens!r}")
-    lens = tuple(_count(f"seqlens[{i}]", n, where) for i, n in enumerate(seqlens))
+    lens = tuple(check_int(f"seqlens[{i}]", n, 1, where=where) for i, n in enumerate(seqlens))
     if not lens:
         raise ValueError(f"{where}: seqlens is empty; pack at least one sequence")
     s, t = terms[0].multiple, math.lcm(*(c.multiple for c in terms))
-    padded = [_round_up(n, s) for n in lens]
+    padded = [round_up(n, s) for n in lens]
     content = sum(padded)
     if force_total is None:
-        total, rounded = _round_up(content, t), False
+        total, rounded = round_up(content, t), False
     else:
-        total, rounded = _fixed(force_total, t, terms, policy, "force_total")
+        total, rounded = fixed_length(force_total, t, terms, policy, "force_total")
         if total < content:
             raise ValueError(
                 f"{where}: {len(lens)} sequences ({sum(lens)} tokens) need {content} tokens after "
                 f"padding each to a multiple of {s}, more than force_total={total}. Pack fewer "
-                f"sequences per micro-batch or raise force_total to {_round_up(content, t)}."
+                f"sequences per micro-batch or raise force_total to {round_up(content, t)}."
             )
     # The tail is a multiple of s (both totals are), so the last sequence stays 2*cp-aligned.
     padded[-1] += total - content

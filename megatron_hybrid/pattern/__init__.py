@@ -30,7 +30,6 @@ from megatron_hybrid.pattern.layout import (
     LogicalLayer,
     ParsedPattern,
     flatten_items,
-    is_group,
     item_physical_count,
     item_to_str,
     items_to_str,
@@ -39,6 +38,7 @@ from megatron_hybrid.pattern.pipeline import (
     PipelineSelection,
     pipeline_segments,
     select_pipeline_segment,
+    virtual_stages,
     with_option_names,
 )
 from megatron_hybrid.pattern.symbols import (
@@ -91,7 +91,6 @@ __all__ = [
     "accepts_thd",
     "alphabet_version",
     "flatten_items",
-    "is_group",
     "item_physical_count",
     "item_to_str",
     "items_to_str",
@@ -103,4 +102,5 @@ __all__ = [
     "select_pipeline_segment",
     "unregister_layer_facts",
     "with_option_names",
+    "virtual_stages",
 ]

@@ -10,10 +10,9 @@ Grammar (``docs/pattern_grammar.md`` explains every rule and error)::
     unit     := SYMBOL | group | "(" item+ ")"
     group    := "[" SYMBOL+ "]"            at most one layer per slot, the MLP-slot layer last
 
-Parsing runs in two passes over the tokens of :mod:`megatron_hybrid.pattern.tokenizer`. The first
-builds a small tree and computes, for every node, how many physical layers it expands to
-(saturating at 10**15), so ``[*E]{1000000000}`` fails at once, before anything is expanded. The
-second expands the tree into items.
+Two passes over the tokens of :mod:`megatron_hybrid.pattern.tokenizer`: the first builds a tree
+that knows each node's physical layer count (saturating at 10**15), so ``[*E]{1000000000}`` fails
+before anything is expanded; the second expands the tree into items.
 
 >>> parse_pattern("(M-M*-){2}").canonical
 'M-M*-M-M*-'
@@ -36,8 +35,8 @@ from megatron_hybrid.pattern.layer_types import (
 from megatron_hybrid.pattern.layout import (
     Item,
     ParsedPattern,
-    _check_attention_family,
-    _check_mtp,
+    check_attention_family,
+    check_mtp_parts,
     make_parsed_pattern,
 )
 from megatron_hybrid.pattern.symbols import (
@@ -48,7 +47,7 @@ from megatron_hybrid.pattern.symbols import (
     Slot,
 )
 from megatron_hybrid.pattern.tokenizer import (
-    _CAP,
+    COUNT_CAP,
     END,
     GROUP_END,
     GROUP_START,
@@ -63,8 +62,7 @@ from megatron_hybrid.pattern.tokenizer import (
     tokenize,
 )
 
-# Token and tokenize are re-exported: they were defined here before tokenizer.py existed.
-__all__ = ["Token", "parse_pattern", "tokenize"]
+__all__ = ["parse_pattern"]
 
 
 def _slot_list() -> str:
@@ -75,7 +73,7 @@ def _slot_list() -> str:
     return f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
-# A node of the parse tree; counts are physical layers, saturated at _CAP.
+# A node of the parse tree; counts are physical layers, saturated at COUNT_CAP.
 class _Unit(NamedTuple):
     # LITERAL: value = (items, their offsets in the literal); GROUP_START: the group's members;
     # RUN_START: the nodes inside '(...)'.
@@ -214,7 +212,8 @@ class _Parser:
         if again.kind == REPEAT:
             written = self.pattern[unit.position : following.position]
             combined = following.count * again.count
-            example = f"'{written}{{{combined}}}'" if combined < _CAP and len(written) < 40 else ""
+            short = combined < COUNT_CAP and len(written) < 40
+            example = f"'{written}{{{combined}}}'" if short else ""
             raise self.error(
                 f"'{{' at position {again.position} has nothing to repeat: "
                 f"'{written[:40]}' is already repeated by {following.text}",
@@ -222,7 +221,7 @@ class _Parser:
                 "a layer symbol, a group '[...]' or a run '(...)' before '{N}'",
                 f"write one count (the product), e.g. {example}" if example else "write one count",
             )
-        return _Node(unit, following.count, min(unit.physical * following.count, _CAP))
+        return _Node(unit, following.count, min(unit.physical * following.count, COUNT_CAP))
 
     def literal(self, token: Token, part: str) -> _Unit:
         """Symbols and well-formed groups the tokenizer read as one token."""
@@ -340,7 +339,7 @@ class _Parser:
                 "layers between '(' and ')'",
                 "remove the '()' or put layers in it, e.g. '(M*){3}'",
             )
-        physical = min(sum(node.physical for node in nodes), _CAP)
+        physical = min(sum(node.physical for node in nodes), COUNT_CAP)
         return _Unit(RUN_START, tuple(nodes), opening.position, physical)
 
 
@@ -425,21 +424,21 @@ def _expand(
 
 
 def _physical(nodes: list[_Node]) -> int:
-    return min(sum(node.physical for node in nodes), _CAP)
+    return min(sum(node.physical for node in nodes), COUNT_CAP)
 
 
 def _check_whole_pattern(pattern: str, main: list[list[_Node]], mtp: list[list[_Node]]) -> None:
     """Raise for the errors that concern the whole pattern: no layer, or too many layers."""
-    main_size = min(sum(map(_physical, main)), _CAP)
+    main_size = min(sum(map(_physical, main)), COUNT_CAP)
     mtp_sizes = [_physical(part) for part in mtp]
-    total = main_size + sum(mtp_sizes)  # each term is at most _CAP, so this stays small
+    total = main_size + sum(mtp_sizes)  # each term is at most COUNT_CAP, so this stays small
     if total == 0:
         what = "the pattern is empty" if not pattern else "the pattern has no layer"
         raise HybridPatternError(
             what, pattern, None, "at least one layer symbol", "write layers, e.g. '[*E]{4}'"
         )
     if total > MAX_PHYSICAL_LAYERS:
-        exact = _CAP not in (main_size, *mtp_sizes)
+        exact = COUNT_CAP not in (main_size, *mtp_sizes)
         size = f"{total:,}" if exact else f"more than {MAX_PHYSICAL_LAYERS:,}"
         raise HybridPatternError(
             f"the pattern expands to {size} physical layers (main plus every MTP depth), above "
@@ -517,9 +516,9 @@ def _parse(pattern: str, version: int) -> ParsedPattern:
         part: list[Item] = []
         _expand(nodes, part, [])
         mtp_parts.append(tuple(part))  # type: ignore[arg-type]  # MTP parts hold no groups
-    _check_mtp(pattern, mtp_parts)
+    check_mtp_parts(pattern, mtp_parts)
     parsed = make_parsed_pattern(
         pattern, segments, positions, mtp_parts[0] if mtp_parts else (), len(mtp_parts)
     )
-    _check_attention_family(pattern, set(parsed.canonical))
+    check_attention_family(pattern, set(parsed.canonical))
     return parsed

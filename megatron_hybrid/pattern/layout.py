@@ -35,7 +35,6 @@ __all__ = [
     "LogicalLayer",
     "ParsedPattern",
     "flatten_items",
-    "is_group",
     "item_physical_count",
     "item_to_str",
     "items_to_str",
@@ -44,11 +43,6 @@ __all__ = [
 
 #: One logical layer: a layer symbol, or a group as a tuple of symbols.
 Item: TypeAlias = str | tuple[str, ...]
-
-
-def is_group(item: Item) -> bool:
-    """Return whether ``item`` is a group (a tuple of symbols) rather than one symbol."""
-    return isinstance(item, tuple)
 
 
 def item_physical_count(item: Item) -> int:
@@ -177,6 +171,19 @@ position=8)
         return len(self.segments)
 
     @property
+    def unsplit(self) -> str:
+        """The canonical string without ``|``: the same layers as one pipeline stage.
+
+        Checkpoint keys and global shapes do not depend on the pipeline split, so tools that
+        only need those build this pattern at PP=1.
+
+        >>> from megatron_hybrid.pattern import parse_pattern
+        >>> parse_pattern("[*-]{2}|[*E]{2}/*E").unsplit
+        '[*-][*-][*E][*E]/*E'
+        """
+        return self.canonical.replace(PIPE, "")
+
+    @property
     def main_pattern(self) -> str:
         """Canonical main part (``""`` when empty)."""
         return self.canonical.split(MTP_SEPARATOR, 1)[0]
@@ -263,7 +270,7 @@ def make_parsed_pattern(
     )
 
 
-def _check_mtp(pattern: str, parts: list[tuple[str, ...]]) -> None:
+def check_mtp_parts(pattern: str, parts: list[tuple[str, ...]]) -> None:
     """Raise unless every expanded MTP depth holds the same layers (the parser's check)."""
     for depth, part in enumerate(parts[1:], start=2):
         if part != parts[0]:
@@ -279,7 +286,7 @@ def _check_mtp(pattern: str, parts: list[tuple[str, ...]]) -> None:
             )
 
 
-def _check_attention_family(pattern: str, symbols: set[str]) -> None:
+def check_attention_family(pattern: str, symbols: set[str]) -> None:
     """Raise if ``symbols`` mixes ``*`` with MLA or DSA attention (the parser's check)."""
     if ATTENTION not in symbols:
         return

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
+from megatron_hybrid.checks import check_int
 from megatron_hybrid.pattern.errors import HybridPatternError
 from megatron_hybrid.pattern.grammar import parse_pattern
 from megatron_hybrid.pattern.layout import (
@@ -34,6 +35,7 @@ __all__ = [
     "PipelineSelection",
     "pipeline_segments",
     "select_pipeline_segment",
+    "virtual_stages",
     "with_option_names",
 ]
 
@@ -69,15 +71,6 @@ class PipelineSelection:
     def logical_layer_count(self) -> int:
         """Logical layers of this stage."""
         return len(self.items)
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; True as a rank is always a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _quoted(p: ParsedPattern, limit: int = 60) -> str:
@@ -131,21 +124,46 @@ def select_pipeline_segment(
     ('M', '*')
     """
     p = _as_parsed(pattern)
-    pp_size = _check_int("pp_size", pp_size, 1)
-    pp_rank = _check_int("pp_rank", pp_rank, 0)
+    pp_size = check_int("pp_size", pp_size, 1)
+    pp_rank = check_int("pp_rank", pp_rank, 0)
     if pp_rank >= pp_size:
         raise ValueError(f"pp_rank ({pp_rank}) must be < pp_size ({pp_size})")
-    vp = 0 if vp_stage is None else _check_int("vp_stage", vp_stage, 0)
+    vp = 0 if vp_stage is None else check_int("vp_stage", vp_stage, 0)
     for name, value in (
         ("first_stage_layers", first_stage_layers),
         ("last_stage_layers", last_stage_layers),
     ):
         if value is not None:
-            _check_int(name, value, 0)
+            check_int(name, value, 0)
 
     if p.num_segments > 1:
         return _select_by_pipes(p, pp_rank, pp_size, vp, first_stage_layers, last_stage_layers)
     return _select_by_split(p, pp_rank, pp_size, vp, first_stage_layers, last_stage_layers)
+
+
+def virtual_stages(pattern: ParsedPattern | str, pp_size: int) -> int:
+    """Virtual stages per pipeline rank that the pattern's ``|`` segments imply (1 without ``|``).
+
+    The one place that checks "the number of segments is a multiple of the pipeline size";
+    command-line tools rename ``pp_size`` in the message with :func:`with_option_names`.
+
+    Raises:
+        ValueError: the segment count is not a multiple of ``pp_size``.
+
+    >>> virtual_stages("[*E]|[*E]|[*E]|[*E]", 2), virtual_stages("[*E]{4}", 2)
+    (2, 1)
+    """
+    p = _as_parsed(pattern)
+    pp_size = check_int("pp_size", pp_size, 1)
+    if p.num_segments == 1:
+        return 1
+    if p.num_segments % pp_size:
+        raise ValueError(
+            f"{_quoted(p)} has {p.num_segments} '|'-separated segments, which is not a multiple "
+            f"of pp_size {pp_size}; write a multiple of {pp_size} segments (segments / pp_size = "
+            "virtual stages per rank)"
+        )
+    return p.num_segments // pp_size
 
 
 def pipeline_segments(
@@ -162,11 +180,9 @@ def pipeline_segments(
     [(0, 0, 'M'), (1, 0, '*'), (0, 1, '-'), (1, 1, 'E')]
     """
     p = _as_parsed(pattern)
-    pp_size = _check_int("pp_size", pp_size, 1)
-    chunks = p.num_segments // pp_size if p.num_segments > 1 else 1
     return tuple(
         select_pipeline_segment(p, rank, pp_size, vp, first_stage_layers, last_stage_layers)
-        for vp in range(max(chunks, 1))
+        for vp in range(virtual_stages(p, pp_size))
         for rank in range(pp_size)
     )
 
@@ -184,13 +200,7 @@ def _select_by_pipes(
             f"first_stage_layers/last_stage_layers cannot be used with {_quoted(p)}: its '|' "
             "separators already define the pipeline stages; drop these settings or the '|'"
         )
-    if p.num_segments % pp_size:
-        raise ValueError(
-            f"pp_size ({pp_size}) must divide the number of '|'-delimited segments "
-            f"({p.num_segments}) of {_quoted(p)}; use a pp_size that divides it, or write "
-            "pp_size * (virtual stages) segments"
-        )
-    chunks = p.num_segments // pp_size
+    chunks = virtual_stages(p, pp_size)
     if vp_stage >= chunks:
         raise ValueError(
             f"vp_stage ({vp_stage}) must be < {chunks}: {_quoted(p)} has {p.num_segments} "

@@ -36,17 +36,20 @@ from megatron_hybrid.pattern.symbols import (
 )
 
 __all__ = [
+    "COUNT_CAP",
     "END",
     "GROUP_END",
     "GROUP_START",
     "INVALID",
     "LITERAL",
+    "Lexicon",
     "MTP_SEP",
     "REPEAT",
     "RUN_END",
     "RUN_START",
     "SEGMENT_SEP",
     "Token",
+    "lexicon",
     "tokenize",
 ]
 
@@ -72,11 +75,11 @@ _STRUCTURE_KINDS = {
     MTP_SEPARATOR: MTP_SEP,
 }
 _DIGITS = re.compile(r"[0-9]*")
-# Counts saturate at _CAP: far above the limit (so messages can say how far above it a pattern
+# Counts saturate at COUNT_CAP: far above the limit (so messages can say how far above it a pattern
 # goes), yet small enough to keep the size arithmetic O(1) however many digits or nested
 # repetitions a pattern has.
-_CAP = 10**15
-_MAX_COUNT_DIGITS = len(str(_CAP))
+COUNT_CAP = 10**15
+_MAX_COUNT_DIGITS = len(str(COUNT_CAP))
 
 
 class Lexicon(NamedTuple):
@@ -222,8 +225,8 @@ def _repeat_token(pattern: str, start: int) -> Token:
             "a decimal number without leading zeros",
             f"write {{{digits.lstrip('0')}}}",
         )
-    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else _CAP
-    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, _CAP))
+    count = int(digits) if len(digits) <= _MAX_COUNT_DIGITS else COUNT_CAP
+    return Token(REPEAT, start, pattern[start : digits_end + 1], min(count, COUNT_CAP))
 
 
 def _invalid_char(pattern: str, position: int, lex: Lexicon) -> HybridPatternError:

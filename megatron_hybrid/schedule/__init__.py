@@ -1,9 +1,10 @@
 """Combined-1F1B expert-parallel overlap for HybridModel (``build_schedule_plan``).
 
-Importing this package registers the plan builder with :class:`~megatron_hybrid.HybridModel`.
+:class:`~megatron_hybrid.HybridModel` (one layer up) imports the plan builder from here; the
+forward step that megatron-core's schedules call is
+:func:`megatron_hybrid.schedule.steps.lm_forward_step`.
 """
 
-from megatron_hybrid.modules.hybrid_model import set_schedule_plan_builder
 from megatron_hybrid.schedule.callables import (
     PRE_LAYER_RUNNERS,
     UnschedulableLayerError,
@@ -27,5 +28,3 @@ __all__ = [
     "check_schedulable",
     "register_pre_layer_runner",
 ]
-
-set_schedule_plan_builder(build_hybrid_schedule_plan, check_schedulable)

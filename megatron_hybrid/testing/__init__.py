@@ -1,4 +1,6 @@
-"""Test and demo support: opt-in CPU emulation of megatron-core, state resets, small models.
+"""Test and demo support: gloo ranks in fresh processes, small reference models, overlap
+comparisons, a GatedDeltaNet reference and checkpoint helpers.
 
-Nothing here runs on import; see :func:`megatron_hybrid.testing.cpu.enable_cpu_emulation`.
+Nothing here runs on import. The CPU emulation these tests run on is a runtime back-end:
+``megatron_hybrid.runtime.select_backend("cpu").activate()``.
 """

@@ -25,7 +25,7 @@ def small_config(pattern: str, **overrides: Any):
 
     parsed = parse_pattern(pattern)
     symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
-    from megatron_hybrid.testing.cpu import cpu_config_overrides
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
 
     # CPU initialisation also on GPUs: the same seed then gives the same weights in any layout.
     kwargs: dict[str, Any] = dict(
@@ -89,7 +89,8 @@ def build_hybrid(
     **kwargs: Any,
 ):
     """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage."""
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     first, last = _stage_flags(pg_collection, config, vp_stage)
     kwargs.setdefault("position_embedding_type", "rope")
@@ -121,7 +122,7 @@ def build_gpt_twin(
     """The GPTModel that shares checkpoints (and math) with ``build_hybrid(config, pattern)``."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_hybrid.checkpointing.gpt_interop import (
+    from megatron_hybrid.model.gpt_interop import (
         gpt_config_for_pattern,
         gpt_decoder_spec_for_pattern,
     )

@@ -60,7 +60,7 @@ def run_schedule(models, batches, config, *, seq_length, micro_batch_size, optim
     """One training step over ``batches`` with megatron-core's schedule for ``config``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hybrid.training.steps import lm_forward_step
+    from megatron_hybrid.schedule.steps import lm_forward_step
 
     for model in models:
         model.config.finalize_model_grads_func = None

@@ -1,10 +1,9 @@
-"""Command-line flags (Megatron-LM's names) and the TransformerConfig they describe.
+"""Command-line flags (Megatron-LM's names), their defaults and the pattern they carry.
 
 :func:`add_hybrid_args` adds the flags to any ``argparse`` parser. It skips flags the parser
 already has, so it also works as Megatron-LM's ``extra_args_provider`` (Megatron-LM defines most
-of them itself). :func:`hybrid_config_from_args` turns parsed flags into a ``TransformerConfig``:
-``num_layers`` is the pattern's physical layer count, ``mtp_num_layers`` its MTP depth and the
-virtual pipeline size follows from its ``|`` segments.
+of them itself). :func:`megatron_hybrid.training.config.hybrid_config_from_args` turns parsed
+flags into a ``TransformerConfig``.
 """
 
 from __future__ import annotations
@@ -13,15 +12,21 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, parse_pattern
+from megatron_hybrid.pattern import (
+    ParsedPattern,
+    parse_pattern,
+    virtual_stages,
+    with_option_names,
+)
 
 __all__ = [
     "FLAGS",
     "FLAG_GROUPS",
     "MODEL_SHAPE_GROUPS",
+    "PATTERN_REQUIRED",
     "Flag",
     "add_hybrid_args",
-    "hybrid_config_from_args",
+    "required_pattern",
     "spec_backend",
     "vpp_size_from_pattern",
     "with_defaults",
@@ -44,6 +49,9 @@ def _flag(option: str, group: str, **kwargs: Any) -> Flag:
 _MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT = "model", "parallelism", "MoE", "training", "checkpointing"
 
 #: Every flag the package defines, in ``--help`` order (frozen by a snapshot test).
+#: The one message for a missing pattern (train, check-checkpoint, Megatron-LM integration).
+PATTERN_REQUIRED = "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
+
 FLAGS: tuple[Flag, ...] = (
     _flag(
         "--hybrid-layer-pattern",
@@ -312,22 +320,24 @@ def add_hybrid_args(
     return parser
 
 
-def vpp_size_from_pattern(pattern, pp_size: int) -> int | None:
+def required_pattern(args: argparse.Namespace) -> ParsedPattern:
+    """The parsed ``--hybrid-layer-pattern``; a ValueError saying so when it is missing."""
+    if not args.hybrid_layer_pattern:
+        raise ValueError(PATTERN_REQUIRED)
+    return parse_pattern(args.hybrid_layer_pattern)
+
+
+def vpp_size_from_pattern(pattern: str | ParsedPattern, pp_size: int) -> int | None:
     """Virtual pipeline size implied by the pattern's ``|`` segments (None without pipes).
 
     Raises:
-        ValueError: the segment count is not a multiple of ``pp_size``.
+        ValueError: the segment count is not a multiple of ``pp_size``, or pipes without PP.
     """
     parsed = parse_pattern(pattern)
-    if parsed.num_segments == 1:
-        return None
-    if parsed.num_segments % pp_size:
-        raise ValueError(
-            f"the pattern has {parsed.num_segments} '|'-separated segments, which is not a "
-            f"multiple of --pipeline-model-parallel-size {pp_size}; use a multiple of {pp_size} "
-            "segments (segments / PP = virtual stages per rank)"
-        )
-    vpp = parsed.num_segments // pp_size
+    try:
+        vpp = virtual_stages(parsed, pp_size)
+    except ValueError as error:
+        raise with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}) from None
     if vpp > 1 and pp_size == 1:
         raise ValueError(
             f"the pattern has {parsed.num_segments} '|'-separated segments but there is no "
@@ -349,130 +359,3 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 def spec_backend(args) -> str:
     """``hybrid_stack_spec``'s backend for ``--transformer-impl`` (``"te"`` or ``"local"``)."""
     return "te" if args.transformer_impl == "transformer_engine" else "local"
-
-
-def _check_mamba_sizes(args: argparse.Namespace) -> None:
-    """Mamba heads and groups must split evenly (megatron-core's MambaMixer asserts it)."""
-    d_inner = 2 * args.hidden_size  # MambaMixer's expand = 2
-    if args.mamba_num_heads is None and d_inner % args.mamba_head_dim:
-        raise ValueError(
-            f"Mamba ('M') layers have 2 x --hidden-size = {d_inner} channels, not a multiple of "
-            f"--mamba-head-dim {args.mamba_head_dim}; change --mamba-head-dim or set "
-            "--mamba-num-heads"
-        )
-    heads = args.mamba_num_heads or d_inner // args.mamba_head_dim
-    tp = args.tensor_model_parallel_size
-    if heads % args.mamba_num_groups or args.mamba_num_groups % tp:
-        raise ValueError(
-            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups "
-            f"{args.mamba_num_groups} groups over TP {tp}: groups must divide the heads and TP "
-            "must divide the groups; change --mamba-num-groups (or --mamba-num-heads)"
-        )
-
-
-def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
-    """The ``TransformerConfig`` described by parsed flags.
-
-    Args:
-        args: parsed flags (from a parser extended by :func:`add_hybrid_args`); flags the
-            parser did not define take their defaults.
-        **overrides: config fields to set on top (e.g. CPU-friendly fusion switches).
-
-    Raises:
-        ValueError: inconsistent flags, with what to change.
-    """
-    import torch
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    args = with_defaults(args)
-    if not args.hybrid_layer_pattern:
-        raise ValueError(
-            "--hybrid-layer-pattern is required, e.g. --hybrid-layer-pattern '[*E]{4}'"
-        )
-    parsed = parse_pattern(args.hybrid_layer_pattern)
-    counts = parsed.layer_counts
-    if counts.get(MOE, 0) and not args.num_experts:
-        raise ValueError(f"the pattern {parsed.pattern!r} has MoE ('E') layers; set --num-experts")
-    if counts.get(GDN, 0) and not args.swiglu:
-        raise ValueError(
-            "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
-            "add --swiglu"
-        )
-    if counts.get(MAMBA, 0):
-        _check_mamba_sizes(args)
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    kwargs: dict[str, Any] = dict(
-        num_layers=parsed.physical_layer_count,
-        mtp_num_layers=parsed.mtp_num_depths or None,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        ffn_hidden_size=ffn,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        # megatron-core's SequentialMLP experts fail with biases (in-place add on a view).
-        add_bias_linear=not args.disable_bias_linear and not counts.get(MOE, 0),
-        qk_layernorm=args.qk_layernorm,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        transformer_impl=args.transformer_impl,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=args.delay_wgrad_compute,
-    )
-    if counts.get(MOE, 0):
-        kwargs.update(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size or ffn,
-            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        )
-    if counts.get(MAMBA, 0):
-        kwargs.update(
-            mamba_state_dim=args.mamba_state_dim,
-            mamba_head_dim=args.mamba_head_dim,
-            mamba_num_groups=args.mamba_num_groups,
-            mamba_num_heads=args.mamba_num_heads,
-        )
-    if counts.get(GDN, 0):
-        kwargs.update(
-            linear_num_key_heads=args.num_attention_heads,
-            linear_num_value_heads=args.num_attention_heads,
-            linear_key_head_dim=args.hidden_size // args.num_attention_heads,
-            linear_value_head_dim=args.hidden_size // args.num_attention_heads,
-        )
-    if counts.get(MLA, 0):
-        kwargs.update(
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_head_dim=args.qk_head_dim,
-            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-            v_head_dim=args.v_head_dim,
-            # Plain RoPE: MLATransformerConfig's default (YaRN) needs long-context settings.
-            rope_type="rope",
-        )
-    kwargs.update(overrides)
-    return (MLATransformerConfig if counts.get(MLA, 0) else TransformerConfig)(**kwargs)

@@ -46,7 +46,7 @@ def mla_core_attention_usable(backend: str) -> bool:
     """
     import inspect
 
-    from megatron_hybrid import hybrid_stack_spec
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     try:
         spec = hybrid_stack_spec(backend)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.pattern import ParsedPattern
+
 __all__ = [
     "CPUOptimizer",
     "StepResult",
@@ -30,7 +32,7 @@ __all__ = [
 
 def build_model_chunks(
     config,
-    pattern: str,
+    pattern: str | ParsedPattern,
     pg_collection,
     *,
     backend: str,
@@ -39,21 +41,25 @@ def build_model_chunks(
     share_embeddings_and_output_weights: bool = True,
     position_embedding_type: str = "rope",
     mamba_impl: str = "auto",
+    stack_spec=None,
     **model_kwargs,
 ) -> list:
     """HybridModel chunks of this rank (one per virtual stage), wrapped for training.
 
+    ``stack_spec`` replaces ``hybrid_stack_spec(backend, mamba_impl=mamba_impl)`` (a Hugging
+    Face start passes its family's, see ``megatron_hybrid.hf.api.stack_spec_for``);
     ``model_kwargs`` are further HybridModel arguments (``rotary_percent``, ``rotary_base``).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
     # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
     config.calculate_per_token_loss = True
-    spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
+    spec = stack_spec or hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size
     on_gpu = torch.cuda.is_available()
@@ -219,7 +225,7 @@ def train_step(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hybrid.training.steps import lm_forward_step
+    from megatron_hybrid.schedule.steps import lm_forward_step
 
     _configure_hooks(chunks, config, pg_collection)
     for chunk in chunks:

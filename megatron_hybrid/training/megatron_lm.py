@@ -35,9 +35,9 @@ import sys
 
 import torch
 
-from megatron_hybrid.pattern import parse_pattern
-from megatron_hybrid.training.arguments import add_hybrid_args, spec_backend
-from megatron_hybrid.training.steps import lm_forward_step
+from megatron_hybrid.pattern import ParsedPattern, parse_pattern
+from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.training.arguments import add_hybrid_args, required_pattern, spec_backend
 
 __all__ = [
     "SyntheticLMDataset",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-def flatten_for_megatron(pattern: str) -> str:
+def flatten_for_megatron(pattern: str | ParsedPattern) -> str:
     """The pattern in megatron-core's own grammar: groups dissolved, repetition expanded.
 
     >>> flatten_for_megatron("[*-]{2}|[*E]{2}/*E")
@@ -78,9 +78,7 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
         return extra_args_provider(parser) if extra_args_provider else parser
 
     args = megatron_args.parse_args(provider)
-    if not args.hybrid_layer_pattern:
-        raise ValueError("--hybrid-layer-pattern is required, e.g. '[*E]{4}'")
-    parsed = parse_pattern(args.hybrid_layer_pattern)
+    parsed = required_pattern(args)
     if parsed.mtp_num_depths and args.position_embedding_type != "rope":
         # megatron.training defaults to learned_absolute; the MTP block applies RoPE.
         raise ValueError(
@@ -88,7 +86,7 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
             f"{args.position_embedding_type})"
         )
     args.megatron_hybrid_layer_pattern = parsed.canonical
-    args.hybrid_layer_pattern = flatten_for_megatron(args.hybrid_layer_pattern)
+    args.hybrid_layer_pattern = flatten_for_megatron(parsed)
     megatron_args.validate_args(args, args_defaults or {})
     check_fused_kernels(args)
     # Keys of this package's models are already GPT's (grouped) or megatron-core's (ungrouped):
@@ -128,7 +126,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_hybrid import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.runtime import RuntimeBackend, select_backend
+
 __all__ = ["TrainingError", "TrainingSummary", "run_training"]
 
 
@@ -91,44 +93,90 @@ class _Progress:
             print()
 
 
-def run_training(args: argparse.Namespace) -> TrainingSummary:
-    """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``."""
-    from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
+@dataclass(frozen=True)
+class _Setup:
+    """What the training loop needs, built by :func:`run_training` before the first step."""
+
+    args: argparse.Namespace
+    backend: RuntimeBackend
+    config: object
+    pg: object
+    rank: int
+    global_batch: int
+    num_microbatches: int
+    seq_length: int
+    builder: object
+    autotunes: bool
+
+
+def run_training(
+    args: argparse.Namespace, backend: RuntimeBackend | None = None
+) -> TrainingSummary:
+    """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``.
+
+    Args:
+        args: the parsed ``train`` flags.
+        backend: where to run (the CLI passes its choice); by default CUDA when a GPU is
+            visible, else the CPU emulation.
+    """
     from megatron_hybrid.pattern import GDN, parse_pattern
-    from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.training.arguments import hybrid_config_from_args, spec_backend
-    from megatron_hybrid.training.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
-    from megatron_hybrid.training.guard import check_step
+    from megatron_hybrid.process_groups import init_world
     from megatron_hybrid.training.hf_source import hf_source
-    from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
-    from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+    from megatron_hybrid.training.loop import build_optimizer
     from megatron_hybrid.training.validation import validate_settings
 
     source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
     validate_settings(args)  # every flag, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
-    on_gpu = torch.cuda.is_available()
+    backend = backend or select_backend()
     # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
     # keep the results on disk so later runs skip it. Read when fla is imported, so set it now.
-    autotunes = on_gpu and bool(parsed.layer_counts.get(GDN, 0))
+    autotunes = backend.on_gpu and bool(parsed.layer_counts.get(GDN, 0))
     if autotunes:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    from megatron_hybrid.testing.cpu import cpu_config_overrides
+    config = _model_config(args, source, backend)  # validate flags before any process group
+    backend.activate()
+    rank, world = init_world()
+    pg, global_batch, num_microbatches = _parallel_setup(args, config, world)
+    seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
+    chunks = _build_chunks(args, config, pg, parsed, source, seq_length, rank)
+    optimizer = build_optimizer(
+        chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
+    )
+    setup = _Setup(
+        args=args,
+        backend=backend,
+        config=config,
+        pg=pg,
+        rank=rank,
+        global_batch=global_batch,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        builder=builder,
+        autotunes=autotunes,
+    )
+    start, consumed = _resume(setup, chunks, optimizer)
+    _refuse_overwrite(args, start)
+    return _train(setup, chunks, optimizer, start, consumed)
 
-    overrides = {} if on_gpu else cpu_config_overrides()
-    config = hybrid_config_from_args(args, **overrides)  # validate flags before any process group
+
+def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
+    """The TransformerConfig of the flags (and of the Hugging Face source, if any)."""
+    from megatron_hybrid.training.config import hybrid_config_from_args
+
+    overrides = backend.config_overrides()
+    config = hybrid_config_from_args(args, **overrides)
     if source is not None:
         from megatron_hybrid.training.hf_source import hf_training_config
 
         config = hf_training_config(source, config, **overrides)
-    if not on_gpu:
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    return config
 
-        enable_cpu_emulation()
-    from megatron_hybrid.process_groups import init_world
 
-    rank, world = init_world()
+def _parallel_setup(args: argparse.Namespace, config, world: int):
+    """Process groups, the global batch and the number of micro-batches per step."""
+    from megatron_hybrid.process_groups import initialize_model_parallel
+
     model_parallel = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size
@@ -148,14 +196,20 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         etp=args.expert_tensor_parallel_size,
         seed=args.seed,
     )
-    dp, dp_rank = pg.dp.size(), pg.dp.rank()
+    dp = pg.dp.size()
     global_batch = args.global_batch_size or args.micro_batch_size * dp
     if global_batch % (args.micro_batch_size * dp):
         raise TrainingError(
             f"--global-batch-size {global_batch} is not a multiple of micro-batch size x "
             f"data-parallel size = {args.micro_batch_size * dp}"
         )
-    num_microbatches = global_batch // (args.micro_batch_size * dp)
+    return pg, global_batch, global_batch // (args.micro_batch_size * dp)
+
+
+def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend):
+    """The (aligned) sequence length and the builder of padded or packed micro-batches."""
+    from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
+    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
 
     padding = padding_config_from(config, pg)
     seq_length = args.seq_length
@@ -173,7 +227,6 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
             packed = False
             if rank == 0:
                 print(f"--packed: using padded (BSHD) batches instead: {reason}", flush=True)
-    device = torch.cuda.current_device() if on_gpu else "cpu"
     data = SyntheticTokens(vocab_size=args.vocab_size, max_length=seq_length, seed=args.seed)
     builder = MicroBatchBuilder(
         data,
@@ -182,14 +235,28 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         seq_length=seq_length,
         packed=packed,
         equalize_group=pg.tp_ep,
-        device=device,
+        device=backend.device(),
     )
+    return seq_length, builder
 
+
+def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -> list:
+    """The model chunks of this rank, initialised from the Hugging Face source if any."""
+    from megatron_hybrid.training.arguments import spec_backend
+    from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
+    from megatron_hybrid.training.loop import build_model_chunks
+
+    stack_spec = None
+    if source is not None:
+        from megatron_hybrid.hf.api import stack_spec_for
+
+        stack_spec = stack_spec_for(source.conversion, spec_backend(args), config, args.mamba_impl)
     chunks = build_model_chunks(
         config,
-        args.hybrid_layer_pattern,
+        parsed,
         pg,
         backend=spec_backend(args),
+        stack_spec=stack_spec,
         vocab_size=args.vocab_size,
         max_sequence_length=(
             source.conversion.model_kwargs["max_sequence_length"]
@@ -210,69 +277,84 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
         if rank == 0 and not source.resumed:
             where = source.hf_path or source.checkpoint
             print(f"initialised from {where} ({source.conversion.family})", flush=True)
-    optimizer = build_optimizer(
-        chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
-    )
-    from megatron_hybrid.training import resume
-    from megatron_hybrid.training.checkpoint import consumed_samples
+    return chunks
 
+
+def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
+    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed)``."""
+    from megatron_hybrid.training import resume
+    from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint
+
+    args = setup.args
     try:
         point = resume.prepare_resume(args.load, args.save)
     except FileNotFoundError as error:
         raise TrainingError(str(error)) from None
-    for note in point.notes if rank == 0 else ():
+    for note in point.notes if setup.rank == 0 else ():
         print(note, flush=True)
-    start, consumed = 0, 0
-    if point.folder is not None:
-        folder = point.folder
-        _check_resume_compatible(chunks, folder, args)
-        start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(pg))
-        resume.check_target(start, args.train_iters, folder)
-        consumed = consumed_samples(folder)
-        consumed = start * global_batch if consumed is None else consumed
-        if rank == 0:
-            print(f"resumed from {folder} at iteration {start}", flush=True)
+    if point.folder is None:
+        return 0, 0
+    folder = point.folder
+    _check_resume_compatible(chunks, folder, args)
+    start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(setup.pg))
+    resume.check_target(start, args.train_iters, folder)
+    consumed = consumed_samples(folder)
+    consumed = start * setup.global_batch if consumed is None else consumed
+    if setup.rank == 0:
+        print(f"resumed from {folder} at iteration {start}", flush=True)
+    return start, consumed
 
-    if args.save and not args.overwrite_checkpoint:
-        # Refuse before training, not after hours of it, if a save would replace a checkpoint.
-        from megatron_hybrid.training.checkpoint import existing_iterations
 
-        planned = {args.train_iters} | (
-            set(range(args.save_interval, args.train_iters + 1, args.save_interval))
-            if args.save_interval
-            else set()
+def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
+    """Refuse before training, not after hours of it, if a save would replace a checkpoint."""
+    if not args.save or args.overwrite_checkpoint:
+        return
+    from megatron_hybrid.training.checkpoint import existing_iterations
+
+    planned = {args.train_iters} | (
+        set(range(args.save_interval, args.train_iters + 1, args.save_interval))
+        if args.save_interval
+        else set()
+    )
+    clash = sorted(i for i in existing_iterations(args.save) if i in planned and i > start)
+    if clash:
+        raise TrainingError(
+            f"--save {args.save} already holds iteration(s) {clash} that this run would "
+            "write; pass --overwrite-checkpoint to replace them or choose another --save"
         )
-        clash = sorted(i for i in existing_iterations(args.save) if i in planned and i > start)
-        if clash:
-            raise TrainingError(
-                f"--save {args.save} already holds iteration(s) {clash} that this run would "
-                "write; pass --overwrite-checkpoint to replace them or choose another --save"
-            )
+
+
+def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> TrainingSummary:
+    """The steps from ``start`` to ``--train-iters``, with periodic and final saves."""
+    from megatron_hybrid.training import resume
+    from megatron_hybrid.training.checkpoint import save_checkpoint
+    from megatron_hybrid.training.guard import check_step
+    from megatron_hybrid.training.loop import train_step
+
+    args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
+    dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)
     losses, norms, saved = [], [], None
     tokens_total, time_total = 0, 0.0
     for iteration in range(start, args.train_iters):
-        base = consumed + dp_rank * num_microbatches * args.micro_batch_size
+        base = consumed + dp_rank * setup.num_microbatches * mbs
         batches = [
-            builder.build(
-                [base + m * args.micro_batch_size + b for b in range(args.micro_batch_size)]
-            )
-            for m in range(num_microbatches)
+            setup.builder.build([base + m * mbs + b for b in range(mbs)])
+            for m in range(setup.num_microbatches)
         ]
         began = time.perf_counter()
         result = train_step(
             chunks,
             optimizer,
             batches,
-            config,
-            seq_length=seq_length,
-            micro_batch_size=args.micro_batch_size,
-            pg_collection=pg,
+            setup.config,
+            seq_length=setup.seq_length,
+            micro_batch_size=mbs,
+            pg_collection=setup.pg,
         )
-        if on_gpu:
-            torch.cuda.synchronize()
+        setup.backend.synchronize()
         elapsed = time.perf_counter() - began
-        consumed += global_batch
+        consumed += setup.global_batch
         if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
                 print(
@@ -283,7 +365,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
             losses.append(result.loss)
             norms.append(result.grad_norm)
             progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
-        if autotunes and iteration == start:
+        if setup.autotunes and iteration == start:
             progress.note(
                 f"first step took {elapsed:.0f} s with fla's kernel autotuning "
                 "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
@@ -301,7 +383,7 @@ def run_training(args: argparse.Namespace) -> TrainingSummary:
                     pattern=args.hybrid_layer_pattern,
                     overwrite=args.overwrite_checkpoint,
                     consumed_samples=consumed,
-                    layout=resume.layout_of(pg),
+                    layout=resume.layout_of(setup.pg),
                 )
             )
             if done != args.train_iters:  # the final save is in the summary line

@@ -50,7 +50,7 @@ def world():
     import torch.distributed as dist
 
     if ON_CPU:
-        from megatron_hybrid.testing.cpu import enable_cpu_emulation
+        from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
         enable_cpu_emulation()
         dist.init_process_group("gloo")
@@ -60,7 +60,7 @@ def world():
         dist.init_process_group("nccl")
         device = torch.device("cuda", torch.cuda.current_device())
     yield dist.get_rank(), dist.get_world_size(), device
-    from megatron_hybrid.testing.megatron_state import reset_megatron_state
+    from megatron_hybrid.process_groups import reset_megatron_state
 
     reset_megatron_state()
     dist.destroy_process_group()

@@ -66,8 +66,8 @@ def _loss(chunks, device, seq=64, batch=2):
 
 
 def test_gpt_tp1_checkpoint_loads_into_grouped_tp2_and_ep2(world, shared_dir):
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -109,8 +109,8 @@ def test_gpt_tp1_checkpoint_loads_into_grouped_tp2_and_ep2(world, shared_dir):
 
 
 def test_grouped_pp2_vpp2_checkpoint_loads_into_gpt_tp2(world, shared_dir):
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -159,7 +159,7 @@ def test_gated_delta_net_group_forward_backward(world):
     so; with Triton >= 3.7.1 the gradients are compared too.
     """
     pytest.importorskip("fla")
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
 
     rank, world_size, device = world
@@ -249,7 +249,7 @@ def test_gpt_and_grouped_train_the_same_from_one_checkpoint(world, shared_dir):
     """10 optimizer steps (megatron DDP + distributed optimizer) from the same checkpoint."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
     from megatron_hybrid.training.data import SyntheticTokens
     from megatron_hybrid.training.loop import build_optimizer, train_step

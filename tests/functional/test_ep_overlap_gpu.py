@@ -58,7 +58,7 @@ def _gather_losses(losses):
 
 
 def test_overlap_matches_plain_like_gpt(world):
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -89,7 +89,7 @@ def test_overlap_matches_plain_like_gpt(world):
 
 
 def test_pp2_vpp2_ep2_with_mtp(world):
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world

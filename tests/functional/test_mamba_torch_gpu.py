@@ -37,7 +37,7 @@ BF16_FACTOR, BF16_FLOOR = 4.0, 1e-2
 
 @pytest.fixture
 def pg(world):
-    from megatron_hybrid.testing.megatron_state import (
+    from megatron_hybrid.process_groups import (
         initialize_model_parallel,
         reset_megatron_state,
     )

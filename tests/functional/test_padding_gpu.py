@@ -47,7 +47,7 @@ def test_padded_tp2_sp_ep2_matches_unpadded(world, shared_dir):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.padding import padding_config_from
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
 
     rank, world_size, device = world

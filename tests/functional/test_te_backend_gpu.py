@@ -52,8 +52,8 @@ def _save_load(source, target, directory):
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
     pytest.importorskip("transformer_engine")
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.checkpoints import sharded_metadata
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -81,7 +81,7 @@ def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
 def test_te_fp8_equals_gpt(world, shared_dir):
     """Per-layer FP8 contexts: the grouped stack quantises the layers GPTModel quantises."""
     pytest.importorskip("transformer_engine")
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     if torch.cuda.get_device_capability() < (8, 9):
@@ -112,8 +112,8 @@ def test_te_fp8_equals_gpt(world, shared_dir):
 def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     """TE's own tensor-parallel layers (fused layer norm + linear) under TP2 + SP."""
     pytest.importorskip("transformer_engine")
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -174,7 +174,7 @@ def test_te_delay_wgrad_compute_matches_plain(world, pattern, changes):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
     from megatron_hybrid.testing.overlap import compare_overlap
 

@@ -9,23 +9,26 @@ import pytest
 
 @pytest.fixture(scope="session")
 def megatron_cpu():
-    """A one-rank gloo world with megatron-core's CUDA-only calls emulated on CPU."""
-    import torch
+    """A one-rank gloo world with megatron-core's CUDA-only calls emulated on CPU.
 
-    if torch.cuda.is_available():
-        pytest.skip("CPU-emulation tests run on CPU-only machines; GPU tests are tests/functional")
+    Runs on GPU machines too: the CPU back-end makes this process CPU-only. Only a session in
+    which CUDA was already used (GPU tests first) skips, because emulation cannot follow it.
+    """
+    import torch
     import torch.distributed as dist
 
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime import select_backend
     from megatron_hybrid.testing.spawn import free_port
 
-    enable_cpu_emulation()
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is already in use in this process; run tests/unit in its own pytest")
+    select_backend("cpu").activate()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     yield
-    from megatron_hybrid.testing.megatron_state import reset_megatron_state
+    from megatron_hybrid.process_groups import reset_megatron_state
 
     reset_megatron_state()
 
@@ -33,7 +36,7 @@ def megatron_cpu():
 @pytest.fixture
 def model_parallel(megatron_cpu):
     """Factory: ``model_parallel(tp=1, ...)`` -> ProcessGroupCollection; state reset after."""
-    from megatron_hybrid.testing.megatron_state import (
+    from megatron_hybrid.process_groups import (
         initialize_model_parallel,
         reset_megatron_state,
     )

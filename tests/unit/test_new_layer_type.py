@@ -317,12 +317,12 @@ def test_a_type_without_pre_dispatch_runner_is_refused_by_the_plan(pg):
 
 
 def overlap_worker(rank, world_size, pattern):
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
     from megatron_hybrid.testing.overlap import compare_overlap
 

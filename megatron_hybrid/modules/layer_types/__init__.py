@@ -8,9 +8,9 @@ own facts and runtime.
 """
 
 from megatron_hybrid.modules.layer_types import attention, dsa, gdn, mamba, mla, mlp, moe
-from megatron_hybrid.modules.registry import _register_builtin
+from megatron_hybrid.modules.registry import register_builtin_runtime
 
 __all__ = ["attention", "dsa", "gdn", "mamba", "mla", "mlp", "moe"]
 
 for _module in (mamba, gdn, attention, dsa, mla, mlp, moe):
-    _register_builtin(_module.RUNTIME)
+    register_builtin_runtime(_module.RUNTIME)

@@ -19,7 +19,7 @@ def checkpoints(tmp_path_factory, megatron_cpu):
     """GPT (2 MoE layers), grouped '[*-][*E]' and Mamba 'M*-' checkpoints in Megatron's layout."""
     from megatron.core import dist_checkpointing
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, small_config
 
     root = tmp_path_factory.mktemp("ckpts")
@@ -144,12 +144,12 @@ def test_no_recorded_pattern_asks_for_one(checkpoints, capsys):
 
 def test_a_crash_is_not_reported_as_not_loadable(checkpoints, capsys, monkeypatch):
     """Exit 1 means 'does not load'; a model that cannot be built is bad input (2)."""
-    from megatron_hybrid.checkpointing import inspect
+    from megatron_hybrid.model import expected_keys
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(inspect, "expected_checkpoint_tensors", broken)
+    monkeypatch.setattr(expected_keys, "expected_checkpoint_tensors", broken)
     code, _, err = _run(capsys, "--load", str(checkpoints["gpt"]), "--hybrid-layer-pattern",
                         "[*E]{2}", *MODEL_FLAGS)  # fmt: skip
     assert code == 2 and "RuntimeError: boom" in err

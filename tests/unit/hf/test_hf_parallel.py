@@ -42,7 +42,7 @@ def _pipeline_logits(model, input_ids, positions, pp_group):
 def _worker(rank, world_size, folders, input_ids, layout):
     from megatron_hybrid.hf import iter_hf_weights, load_hf_model
     from megatron_hybrid.process_groups import reset_megatron_state
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     results = {}

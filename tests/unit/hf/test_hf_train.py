@@ -73,3 +73,28 @@ def test_load_hf_and_load_together_are_refused(tmp_path):
     from megatron_hybrid.cli.main import main
 
     assert main(["train", "--load-hf", str(tmp_path), "--load", str(tmp_path)]) == 2
+
+
+def _recording_train_worker(rank, world_size, argv):
+    """``_train_worker`` that also records the Mamba numerics every torch mixer was built with."""
+    from megatron_hybrid.modules import mamba_torch
+
+    built = []
+    original = mamba_torch.TorchMambaMixer.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append((self.dt_limit, self.norm_eps))
+
+    mamba_torch.TorchMambaMixer.__init__ = init
+    return _train_worker(rank, world_size, argv), built
+
+
+def test_load_hf_nemotron_trains_with_transformers_mamba_numerics(tmp_path):
+    """A Nemotron-H start trains with the step clamp and norm eps transformers uses (the oracle's
+    time_step_min 0.5 and layer_norm_epsilon 1e-6), not megatron-core's defaults."""
+    source = hf_oracle.make_hf_checkpoint("nemotron_h", tmp_path / "hf")
+    argv = ["--load-hf", str(source), "--train-iters", "3", *SHORT]
+    ((losses, built),) = run_distributed(_recording_train_worker, 1, argv, timeout=600)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert built and set(built) == {((0.5, float("inf")), 1e-6)}

@@ -162,7 +162,8 @@ def test_mtp_depth_trains(pg):
     ],
 )
 def test_config_mismatch_is_a_clear_error(pg, changes, match):
-    from megatron_hybrid.modules import HybridModel, hybrid_stack_spec
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
 
     pattern = "[*E]{2}"
     config = small_config(pattern)

@@ -405,7 +405,7 @@ def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
     offset (``in_proj``'s z/x/B/C/dt parts, conv parts, the norm weight), so TP1 and TP2
     checkpoints are interchangeable.
     """
-    from megatron_hybrid.testing.megatron_state import (
+    from megatron_hybrid.process_groups import (
         initialize_model_parallel,
         reset_megatron_state,
     )
@@ -454,7 +454,7 @@ def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
     """
     import torch.distributed as dist
 
-    from megatron_hybrid.testing.megatron_state import (
+    from megatron_hybrid.process_groups import (
         initialize_model_parallel,
         reset_megatron_state,
     )
@@ -490,7 +490,7 @@ def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
 
 
 def _parallel_worker(rank: int, world_size: int) -> dict[str, float]:
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     torch.set_num_threads(1)

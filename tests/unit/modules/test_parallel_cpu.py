@@ -38,10 +38,10 @@ def _run_layout(name: str, checkpoint_dir: str, reference: dict | None):
     from megatron.core import dist_checkpointing
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.schedule.steps import lm_forward_step
     from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
-    from megatron_hybrid.training.steps import lm_forward_step
 
     layout = LAYOUTS[name]
     pg = initialize_model_parallel(
@@ -108,8 +108,6 @@ def parallel_worker(rank: int, world_size: int, checkpoint_dir: str):
 @pytest.fixture(scope="module")
 def parallel_results(tmp_path_factory):
     pytest.importorskip("psutil")
-    if torch.cuda.is_available():
-        pytest.skip("CPU-emulation tests run on CPU-only machines")
     from megatron_hybrid.testing.spawn import run_distributed
 
     checkpoint_dir = str(tmp_path_factory.mktemp("tp1_checkpoint"))
@@ -118,7 +116,7 @@ def parallel_results(tmp_path_factory):
 
 
 def _emulated_worker(rank, world_size, checkpoint_dir):
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     return parallel_worker(rank, world_size, checkpoint_dir)

@@ -29,7 +29,7 @@ def examples(n: int) -> settings:
 
 
 def valid_bshd(length, *, batch_size, tp, cp, sp, quant, hybridep, chunk, strict):
-    """I1-I4 for a padded row length, straight from spec §7."""
+    """Invariants I1-I4 (labelled below) of a padded row length, from docs/padding.md §1."""
     b, q = batch_size, QUANT_ALIGN[quant]
     base = 2 * tp * cp if cp > 1 else tp
     if cp > 1 and length % (2 * cp):  # I1
@@ -138,7 +138,8 @@ def test_pr3294_failure_is_aligned():
 
 
 def _upstream_overwrite(cur_len: int, divisible_by: int, seq_length: int, force: bool) -> int:
-    """The first commit of PR #3294 (e6e9be4f3 L220-222): force overwrites the aligned length."""
+    """Megatron-Bridge PR #3294's first commit (e6e9be4f3, ``qwen3_vl_step.py``): force
+    overwrites the aligned length."""
     target = -(-cur_len // divisible_by) * divisible_by
     if force:
         target = seq_length
@@ -184,7 +185,7 @@ def test_error_names_the_constraint(kwargs, multiple, reason):
 
 
 def test_strict_quant_per_rank_fixes_u12():
-    """U12: cp=4, B=1, S=1040 satisfies lcm(8, 16) but gives 260 FP8 GEMM rows per rank."""
+    """cp=4, B=1, S=1040 satisfies lcm(8, 16) but gives 260 FP8 GEMM rows per rank."""
     loose = bshd_pad(cur_len=1040, batch_size=1, tp=1, cp=4, sp=False, quant="delayed")
     strict = bshd_pad(
         cur_len=1040,

@@ -15,7 +15,7 @@ def examples(n: int) -> settings:
 
 
 def valid_total(total, *, tp, cp, sp, quant, hybridep, chunk, **_):
-    """T2-T4 for a packed total total (T1 is per sequence), straight from spec §7."""
+    """Invariants T2-T4 of a packed total (T1 is per sequence), from docs/padding.md §1."""
     q = QUANT_ALIGN[quant]
     d = cp * (tp if sp else 1)
     if total % cp:
@@ -129,7 +129,8 @@ def test_round_up_policy_and_overflow():
 
 
 def test_last_sequence_absorbs_tail():
-    """Spec §5.2: the tail goes to the last sequence (verl L54-59), not to a new pad sequence."""
+    """The tail goes to the last sequence (as verl's preprocess_packed_seqs does), not to a new
+    pad sequence."""
     plan = thd_pack([5, 3, 9], tp=2, cp=2, sp=True, hybridep=True)
     assert plan.padded_seqlens == (8, 4, 500) and plan.cu_seqlens_padded == (0, 8, 12, 512)
     assert plan.breakdown == {"seq_multiple": 4, "sp_split": 4, "hybridep": 512}

@@ -107,14 +107,20 @@ def test_group_cut_is_raised_on_every_rank():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(pattern="M*", pp_rank=0, pp_size=0), "pp_size must be >= 1"),
-        (dict(pattern="M*", pp_rank=-1, pp_size=2), "pp_rank must be >= 0"),
+        (dict(pattern="M*", pp_rank=0, pp_size=0), "pp_size must be an integer >= 1, got 0"),
+        (dict(pattern="M*", pp_rank=-1, pp_size=2), "pp_rank must be an integer >= 0, got -1"),
         (dict(pattern="M*", pp_rank=2, pp_size=2), r"pp_rank \(2\) must be < pp_size \(2\)"),
-        (dict(pattern="M*", pp_rank=True, pp_size=2), "pp_rank must be an int"),
-        (dict(pattern="M*", pp_rank=0, pp_size=2.0), "pp_size must be an int"),
-        (dict(pattern="M*", pp_rank=0, pp_size=1, vp_stage=-1), "vp_stage must be >= 0"),
+        (dict(pattern="M*", pp_rank=True, pp_size=2), "pp_rank must be an integer >= 0, got True"),
+        (dict(pattern="M*", pp_rank=0, pp_size=2.0), r"pp_size must be an integer >= 1, got 2\.0"),
+        (
+            dict(pattern="M*", pp_rank=0, pp_size=1, vp_stage=-1),
+            "vp_stage must be an integer >= 0, got -1",
+        ),
         (dict(pattern="M*", pp_rank=0, pp_size=2, first_stage_layers=-1), "first_stage_layers"),
-        (dict(pattern="M|*|-", pp_rank=0, pp_size=2), r"must divide .* segments \(3\)"),
+        (
+            dict(pattern="M|*|-", pp_rank=0, pp_size=2),
+            r"3 '\|'-separated segments, which is not a multiple of pp_size 2",
+        ),
         (dict(pattern="M|*", pp_rank=0, pp_size=1, vp_stage=2), r"vp_stage \(2\) must be < 2"),
         (dict(pattern="M|*", pp_rank=0, pp_size=2, vp_stage=1), r"vp_stage \(1\) must be < 1"),
         (dict(pattern="M|*", pp_rank=0, pp_size=2, first_stage_layers=1), "already define"),

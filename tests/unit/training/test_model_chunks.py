@@ -8,10 +8,10 @@ import torch
 
 def ddp_flag_worker(rank: int, world_size: int, delay: bool) -> bool:
     """The DDP config's ``delay_wgrad_compute`` of a chunk built for a model config with it."""
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import small_config
     from megatron_hybrid.training.loop import build_model_chunks
 

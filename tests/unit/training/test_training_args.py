@@ -115,8 +115,8 @@ def test_model_shape_groups_only():
 
 
 def _config(*argv: str, namespace: argparse.Namespace | None = None):
-    from megatron_hybrid.testing.cpu import cpu_config_overrides
-    from megatron_hybrid.training.arguments import hybrid_config_from_args
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
+    from megatron_hybrid.training.config import hybrid_config_from_args
 
     return hybrid_config_from_args(namespace or _parse(*argv), **cpu_config_overrides())
 

@@ -1,4 +1,4 @@
-"""Opt-in emulation of megatron-core's CUDA-only calls on a CPU-only torch build.
+"""The CPU runtime back-end: megatron-core's CUDA-only calls emulated on the CPU.
 
 megatron-core 0.19.2 hard-codes CUDA in places that have nothing to do with the math: the RNG
 tracker, ``torch.cuda.current_device()`` as an allocation device, side streams and events in the
@@ -7,10 +7,13 @@ schedules, and CUDA-only split-size conversion in the all-to-all dispatcher. Wit
 this module the same code runs on CPU with gloo, so the package's behaviour can be tested (and
 the ``train`` command demonstrated) on machines without a GPU.
 
-Nothing here is applied on import. :func:`enable_cpu_emulation` patches the process once and is
-idempotent; it refuses to run where CUDA is available, because these patches would silently
-turn real streams into no-ops there. Streams are dummies, so the emulation reproduces numerics,
-never overlap or timing.
+Nothing here is applied on import: an entry point chooses this back-end
+(:func:`megatron_hybrid.runtime.select_backend`), and :func:`enable_cpu_emulation` patches the
+process once (idempotent). On a machine with GPUs it first makes the process CPU-only (torch
+reports no CUDA device afterwards), so CPU runs and tests behave the same everywhere; it refuses
+once CUDA has been initialised in the process, because the patches would then silently turn
+real streams into no-ops. Streams are dummies, so the emulation reproduces numerics, never
+overlap or timing.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import types
 __all__ = [
     "CPUEmulationError",
     "cpu_config_overrides",
-    "cpu_emulation_enabled",
     "enable_cpu_emulation",
 ]
 
@@ -50,11 +52,6 @@ def cpu_config_overrides() -> dict:
         persist_layer_norm=False,
         deterministic_mode=True,
     )
-
-
-def cpu_emulation_enabled() -> bool:
-    """Whether :func:`enable_cpu_emulation` has patched this process."""
-    return _ENABLED
 
 
 class _DummyEvent:
@@ -97,6 +94,12 @@ class _DummyStream(_DummyEvent):
 
     def __hash__(self):
         return 0
+
+
+def _hide_cuda(torch) -> None:
+    # This process runs on the CPU only: nothing may pick a GPU behind the emulation's back.
+    torch.cuda.is_available = lambda: False
+    torch.cuda.device_count = lambda: 0
 
 
 def _patch_torch_cuda(torch) -> None:
@@ -270,11 +273,13 @@ def _patch_gated_delta_net(torch) -> None:
 def enable_cpu_emulation() -> None:
     """Patch this process so megatron-core's CUDA-only calls run on CPU (gloo).
 
-    Idempotent. Also disables TorchDynamo, because megatron's ``jit_fuser`` is ``torch.compile``,
-    which costs 10 s or more per kernel on a small CPU machine and changes no result.
+    Idempotent. Where GPUs are visible the process becomes CPU-only first (torch reports no CUDA
+    device afterwards). Also disables TorchDynamo, because megatron's ``jit_fuser`` is
+    ``torch.compile``, which costs 10 s or more per kernel on a small CPU machine and changes no
+    result.
 
     Raises:
-        CPUEmulationError: CUDA is available in this process.
+        CPUEmulationError: CUDA has already been initialised in this process.
     """
     global _ENABLED
     with _LOCK:
@@ -282,15 +287,17 @@ def enable_cpu_emulation() -> None:
             return
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
             raise CPUEmulationError(
                 "CPU emulation replaces CUDA streams and the CUDA RNG with dummies; it must not "
-                "run where CUDA is available. Run on the GPUs instead (no emulation needed)."
+                "run in a process that has already used CUDA. Choose the CPU back-end before "
+                "any GPU work, or run on the GPUs (no emulation needed)."
             )
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         import torch._dynamo
 
         torch._dynamo.config.disable = True
+        _hide_cuda(torch)
         _patch_torch_cuda(torch)
         _patch_rng(torch)
         _patch_moe_split_sizes(torch)

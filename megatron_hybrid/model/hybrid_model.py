@@ -26,27 +26,17 @@ from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
-from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment
+from megatron_hybrid.pattern import (
+    ParsedPattern,
+    parse_pattern,
+    select_pipeline_segment,
+    virtual_stages,
+)
+from megatron_hybrid.schedule.plan import build_hybrid_schedule_plan, check_schedulable
 
-__all__ = ["HybridModel", "set_schedule_plan_builder"]
+__all__ = ["HybridModel"]
 
 logger = logging.getLogger(__name__)
-
-# megatron_hybrid.schedule registers the combined-1F1B plan builder and its model check here, so
-# that this module does not depend on the schedule package (the dependency points the other way).
-_SCHEDULE_PLAN_BUILDER: Callable[..., Any] | None = None
-_SCHEDULE_CHECK: Callable[[Any], None] | None = None
-_NO_SCHEDULE = (
-    "EP-overlap schedule plans come from megatron_hybrid.schedule; import it (importing "
-    "megatron_hybrid.HybridModel does) before building the model"
-)
-
-
-def set_schedule_plan_builder(builder: Callable[..., Any], check: Callable[[Any], None]) -> None:
-    """Register the function behind :meth:`HybridModel.build_schedule_plan` and the check that
-    a model with ``overlap_moe_expert_parallel_comm`` runs at construction."""
-    global _SCHEDULE_PLAN_BUILDER, _SCHEDULE_CHECK
-    _SCHEDULE_PLAN_BUILDER, _SCHEDULE_CHECK = builder, check
 
 
 def _resolve_pattern(config, hybrid_layer_pattern, attention_ratio, mlp_ratio, override_pattern):
@@ -103,7 +93,7 @@ def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
             "separators define the pipeline stages; unset the layout"
         )
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    if parsed.num_segments > 1 and parsed.num_segments != pp_size * vpp:
+    if parsed.num_segments > 1 and virtual_stages(parsed, pp_size) != vpp:
         raise ValueError(
             f"the pattern {parsed.pattern!r} has {parsed.num_segments} '|'-separated segments, "
             f"but pipeline size {pp_size} x virtual pipeline size {vpp} = {pp_size * vpp}; "
@@ -140,7 +130,8 @@ class HybridModel(LanguageModule):
         hybrid_stack_spec: from :func:`~megatron_hybrid.hybrid_stack_spec`.
         vocab_size: vocabulary size.
         max_sequence_length: maximum sequence length (positional embeddings).
-        hybrid_layer_pattern: the pattern, e.g. ``"[*-]{3}[*E]{58}/*E"``.
+        hybrid_layer_pattern: the pattern, e.g. ``"[*-]{3}[*E]{58}/*E"``, or its parse
+            (:class:`~megatron_hybrid.pattern.ParsedPattern`, used as is).
         hybrid_attention_ratio: deprecated (megatron-core); builds a pattern from ratios.
         hybrid_mlp_ratio: deprecated (megatron-core); builds a pattern from ratios.
         hybrid_override_pattern: deprecated alias of ``hybrid_layer_pattern``.
@@ -164,7 +155,7 @@ class HybridModel(LanguageModule):
         hybrid_stack_spec: ModuleSpec,
         vocab_size: int,
         max_sequence_length: int,
-        hybrid_layer_pattern: str | None = None,
+        hybrid_layer_pattern: str | ParsedPattern | None = None,
         hybrid_attention_ratio: float | None = None,
         hybrid_mlp_ratio: float | None = None,
         hybrid_override_pattern: str | None = None,
@@ -195,7 +186,7 @@ class HybridModel(LanguageModule):
         _check_config(config, parsed, hybrid_stack_spec, pp_size, vp_stage)
 
         self.hybrid_stack_spec = hybrid_stack_spec
-        self.hybrid_layer_pattern = pattern
+        self.hybrid_layer_pattern = parsed.pattern
         self.parsed_pattern = parsed
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -212,7 +203,7 @@ class HybridModel(LanguageModule):
         self.mtp_pattern = parsed.mtp_pattern
         self.mtp_num_depths = parsed.mtp_num_depths
 
-        selection = select_pipeline_segment(
+        self.pipeline_selection = select_pipeline_segment(
             parsed,
             pp_rank=pp_rank,
             pp_size=pp_size,
@@ -220,70 +211,19 @@ class HybridModel(LanguageModule):
             first_stage_layers=config.num_layers_in_first_pipeline_stage,
             last_stage_layers=config.num_layers_in_last_pipeline_stage,
         )
-        self.pipeline_selection = selection
         vpp = config.virtual_pipeline_model_parallel_size or 1
         is_last_chunk = pp_rank == pp_size - 1 and (vp_stage is None or vp_stage == vpp - 1)
         # MTP lives on the last pipeline stage, as in megatron-core's HybridModel.
         self.mtp_process = parsed.mtp_num_depths > 0 and is_last_chunk
 
         if self.pre_process or self.mtp_process:
-            self.embedding = LanguageModelEmbedding(
-                config=config,
-                vocab_size=vocab_size,
-                max_sequence_length=max_sequence_length,
-                position_embedding_type=position_embedding_type,
-                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
-                tp_group=self.pg_collection.tp,
-            )
+            self._build_embedding(scatter_embedding_sequence_parallel)
         self._build_rotary(rotary_percent, rotary_base, seq_len_interpolation_factor)
-
-        self.decoder = build_module(
-            hybrid_stack_spec,
-            config,
-            pre_process=pre_process,
-            layer_type_list=selection.items,
-            pp_layer_offset=selection.physical_offset,
-            post_process=post_process,
-            dtype=config.params_dtype,
-            pg_collection=self.pg_collection,
-            name="decoder",
-            logical_layer_offset=selection.logical_offset,
-            checkpoint_keys=CheckpointKeyLayout.for_pattern(parsed),
-        )
-
+        self._build_decoder()
         if self.mtp_process:
-            from megatron.core.transformer.multi_token_prediction import (
-                MultiTokenPredictionBlock,
-            )
-
-            submodules = hybrid_stack_spec.submodules
-            self.mtp = MultiTokenPredictionBlock(
-                config=config,
-                spec=submodules.mtp_block_spec,
-                pg_collection=self.pg_collection,
-                vp_stage=vp_stage,
-                mtp_layer_pattern=parsed.mtp_pattern,
-                mtp_num_depths=parsed.mtp_num_depths,
-                hybrid_submodules=submodules,
-                name="mtp",
-            )
-
+            self._build_mtp()
         if post_process or self.mtp_process:
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=(
-                    config.embedding_init_method
-                    if config.use_mup and not share_embeddings_and_output_weights
-                    else config.init_method
-                ),
-                bias=False,
-                skip_bias_add=False,
-                gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.pg_collection.tp,
-            )
+            self._build_output_layer()
         if pre_process or post_process or self.mtp_process:
             self.setup_embeddings_and_output_layer()
         for name, module in self.named_modules():
@@ -291,9 +231,68 @@ class HybridModel(LanguageModule):
                 module.finish_init(get_quant_config_or_none(name, config.quant_recipe))
         if config.overlap_moe_expert_parallel_comm:
             # Refuse now what the EP-overlap schedule cannot run, not in the first step.
-            if _SCHEDULE_CHECK is None:
-                raise RuntimeError(_NO_SCHEDULE)
-            _SCHEDULE_CHECK(self)
+            check_schedulable(self)
+
+    def _build_embedding(self, scatter_to_sequence_parallel: bool) -> None:
+        """megatron-core's word (and position) embedding, on the first stage and for MTP."""
+        self.embedding = LanguageModelEmbedding(
+            config=self.config,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            position_embedding_type=self.position_embedding_type,
+            scatter_to_sequence_parallel=scatter_to_sequence_parallel,
+            tp_group=self.pg_collection.tp,
+        )
+
+    def _build_decoder(self) -> None:
+        """The decoder: a HybridStack over this pipeline chunk's logical layers."""
+        selection = self.pipeline_selection
+        self.decoder = build_module(
+            self.hybrid_stack_spec,
+            self.config,
+            pre_process=self.pre_process,
+            layer_type_list=selection.items,
+            pp_layer_offset=selection.physical_offset,
+            post_process=self.post_process,
+            dtype=self.config.params_dtype,
+            pg_collection=self.pg_collection,
+            name="decoder",
+            logical_layer_offset=selection.logical_offset,
+            checkpoint_keys=CheckpointKeyLayout.for_pattern(self.parsed_pattern),
+        )
+
+    def _build_mtp(self) -> None:
+        """megatron-core's MTP block over the pattern's MTP part (last pipeline chunk only)."""
+        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+        submodules = self.hybrid_stack_spec.submodules
+        self.mtp = MultiTokenPredictionBlock(
+            config=self.config,
+            spec=submodules.mtp_block_spec,
+            pg_collection=self.pg_collection,
+            vp_stage=self.vp_stage,
+            mtp_layer_pattern=self.parsed_pattern.mtp_pattern,
+            mtp_num_depths=self.parsed_pattern.mtp_num_depths,
+            hybrid_submodules=submodules,
+            name="mtp",
+        )
+
+    def _build_output_layer(self) -> None:
+        """The vocabulary projection (GPTModel's, weight shared with the embedding if tied)."""
+        config, tied = self.config, self.share_embeddings_and_output_weights
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            self.vocab_size,
+            config=config,
+            init_method=(
+                config.embedding_init_method if config.use_mup and not tied else config.init_method
+            ),
+            bias=False,
+            skip_bias_add=False,
+            gather_output=not self.parallel_output,
+            skip_weight_param_allocation=self.pre_process and tied,
+            tp_group=self.pg_collection.tp,
+        )
 
     def _build_rotary(self, rotary_percent, rotary_base, seq_len_interpolation_factor) -> None:
         config = self.config
@@ -439,10 +438,8 @@ class HybridModel(LanguageModule):
         Used by megatron-core's schedules when ``overlap_moe_expert_parallel_comm`` is set; see
         ``docs/ep_overlap.md``.
         """
-        if _SCHEDULE_PLAN_BUILDER is None:
-            raise RuntimeError(_NO_SCHEDULE)
         self._prepare_step()
-        return _SCHEDULE_PLAN_BUILDER(
+        return build_hybrid_schedule_plan(
             self,
             input_ids,
             position_ids,

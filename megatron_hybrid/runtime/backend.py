@@ -1,0 +1,78 @@
+"""The two runtime back-ends (``cuda`` and ``cpu``) and the choice between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BACKEND_NAMES", "RuntimeBackend", "select_backend"]
+
+BACKEND_NAMES = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class RuntimeBackend:
+    """Where megatron-core runs in this process.
+
+    Attributes:
+        name: ``"cuda"`` (one GPU per process, NCCL) or ``"cpu"`` (megatron-core's CUDA-only
+            calls emulated, gloo; see :mod:`megatron_hybrid.runtime.cpu`).
+    """
+
+    name: str
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether tensors live on a GPU."""
+        return self.name == "cuda"
+
+    def activate(self) -> None:
+        """Prepare the process for this back-end (idempotent).
+
+        The CPU back-end patches megatron-core's CUDA-only calls for the whole process; only an
+        entry point should call this, before it builds a model.
+        """
+        if not self.on_gpu:
+            from megatron_hybrid.runtime.cpu import enable_cpu_emulation
+
+            enable_cpu_emulation()
+
+    def config_overrides(self) -> dict:
+        """``TransformerConfig`` fields this back-end needs (none on GPUs)."""
+        if self.on_gpu:
+            return {}
+        from megatron_hybrid.runtime.cpu import cpu_config_overrides
+
+        return cpu_config_overrides()
+
+    def device(self):
+        """The device of this rank's tensors."""
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else "cpu"
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing); a no-op on the CPU."""
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def select_backend(name: str = "auto") -> RuntimeBackend:
+    """The back-end called ``name``; ``"auto"`` picks ``cuda`` where a GPU is visible.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`BACKEND_NAMES`, or ``cuda`` without a GPU.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(
+            f"unknown runtime back-end {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    import torch
+
+    available = torch.cuda.is_available()
+    if name == "cuda" and not available:
+        raise ValueError("the cuda back-end needs a visible GPU; choose 'cpu' or 'auto'")
+    if name == "auto":
+        name = "cuda" if available else "cpu"
+    return RuntimeBackend(name)

@@ -1,0 +1,229 @@
+"""Flag rules about the process-group layout (scope ``parallel``) and the ``train`` loop, its
+data and checkpoint folders (scope ``train``). The requirements follow megatron-core 0.19.2
+(``parallel_state.py``, ``transformer/transformer_config.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+from megatron_hybrid.pattern import MOE
+from megatron_hybrid.training.settings import Rule, Settings, rule
+
+__all__ = ["PARALLEL_RULES", "TRAIN_RULES"]
+
+
+def _tp_divides(s: Settings) -> str | None:
+    tp = s.tp
+    sizes = [("--num-attention-heads", s.num_attention_heads),
+             ("--num-query-groups", s.num_query_groups or s.num_attention_heads),
+             ("--ffn-hidden-size", s.ffn_hidden_size or 4 * s.hidden_size),
+             ("--vocab-size", s.vocab_size)]  # fmt: skip
+    for flag, value in sizes:
+        if value % tp:
+            return (
+                f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}: every TP "
+                f"rank holds an equal share; use a multiple of {tp}"
+            )
+    return None
+
+
+def _sequence_parallel(s: Settings) -> str | None:
+    if s.sequence_parallel and s.tp == 1:
+        return "--sequence-parallel needs --tensor-model-parallel-size > 1"
+    return None
+
+
+def _context_parallel(s: Settings) -> str | None:
+    if s.context_parallel_size > 1 and s.transformer_impl != "transformer_engine":
+        return (
+            f"--context-parallel-size {s.context_parallel_size} needs TransformerEngine's "
+            "attention: add --transformer-impl transformer_engine"
+        )
+    return None
+
+
+def _world(s: Settings) -> str | None:
+    model = s.tp * s.pipeline_model_parallel_size * s.context_parallel_size
+    if s.world_size % model:
+        return (
+            f"{s.world_size} process(es) cannot hold --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size x --context-parallel-size = {model}: launch a "
+            f"multiple of {model} processes (torchrun --nproc_per_node) or lower the sizes"
+        )
+    return None
+
+
+def _expert_world(s: Settings) -> str | None:
+    ep = s.expert_model_parallel_size
+    expert = s.etp * ep * s.pipeline_model_parallel_size
+    if s.world_size % expert:
+        return (
+            f"--expert-model-parallel-size {ep} x expert TP {s.etp} x PP "
+            f"{s.pipeline_model_parallel_size} = {expert} does not divide the {s.world_size} "
+            f"process(es): launch a multiple of {expert} processes or lower "
+            "--expert-model-parallel-size"
+        )
+    return None
+
+
+def _experts_per_rank(s: Settings) -> str | None:
+    ep = s.expert_model_parallel_size
+    if s.has(MOE) and s.num_experts % ep:
+        return (
+            f"--num-experts {s.num_experts} is not divisible by --expert-model-parallel-size "
+            f"{ep}: every EP rank holds the same number of experts; use a multiple of {ep}"
+        )
+    return None
+
+
+def _flex(s: Settings) -> str | None:
+    if not s.has(MOE) or s.moe_token_dispatcher_type != "flex":
+        return None
+    if s.tp * s.expert_model_parallel_size == 1:
+        return (
+            "--moe-token-dispatcher-type flex needs --tensor-model-parallel-size x "
+            "--expert-model-parallel-size > 1; use alltoall for a single rank"
+        )
+    if not s.on_gpu:
+        return "--moe-token-dispatcher-type flex needs CUDA GPUs; use alltoall"
+    if importlib.util.find_spec("deep_ep") is None:  # DeepEP ships both backends
+        return (
+            f"--moe-flex-dispatcher-backend {s.moe_flex_dispatcher_backend} needs DeepEP "
+            "(the deep_ep package), which is not installed; use alltoall"
+        )
+    return None
+
+
+def _overlap(s: Settings) -> str | None:
+    if not s.overlap_moe_expert_parallel_comm:
+        return None
+    flag = "--overlap-moe-expert-parallel-comm"
+    if s.expert_model_parallel_size < 2:
+        return f"{flag} overlaps the EP all-to-all: it needs --expert-model-parallel-size > 1"
+    if not s.has(MOE):
+        return f"{flag} needs MoE ('E') layers in the pattern"
+    if not s.bf16:
+        return f"{flag} needs --bf16"
+    if s.moe_token_dispatcher_type not in ("alltoall", "flex"):
+        return f"{flag} needs --moe-token-dispatcher-type alltoall or flex"
+    if s.recompute_granularity == "full" or s.recompute_method or s.recompute_num_layers:
+        return f"{flag} cannot be combined with full recompute: drop the --recompute-* flags"
+    parsed = s.parsed
+    if parsed.mtp_num_depths > 1:
+        return f"{flag} supports at most one MTP depth; the pattern has {parsed.mtp_num_depths}"
+    if s.pipeline_model_parallel_size > 1 and parsed.num_segments == 1:
+        return (
+            f"{flag} with --pipeline-model-parallel-size > 1 needs virtual stages: split the "
+            "pattern into 2 x PP segments with '|'"
+        )
+    return None
+
+
+def _delay_wgrad(s: Settings) -> str | None:
+    if s.delay_wgrad_compute and not s.overlap_moe_expert_parallel_comm:
+        return "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"
+    return None
+
+
+def _recompute(s: Settings) -> str | None:
+    granularity, method, layers = (
+        s.recompute_granularity, s.recompute_method, s.recompute_num_layers
+    )  # fmt: skip
+    if granularity == "full" and (method is None or layers is None):
+        return (
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers N"
+        )
+    if granularity != "full" and (method is not None or layers is not None):
+        return "--recompute-method and --recompute-num-layers need --recompute-granularity full"
+    return None
+
+
+def _pipeline(s: Settings) -> str | None:
+    from megatron_hybrid.pattern import pipeline_segments
+    from megatron_hybrid.pattern.pipeline import with_option_names
+    from megatron_hybrid.training.arguments import vpp_size_from_pattern
+
+    pp = s.pipeline_model_parallel_size
+    parsed = s.parsed
+    try:
+        vpp_size_from_pattern(parsed, pp)
+    except ValueError as error:
+        return str(error)
+    if parsed.num_segments == 1 and pp > 1:
+        total = parsed.physical_layer_count
+        if total % pp:
+            return (
+                f"--pipeline-model-parallel-size {pp} must divide the {total} physical layers of "
+                f"{s.hybrid_layer_pattern!r}: put {pp - 1} '|' between logical layers to choose "
+                "the stages"
+            )
+        try:
+            pipeline_segments(parsed, pp)
+        except ValueError as error:  # a stage boundary inside a group: the '|' hint is CLI-ready
+            return str(with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}))
+    return None
+
+
+def _global_batch(s: Settings) -> str | None:
+    per_step = s.micro_batch_size * s.data_parallel_size
+    if s.global_batch_size and s.global_batch_size % per_step:
+        return (
+            f"--global-batch-size {s.global_batch_size} is not a multiple of --micro-batch-size "
+            f"x data-parallel size = {s.micro_batch_size} x {s.data_parallel_size} = {per_step}"
+        )
+    return None
+
+
+def _save_writable(s: Settings) -> str | None:
+    if not s.save:
+        return None
+    path = Path(s.save)
+    if path.exists() and not path.is_dir():
+        return f"--save {s.save} is a file; checkpoints go into a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # Probe with a real file: permission bits alone miss read-only and virtual file systems.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as error:
+        reason = error.strerror or error
+        return f"--save {s.save} cannot be written ({reason}): choose a writable directory"
+    return None
+
+
+def _load_exists(s: Settings) -> str | None:
+    # --load D --save D may name a folder that does not exist yet: the first run of an
+    # automatic restart loop starts from scratch there, as Megatron-LM does.
+    same_as_save = s.save and Path(s.load or "").resolve() == Path(s.save).resolve()
+    if s.load and not Path(s.load).exists() and not same_as_save:
+        return (
+            f"--load {s.load} does not exist; check the path (a folder that --save also names "
+            "may be new: the run then starts from scratch)"
+        )
+    return None
+
+
+#: Parallel-layout rules, in the order they are checked.
+PARALLEL_RULES: tuple[Rule, ...] = (
+    rule("parallel", "--tensor-model-parallel-size", _tp_divides),
+    rule("parallel", "--sequence-parallel", _sequence_parallel),
+    rule("parallel", "--context-parallel-size --transformer-impl", _context_parallel),
+    rule("parallel", "--pipeline-model-parallel-size", _pipeline),
+    rule("parallel", "--tensor-model-parallel-size --pipeline-model-parallel-size", _world),
+    rule("parallel", "--expert-model-parallel-size", _expert_world),
+    rule("parallel", "--num-experts --expert-model-parallel-size", _experts_per_rank),
+    rule("parallel", "--moe-token-dispatcher-type", _flex),
+    rule("parallel", "--overlap-moe-expert-parallel-comm", _overlap),
+    rule("parallel", "--delay-wgrad-compute", _delay_wgrad),
+)
+
+#: Rules of the train command, in the order they are checked.
+TRAIN_RULES: tuple[Rule, ...] = (
+    rule("train", "--recompute-granularity --recompute-method", _recompute),
+    rule("train", "--global-batch-size --micro-batch-size", _global_batch),
+    rule("train", "--load", _load_exists),
+    rule("train", "--save", _save_writable),
+)
