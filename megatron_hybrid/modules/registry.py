@@ -198,8 +198,8 @@ LAYER_RUNTIMES: Mapping[str, LayerRuntime] = _LiveTable()
 def _loaded() -> dict[str, LayerRuntime]:
     if not _builtins_loaded[0]:
         _builtins_loaded[0] = True
-        # Each built-in type's module registers its runtime through register_builtin_runtime; imported
-        # here, not at the top, because those modules import this one.
+        # Each built-in type's module registers its runtime through register_builtin_runtime;
+        # imported here, not at the top, because those modules import this one.
         import megatron_hybrid.modules.layer_types  # noqa: F401
     return _runtimes
 
