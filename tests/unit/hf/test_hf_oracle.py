@@ -244,11 +244,21 @@ def test_vlm_layout_is_the_same_model_under_hub_names(family, checkpoints, tmp_p
         oracle.to_vlm_layout(path)
 
 
-def test_mtp_needs_declared_layers_and_a_known_layout(checkpoints, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "nemotron_h"])
+def test_mtp_needs_declared_layers(family, checkpoints):
     with pytest.raises(ValueError, match="declares no MTP layers"):
-        oracle.add_fake_mtp_tensors(checkpoints["qwen3_5_moe"], "qwen3_5_moe")
-    with pytest.raises(ValueError, match="no known on-disk MTP layout"):
-        oracle.add_fake_mtp_tensors(checkpoints["nemotron_h"], "nemotron_h")
+        oracle.add_fake_mtp_tensors(checkpoints[family], family)
+
+
+def test_nemotron_mtp_uses_the_flattened_block_names(tmp_path):
+    folder = oracle.make_hf_checkpoint("nemotron_h", tmp_path / "n", mtp_layers=2)
+    names = set(oracle.add_fake_mtp_tensors(folder, "nemotron_h"))
+    # mtp_layers_block_type defaults to [full_attention, moe]: two blocks per depth.
+    assert {n.split(".")[2] for n in names} == {"0", "1", "2", "3"}
+    assert {"mtp.layers.0.eh_proj.weight", "mtp.layers.2.hnorm.weight"} <= names
+    assert {"mtp.layers.1.final_layernorm.weight", "mtp.layers.3.final_layernorm.weight"} <= names
+    assert "mtp.layers.1.mixer.gate.e_score_correction_bias" in names
+    assert "mtp.layers.0.mixer.q_proj.weight" in names
 
 
 def test_config_overrides_and_errors():
