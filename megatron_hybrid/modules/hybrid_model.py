@@ -28,7 +28,7 @@ from torch import Tensor
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
 from megatron_hybrid.pattern import parse_pattern, select_pipeline_segment
 
-__all__ = ["HybridModel", "set_schedule_plan_builder"]
+__all__ = ["HybridModel", "set_cuda_graph_installer", "set_schedule_plan_builder"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,18 @@ _NO_SCHEDULE = (
     "EP-overlap schedule plans come from megatron_hybrid.schedule; import it (importing "
     "megatron_hybrid.HybridModel does) before building the model"
 )
+
+
+# megatron_hybrid.schedule registers the function that graphs a model's pieces here, for the
+# same reason.
+_CUDA_GRAPH_INSTALLER: Callable[[Any], Any] | None = None
+
+
+def set_cuda_graph_installer(installer: Callable[[Any], Any]) -> None:
+    """Register the function behind ``HybridModel(..., hybrid_cuda_graphs=True)``: it graphs the
+    model's capturable pieces and returns a report of what it graphed."""
+    global _CUDA_GRAPH_INSTALLER
+    _CUDA_GRAPH_INSTALLER = installer
 
 
 def set_schedule_plan_builder(builder: Callable[..., Any], check: Callable[[Any], None]) -> None:
@@ -156,6 +168,10 @@ class HybridModel(LanguageModule):
         seq_len_interpolation_factor: linear RoPE interpolation factor.
         pg_collection: process groups (megatron's ``ProcessGroupCollection``).
         vp_stage: virtual pipeline stage of this model chunk.
+        hybrid_cuda_graphs: capture the compute pieces of every layer (token mixers, dense
+            MLPs, MoE routers and shared experts) as CUDA graphs, replayed in the plain schedule
+            and the EP-overlap plan alike; ``self.cuda_graphs`` then reports what is graphed
+            and what stays eager (``docs/ep_overlap.md``, "CUDA graphs").
     """
 
     def __init__(
@@ -180,6 +196,8 @@ class HybridModel(LanguageModule):
         seq_len_interpolation_factor: float | None = None,
         pg_collection=None,
         vp_stage: int | None = None,
+        *,
+        hybrid_cuda_graphs: bool = False,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         pattern = _resolve_pattern(
@@ -294,6 +312,11 @@ class HybridModel(LanguageModule):
             if _SCHEDULE_CHECK is None:
                 raise RuntimeError(_NO_SCHEDULE)
             _SCHEDULE_CHECK(self)
+        self.cuda_graphs = None
+        if hybrid_cuda_graphs:
+            if _CUDA_GRAPH_INSTALLER is None:
+                raise RuntimeError(_NO_SCHEDULE)
+            self.cuda_graphs = _CUDA_GRAPH_INSTALLER(self)
 
     def _build_rotary(self, rotary_percent, rotary_base, seq_len_interpolation_factor) -> None:
         config = self.config
