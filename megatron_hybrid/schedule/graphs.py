@@ -26,6 +26,11 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
   inside its backward and sets ``grad_added_to_main_grad`` in Python; the add is captured, the
   Python flag is not replayed, so it is set again on every replayed backward (megatron-core sets
   it in its graphed backward) and megatron's DDP hook does not add the dummy gradient again;
+* the replayed backward hands autograd the parameter gradients in the graph's static memory,
+  and autograd may keep such a tensor as ``.grad`` (it steals gradients nobody else references),
+  so the next replay would overwrite an accumulated gradient: a hook on each graphed parameter
+  gives autograd a copy (megatron-core adds into ``main_grad`` inside the graph instead, which
+  needs megatron's DDP; this works with and without it);
 * TransformerEngine linears with ``delay_wgrad_compute`` queue their weight gradient in Python,
   which a replay does not run: those pieces stay eager (megatron-core captures a separate wgrad
   graph instead).
@@ -225,6 +230,11 @@ def _split(args: tuple, kwargs: dict):
     return tensors, rebuild, (signature, tuple(constants))
 
 
+def _fresh_grad(grad: Tensor) -> Tensor:
+    """A gradient in its own memory, never the graph's static buffer (see the module doc)."""
+    return grad.clone()
+
+
 class GraphedForward:
     """Replaces a piece's ``forward``: replays a CUDA graph per input signature.
 
@@ -242,6 +252,9 @@ class GraphedForward:
         self.captures = self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.disabled: str | None = None
+        self.hooks = [
+            p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad
+        ]
 
     def _eager(self, reason: str, args, kwargs):
         self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
@@ -365,4 +378,6 @@ def disable_cuda_graphs(report: CudaGraphReport) -> None:
     for graphed in report.graphed.values():
         del graphed.module.forward  # the instance attribute; the class's forward shows again
         graphed.instances.clear()
+        for hook in graphed.hooks:
+            hook.remove()
     report.graphed.clear()

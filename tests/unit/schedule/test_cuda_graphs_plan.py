@@ -248,7 +248,13 @@ def plan_worker(rank, world_size, patterns):
             def build(run_config, graphed=graphed, stand_in=stand_in):
                 torch.manual_seed(3)
                 model = build_hybrid(run_config, pattern, pg)
-                if graphed:
+                if not graphed:
+                    stand_ins["weights"] = {
+                        k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in model.state_dict().items()
+                    }
+                else:
+                    model.load_state_dict(stand_ins["weights"])
                     enable_cuda_graphs(model, capture=stand_in)
                     stand_ins["model"] = model
                 return [Float16Module(run_config, model)]
