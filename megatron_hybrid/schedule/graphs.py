@@ -252,9 +252,7 @@ class GraphedForward:
         self.captures = self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.disabled: str | None = None
-        self.hooks = [
-            p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad
-        ]
+        self.hooks = [p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad]
 
     def _eager(self, reason: str, args, kwargs):
         self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
@@ -324,8 +322,12 @@ class CudaGraphReport:
     def summary(self) -> str:
         """One line per piece: graphed (captures, replays, eager calls) or eager and why."""
         lines = [
-            f"graphed {name}: {g.captures} captures, {g.replays} replays"
-            + (f", eager calls {g.eager_calls}" if g.eager_calls else "")
+            (
+                f"graphed {name}: {g.captures} captures, {g.replays} replays"
+                + (f", eager calls {g.eager_calls}" if g.eager_calls else "")
+                if g.disabled is None
+                else f"eager   {name}: {g.disabled}"
+            )
             for name, g in self.graphed.items()
         ]
         lines += [f"eager   {name}: {reason}" for name, reason in self.eager.items()]

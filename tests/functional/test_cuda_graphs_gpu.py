@@ -13,9 +13,9 @@ graph.
 With 2 or 4 GPUs the plain-schedule test runs on every rank alone (EP=1, no communication), and
 the EP-overlap plan (EP = GPUs) runs graphed against ungraphed; it needs EP >= 2, so it skips on
 one GPU. Under ``MH_FUNCTIONAL_ON_CPU=1`` the pieces go through an eager stand-in capture
-(checks the test logic only). GatedDeltaNet runs megatron's torch path (``deterministic_mode``: fla 0.6.0 refuses its
-gated backward on Hopper with Triton < 3.7.1); Mamba runs megatron-core's kernels where
-``mamba_ssm`` is installed, else the package's torch mixer.
+(checks the test logic only). GatedDeltaNet runs megatron's torch path (``deterministic_mode``:
+fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1); Mamba runs megatron-core's
+kernels where ``mamba_ssm`` is installed, else the package's torch mixer.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def _steps(model, device) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         inputs = device_inputs(device, batch=2, seq=64, seed=seed)
         loss = model(**inputs).float().mean()
         loss.backward()
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {
+            n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
         out.append((loss.detach(), grads))
     torch.cuda.synchronize()
     return out
@@ -181,7 +183,8 @@ def test_overlap_plan_graphed_matches_ungraphed(world, pattern):
         ("largest loss difference (eager vs eager)", f"{diff_loss:.2e} ({noise_loss:.2e})"),
         ("largest gradient difference (eager vs eager)",
          f"{max(diff.values()):.2e} ({max(noise.values()):.2e})"),
-        ("parameters with bitwise gradients", f"{sum(d == 0 for d in diff.values())} of {len(diff)}"),
+        ("parameters with bitwise gradients",
+         f"{sum(d == 0 for d in diff.values())} of {len(diff)}"),
     ])  # fmt: skip
     assert diff_loss <= 2 * noise_loss, f"losses differ: {diff_loss} (eager vs eager {noise_loss})"
     beyond = {n: (d, noise[n]) for n, d in diff.items() if d > 2 * noise[n]}

@@ -20,5 +20,8 @@ RUNTIME = LayerRuntime(
     schedule_role=ScheduleRole.PRE_LAYER,
     run_pre_dispatch=run_attention_half,
     backward_dw=pre_layer_backward_dw,
-    graph_pieces=mixer_graph_pieces("self_attention", unverified="multi-latent attention has not been verified under CUDA graph capture"),
+    graph_pieces=mixer_graph_pieces(
+        "self_attention",
+        unverified="multi-latent attention has not been verified under CUDA graph capture",
+    ),
 )

@@ -54,7 +54,8 @@ class StandIn:
 CASES = [
     pytest.param(
         "[*E]{2}",
-        {f"decoder.layers.{i}.layers.{j}" for i in (0, 1) for j in ("0.self_attention", "1.mlp.router")},
+        {f"decoder.layers.{i}.layers.{j}" for i in (0, 1)
+         for j in ("0.self_attention", "1.mlp.router")},
         id="attention-moe-x2",
     ),
     pytest.param(
@@ -187,7 +188,8 @@ def test_default_capture_off_cuda_falls_back_eager_with_reason(pg):
     [
         pytest.param(dict(recompute_granularity="full", recompute_method="uniform",
                           recompute_num_layers=1), "recompute_granularity='full'", id="recompute"),
-        pytest.param(dict(cuda_graph_impl="local"), "cuda_graph_impl='local'", id="megatron-graphs"),
+        pytest.param(dict(cuda_graph_impl="local"), "cuda_graph_impl='local'",
+                     id="megatron-graphs"),
     ],
 )  # fmt: skip
 def test_refuses_settings_it_cannot_capture(pg, changes, match):
@@ -245,7 +247,8 @@ def plan_worker(rank, world_size, patterns):
         for graphed in (False, True):
             stand_in = StandIn()
 
-            def build(run_config, graphed=graphed, stand_in=stand_in):
+            def build(run_config, graphed=graphed, stand_in=stand_in, pattern=pattern, pg=pg,
+                      stand_ins=stand_ins):  # fmt: skip
                 torch.manual_seed(3)
                 model = build_hybrid(run_config, pattern, pg)
                 if not graphed:
