@@ -217,10 +217,16 @@ def test_enabling_twice_is_refused_and_disable_restores(pg):
 
 # ---- the EP-overlap plan on two gloo ranks ------------------------------------------------
 
-PLAN_CASES = {"attention-moe-x2": "[*E]{2}", "gated-delta-net-moe": "[GE]{2}"}
+PLAN_CASES = {
+    "attention-moe-x2": dict(pattern="[*E]{2}"),
+    "gated-delta-net-moe": dict(pattern="[GE]{2}"),
+    # Local linears compute their weight gradients inside the (captured) backward; the slots'
+    # backward_dw calls then find nothing queued, graphed or not.
+    "delay-wgrad-compute": dict(pattern="[*E]{2}", overlap=dict(delay_wgrad_compute=True)),
+}
 
 
-def plan_worker(rank, world_size, patterns):
+def plan_worker(rank, world_size, cases):
     from megatron_hybrid.testing.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
@@ -231,7 +237,8 @@ def plan_worker(rank, world_size, patterns):
     from megatron_hybrid.testing.overlap import compare_overlap
 
     results = {}
-    for name, pattern in patterns.items():
+    for name, case in cases.items():
+        pattern = case["pattern"]
         if "G" in pattern:
             try:
                 import fla  # noqa: F401
@@ -263,8 +270,9 @@ def plan_worker(rank, world_size, patterns):
                 return [Float16Module(run_config, model)]
 
             runs[graphed] = compare_overlap(
-                build, config, steps=2, lr=1e-2, num_microbatches=4, schedules=("overlap",)
-            )["overlap"]
+                build, config, steps=2, lr=1e-2, num_microbatches=4, schedules=("overlap",),
+                overlap_overrides=case.get("overlap"),
+            )["overlap"]  # fmt: skip
             stand_ins[graphed] = stand_in
         stand_in, model = stand_ins[True], stand_ins["model"]
         results[name] = dict(
@@ -312,3 +320,23 @@ def test_overlap_plan_replays_graphed_pieces_bitwise(plan_results, name):
         # Graph instances are given back by backward: at most two micro-batches of one layer
         # are in flight under combined 1F1B, so at most two captures per piece, not eight.
         assert len(expected) <= result["captures"] <= 2 * len(expected), f"rank {rank}"
+
+
+def test_te_linears_with_delayed_wgrad_stay_eager():
+    """A piece holding a TransformerEngine linear under ``delay_wgrad_compute`` is not captured."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from megatron_hybrid.modules.layer_types.common import delayed_wgrad_reason
+
+    te_linear = type("Linear", (nn.Linear,), {"__module__": "transformer_engine.pytorch.module",
+                                              "backward_dw": lambda self: None})  # fmt: skip
+    piece = nn.Sequential(te_linear(4, 4))
+    for delay, expected in ((True, "delay_wgrad_compute with TransformerEngine"), (False, None)):
+        piece.config = SimpleNamespace(delay_wgrad_compute=delay)
+        reason = delayed_wgrad_reason(piece)
+        assert reason == expected if expected is None else expected in reason
+    local = nn.Sequential(nn.Linear(4, 4))
+    local.config = SimpleNamespace(delay_wgrad_compute=True)
+    assert delayed_wgrad_reason(local) is None
