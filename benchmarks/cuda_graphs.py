@@ -42,7 +42,7 @@ def _build(args, pg, graphed: bool):
     torch.manual_seed(1234)
     model = build_hybrid(config, pattern, pg, vocab_size=args.vocab, max_sequence_length=args.seq,
                          hybrid_cuda_graphs=graphed).cuda()  # fmt: skip
-    return Float16Module(config, model), config, model.cuda_graphs
+    return Float16Module(config, model), config, model.hybrid_cuda_graphs
 
 
 def measure(args, pg, variant: str) -> dict:

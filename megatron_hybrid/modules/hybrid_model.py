@@ -170,7 +170,7 @@ class HybridModel(LanguageModule):
         vp_stage: virtual pipeline stage of this model chunk.
         hybrid_cuda_graphs: capture the compute pieces of every layer (token mixers, dense
             MLPs, MoE routers and shared experts) as CUDA graphs, replayed in the plain schedule
-            and the EP-overlap plan alike; ``self.cuda_graphs`` then reports what is graphed
+            and the EP-overlap plan alike; ``self.hybrid_cuda_graphs`` then reports what is graphed
             and what stays eager (``docs/ep_overlap.md``, "CUDA graphs").
     """
 
@@ -312,11 +312,11 @@ class HybridModel(LanguageModule):
             if _SCHEDULE_CHECK is None:
                 raise RuntimeError(_NO_SCHEDULE)
             _SCHEDULE_CHECK(self)
-        self.cuda_graphs = None
+        self.hybrid_cuda_graphs = None
         if hybrid_cuda_graphs:
             if _CUDA_GRAPH_INSTALLER is None:
                 raise RuntimeError(_NO_SCHEDULE)
-            self.cuda_graphs = _CUDA_GRAPH_INSTALLER(self)
+            self.hybrid_cuda_graphs = _CUDA_GRAPH_INSTALLER(self)
 
     def _build_rotary(self, rotary_percent, rotary_base, seq_len_interpolation_factor) -> None:
         config = self.config

@@ -178,7 +178,7 @@ def test_default_capture_off_cuda_falls_back_eager_with_reason(pg):
     model = build_hybrid(small_config(pattern), pattern, pg, hybrid_cuda_graphs=True)
     model.load_state_dict(reference.state_dict())
     _assert_same(_step(model), _step(reference))
-    for graphed in model.cuda_graphs.graphed.values():
+    for graphed in model.hybrid_cuda_graphs.graphed.values():
         assert graphed.disabled == "capture failed: inputs are not on a CUDA device"
         assert graphed.captures == 0
 
