@@ -44,6 +44,7 @@ an operation that capture forbids; the piece then stays eager for good).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -106,6 +107,29 @@ def check_cuda_graph_config(config) -> None:
         raise ValueError("hybrid CUDA graphs: " + "; ".join(problems))
 
 
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[None]:
+    """Capture in ``thread_local`` mode inside ``make_graphed_callables``.
+
+    Its default, ``global``, fails the capture when another thread makes a CUDA call that capture
+    forbids, such as the NCCL watchdog querying events; megatron-core 0.19.2 captures in
+    ``thread_local`` mode for that reason (``transformer/cuda_graphs.py``). torch offers no
+    argument for it, so ``torch.cuda.graph`` is swapped for the duration of the call.
+    """
+    original = torch.cuda.graph
+
+    class ThreadLocalGraph(original):
+        def __init__(self, cuda_graph, *args, **kwargs):
+            kwargs.setdefault("capture_error_mode", "thread_local")
+            super().__init__(cuda_graph, *args, **kwargs)
+
+    torch.cuda.graph = ThreadLocalGraph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = original
+
+
 def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
     for param in module.parameters():
         for attribute in ("main_grad", "grad"):
@@ -117,8 +141,9 @@ def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
 def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
     """Capture ``piece`` with ``torch.cuda.make_graphed_callables`` (the default capture).
 
-    The warm-up iterations run a real backward on dummy gradients; gradients and buffers are
-    restored afterwards.
+    Warm-up on a side stream (three iterations), then capture in ``thread_local`` mode. The
+    warm-up iterations run a real backward on dummy gradients; gradients and buffers are restored
+    afterwards.
 
     Raises:
         GraphCaptureError: the inputs are not on a CUDA device, or capture failed.
@@ -133,9 +158,10 @@ def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = False
     try:
-        graphed = torch.cuda.make_graphed_callables(
-            piece, sample_args, num_warmup_iters=3, allow_unused_input=True
-        )
+        with _thread_local_capture():
+            graphed = torch.cuda.make_graphed_callables(
+                piece, sample_args, num_warmup_iters=3, allow_unused_input=True
+            )
     except (RuntimeError, AssertionError) as error:
         raise GraphCaptureError(f"{type(error).__name__}: {error}") from error
     finally:

@@ -340,3 +340,22 @@ def test_te_linears_with_delayed_wgrad_stay_eager():
     local = nn.Sequential(nn.Linear(4, 4))
     local.config = SimpleNamespace(delay_wgrad_compute=True)
     assert delayed_wgrad_reason(local) is None
+
+
+def test_capture_runs_in_thread_local_mode(monkeypatch):
+    """``make_graphed_callables`` captures in ``thread_local`` mode (NCCL's watchdog thread)."""
+    from megatron_hybrid.schedule import graphs
+
+    seen = []
+
+    class FakeGraph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            seen.append(capture_error_mode)
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    with graphs._thread_local_capture():
+        torch.cuda.graph(None, pool=None)
+        torch.cuda.graph(None, capture_error_mode="relaxed")
+    torch.cuda.graph(None)
+    assert seen == ["thread_local", "relaxed", "global"]
+    assert torch.cuda.graph is FakeGraph
