@@ -138,6 +138,10 @@ def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
                 yield param, attribute, value
 
 
+def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
 def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
     """Capture ``piece`` with ``torch.cuda.make_graphed_callables`` (the default capture).
 
@@ -148,7 +152,7 @@ def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
     Raises:
         GraphCaptureError: the inputs are not on a CUDA device, or capture failed.
     """
-    if not all(t.is_cuda for t in sample_args):
+    if not _on_cuda(sample_args):
         raise GraphCaptureError("inputs are not on a CUDA device")
     saved = [(p, a, v.clone()) for p, a, v in _main_grads(piece)]
     buffers = [(b, b.clone()) for b in piece.buffers()]

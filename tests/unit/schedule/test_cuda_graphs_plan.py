@@ -359,3 +359,101 @@ def test_capture_runs_in_thread_local_mode(monkeypatch):
     torch.cuda.graph(None)
     assert seen == ["thread_local", "relaxed", "global"]
     assert torch.cuda.graph is FakeGraph
+
+
+def test_capture_restores_gradients_and_replays_the_fused_main_grad_flag(pg, monkeypatch):
+    """The warm-up's side effects are undone; the flag a fused wgrad sets is set on every replay.
+
+    A fake ``make_graphed_callables`` does what the real warm-up does to state: it adds a dummy
+    gradient to ``main_grad``, sets ``grad_added_to_main_grad`` on a fused linear's weight and
+    moves a buffer.
+    """
+    from megatron_hybrid.schedule import enable_cuda_graphs, graphs
+
+    model = _build("[*-]", pg)
+    mlp = model.decoder.layers[0].layers[1].mlp
+    params = list(mlp.parameters())
+    for param in params:
+        param.main_grad = torch.full_like(param, 0.5)
+        param.grad_added_to_main_grad = False
+    mlp.register_buffer("counter", torch.zeros(2))
+    fused = params[0]
+
+    def fake_make_graphed_callables(piece, sample_args, **kwargs):
+        out = piece(*sample_args)
+        torch.autograd.grad([o for o in out if o.requires_grad], list(piece.parameters()),
+                            [torch.ones_like(o) for o in out if o.requires_grad])  # fmt: skip
+        if piece.target is not mlp:  # the attention before it
+            return piece
+        for param in piece.parameters():
+            param.main_grad.add_(1.0)
+        fused.grad_added_to_main_grad = True
+        piece.target.counter.add_(1.0)
+        return piece
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    monkeypatch.setattr(graphs, "_on_cuda", lambda tensors: True)
+    report = enable_cuda_graphs(model)
+    for param in params:
+        param.grad_added_to_main_grad = False
+    model.zero_grad(set_to_none=True)
+    model(**model_inputs()).float().mean().backward()
+
+    graphed = report.graphed["decoder.layers.0.layers.1.mlp"]
+    assert graphed.captures == 1 and graphed.disabled is None
+    assert all(torch.equal(p.main_grad, torch.full_like(p, 0.5)) for p in params)
+    assert torch.equal(mlp.counter, torch.zeros(2))
+    (instance,) = next(iter(graphed.instances.values()))
+    assert instance.piece.fused_params == [fused] and not instance.busy
+    # Restored after capture, set again when gradient reached the replayed piece.
+    assert fused.grad_added_to_main_grad is True
+    assert all(p.grad_added_to_main_grad is False for p in params[1:])
+
+
+class StaticGradStandIn:
+    """A stand-in that hands out parameter gradients in persistent buffers, as a replayed
+    backward graph does (``torch.cuda.make_graphed_callables`` returns its static gradients)."""
+
+    def __call__(self, piece, sample_args):
+        params = [p for p in piece.parameters() if p.requires_grad]
+        static = [torch.zeros_like(p) for p in params]
+        count = len(sample_args)
+
+        class Static(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                with torch.enable_grad():
+                    ctx.leaves = [
+                        t.detach().requires_grad_(t.requires_grad) for t in inputs[:count]
+                    ]
+                    ctx.outs = piece(*ctx.leaves)
+                return tuple(o.detach() for o in ctx.outs)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                leaves = [t for t in ctx.leaves if t.requires_grad]
+                got = torch.autograd.grad(ctx.outs, leaves + params, grads, allow_unused=True)
+                by_leaf = dict(zip(map(id, leaves), got[: len(leaves)], strict=True))
+                for buffer, grad in zip(static, got[len(leaves) :], strict=True):
+                    buffer.copy_(grad)
+                return (*(by_leaf.get(id(t)) for t in ctx.leaves), *(b.detach() for b in static))
+
+        return lambda *tensors: Static.apply(*tensors, *params)
+
+
+def test_accumulated_gradients_never_alias_a_graphs_static_buffer(pg):
+    """Two micro-batches accumulate into ``.grad`` as eager ones do (autograd would otherwise
+    keep the first static buffer as ``.grad`` and the second backward would overwrite it)."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    enable_cuda_graphs(model, capture=StaticGradStandIn())
+    grads = []
+    for net in (model, reference):
+        net.zero_grad(set_to_none=True)
+        for seed in (0, 1):
+            net(**model_inputs(seed=seed)).float().mean().backward()
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    differing = [n for n in grads[1] if not torch.equal(grads[0][n], grads[1][n])]
+    assert not differing, f"accumulated gradients differ: {differing}"
