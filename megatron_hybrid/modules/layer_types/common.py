@@ -154,8 +154,8 @@ def mixer_graph_pieces(
     def pieces(layer: nn.Module) -> dict[str, GraphPiece]:
         mixer = getattr(layer, attribute)
         reason = unverified or delayed_wgrad_reason(mixer)
-        if reason is None and getattr(layer.config, "attention_dropout", 0.0) > 0.0:
-            if hasattr(getattr(mixer, "core_attention", None), "attention_dropout"):
+        if reason is None and layer.config.attention_dropout > 0.0:
+            if hasattr(mixer, "core_attention"):  # attention; GatedDeltaNet and Mamba have none
                 reason = (
                     "attention dropout draws from megatron's CUDA RNG tracker, whose state a "
                     "replayed graph does not advance; set attention_dropout=0"

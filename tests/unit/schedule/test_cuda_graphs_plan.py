@@ -457,3 +457,13 @@ def test_accumulated_gradients_never_alias_a_graphs_static_buffer(pg):
         grads.append({n: p.grad for n, p in net.named_parameters()})
     differing = [n for n in grads[1] if not torch.equal(grads[0][n], grads[1][n])]
     assert not differing, f"accumulated gradients differ: {differing}"
+
+
+def test_attention_dropout_keeps_attention_eager(pg):
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*-]", pg, attention_dropout=0.1)
+    report = enable_cuda_graphs(model, capture=StandIn())
+    assert set(report.graphed) == {"decoder.layers.0.layers.1.mlp"}
+    reason = report.eager["decoder.layers.0.layers.0.self_attention (mixer)"]
+    assert "attention_dropout=0" in reason
