@@ -32,6 +32,7 @@ from megatron_hybrid.pattern import (
     select_pipeline_segment,
     virtual_stages,
 )
+from megatron_hybrid.schedule.graphs import enable_cuda_graphs
 from megatron_hybrid.schedule.plan import build_hybrid_schedule_plan, check_schedulable
 
 __all__ = ["HybridModel"]
@@ -147,6 +148,10 @@ class HybridModel(LanguageModule):
         seq_len_interpolation_factor: linear RoPE interpolation factor.
         pg_collection: process groups (megatron's ``ProcessGroupCollection``).
         vp_stage: virtual pipeline stage of this model chunk.
+        hybrid_cuda_graphs: capture the compute pieces of every layer (token mixers, dense
+            MLPs, MoE routers and shared experts) as CUDA graphs, replayed in the plain schedule
+            and the EP-overlap plan alike; ``self.hybrid_cuda_graphs`` then reports what is graphed
+            and what stays eager (``docs/ep_overlap.md``, "CUDA graphs").
     """
 
     def __init__(
@@ -171,6 +176,8 @@ class HybridModel(LanguageModule):
         seq_len_interpolation_factor: float | None = None,
         pg_collection=None,
         vp_stage: int | None = None,
+        *,
+        hybrid_cuda_graphs: bool = False,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         pattern = _resolve_pattern(
@@ -232,6 +239,9 @@ class HybridModel(LanguageModule):
         if config.overlap_moe_expert_parallel_comm:
             # Refuse now what the EP-overlap schedule cannot run, not in the first step.
             check_schedulable(self)
+        self.hybrid_cuda_graphs = None
+        if hybrid_cuda_graphs:
+            self.hybrid_cuda_graphs = enable_cuda_graphs(self)
 
     def _build_embedding(self, scatter_to_sequence_parallel: bool) -> None:
         """megatron-core's word (and position) embedding, on the first stage and for MTP."""

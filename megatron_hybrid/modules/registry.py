@@ -33,6 +33,7 @@ __all__ = [
     "LAYER_RUNTIMES",
     "LayerBuildArgs",
     "LayerInputs",
+    "GraphPiece",
     "LayerRuntime",
     "ScheduleRole",
     "TerminalSlots",
@@ -117,6 +118,27 @@ class TerminalSlots(NamedTuple):
     num_local_experts: int | None = None
 
 
+class GraphPiece(NamedTuple):
+    """A submodule of a layer that CUDA graphs may capture, or why it must run eager.
+
+    ``megatron_hybrid.schedule.graphs`` replaces the forward of every piece without a reason by
+    one that replays a captured graph (per input shape), in the plain schedule and in the
+    EP-overlap plan alike, since both call the same submodules.
+
+    Attributes:
+        module: the submodule; its forward must take tensors (and None or plain scalars) and
+            return tensors, and must not synchronise with the host.
+        reason: None if it can be captured, else why it runs eager (a host sync, a dynamic
+            shape, communication, an unsupported setting).
+    """
+
+    module: nn.Module
+    reason: str | None = None
+
+
+#: ``layer -> {piece name: GraphPiece}``: what of a layer CUDA graphs may capture.
+GraphPieces = Callable[[nn.Module], dict[str, GraphPiece]]
+
 #: ``(layer, hidden_states, node) -> hidden_states``: a pre-layer in the pre-dispatch slot.
 PreDispatchRunner = Callable[[nn.Module, Tensor, Any], Tensor]
 #: ``layer -> {slot name: [objects with backward_dw() and parameters()]}``.
@@ -140,6 +162,8 @@ class LayerRuntime:
         backward_dw: the layer's delayed weight-gradient callables per schedule slot.
         default_spec: ``backend name -> ModuleSpec`` for the backends that do not build the type
             themselves (every registered type needs it; built-ins come from the backends).
+        graph_pieces: the submodules CUDA graphs may capture and those that stay eager, with
+            the reason (``docs/ep_overlap.md``, "CUDA graphs"); a type without it is not graphed.
     """
 
     symbol: str
@@ -151,6 +175,7 @@ class LayerRuntime:
     terminal_slots: Callable[[nn.Module], TerminalSlots] | None = None
     backward_dw: BackwardDW = field(default=lambda layer: {})
     default_spec: Callable[[str], Any] | None = None
+    graph_pieces: GraphPieces = field(default=lambda layer: {})
 
     def check(self, facts: LayerTypeFacts) -> None:
         """Raise ``ValueError`` if this runtime does not fit ``facts``."""
@@ -166,7 +191,7 @@ class LayerRuntime:
             )
         if terminal and not callable(self.terminal_slots):
             raise ValueError(f"{facts.name} ({symbol!r}) is an MLP-slot type: give terminal_slots")
-        for name in ("build", "forward", "backward_dw"):
+        for name in ("build", "forward", "backward_dw", "graph_pieces"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} of layer type {symbol!r} must be callable")
         if not self.spec_field.isidentifier():

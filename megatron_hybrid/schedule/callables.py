@@ -14,6 +14,10 @@ pre-layers, dispatch, the routed experts and combine; for ``-`` the MLP in the `
 logical layer without an MLP does everything in the pre-dispatch slot. What each member runs and
 which delayed weight gradients it owns come from its layer type's
 :class:`~megatron_hybrid.modules.registry.LayerRuntime`; nothing here branches on a symbol.
+
+With ``hybrid_cuda_graphs`` (:mod:`megatron_hybrid.schedule.graphs`) the submodules these slots
+call — token mixers, dense MLPs, MoE routers and shared experts — replay CUDA graphs; dispatch,
+routed experts and combine stay eager.
 """
 
 from __future__ import annotations

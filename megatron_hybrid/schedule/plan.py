@@ -133,8 +133,10 @@ def check_schedulable(model) -> None:
     config = model.config
     if config.cuda_graph_impl != "none":
         raise ValueError(
-            "EP overlap with HybridModel does not support CUDA graphs yet; set "
-            f"cuda_graph_impl='none' (got {config.cuda_graph_impl!r})"
+            "EP overlap with HybridModel does not support megatron-core's CUDA graphs "
+            f"(cuda_graph_impl={config.cuda_graph_impl!r}); set cuda_graph_impl='none' and "
+            "build the model with HybridModel(..., hybrid_cuda_graphs=True) for the package's "
+            "own graphs, which both schedules replay"
         )
     decoder = model.decoder
     for index, (item, layer) in enumerate(

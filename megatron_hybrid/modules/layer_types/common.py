@@ -13,11 +13,13 @@ from typing import Any
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
-from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs
+from megatron_hybrid.modules.registry import GraphPiece, LayerBuildArgs, LayerInputs
 
 __all__ = [
     "ModuleBackwardDW",
     "build_transformer_layer",
+    "delayed_wgrad_reason",
+    "mixer_graph_pieces",
     "forward_transformer_layer",
     "pre_layer_backward_dw",
     "run_attention_half",
@@ -110,3 +112,54 @@ def pre_layer_backward_dw(layer: nn.Module) -> dict[str, list]:
         layer.init_backward_dw_wrapper()
         return {PRE_DISPATCH: [layer.backward_dw_wrapper]}
     return {PRE_DISPATCH: [ModuleBackwardDW(layer)]}
+
+
+_TE_MODULES = ("transformer_engine", "megatron.core.extensions.transformer_engine")
+
+
+def delayed_wgrad_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be captured under ``delay_wgrad_compute``, or None.
+
+    TransformerEngine's linears then queue their weight gradient in Python during backward and
+    compute it in ``backward_dw``; a replayed backward graph runs no Python, so the queue would
+    stay empty (megatron-core 0.19.2 captures a separate wgrad graph for this,
+    ``transformer/cuda_graphs.py``, which this package does not). Local linears compute their
+    weight gradients in backward and are captured with it.
+    """
+    config = getattr(module, "config", None)
+    if config is None or not config.delay_wgrad_compute:
+        return None
+    for inner in module.modules():
+        if type(inner).__module__.startswith(_TE_MODULES) and hasattr(inner, "backward_dw"):
+            return (
+                "delay_wgrad_compute with TransformerEngine linears: their delayed weight "
+                "gradient is queued by Python in backward, which a replayed graph does not run"
+            )
+    return None
+
+
+def mixer_graph_pieces(
+    attribute: str, unverified: str | None = None
+) -> Callable[[nn.Module], dict[str, GraphPiece]]:
+    """``graph_pieces`` of a pre-layer: its token mixer ``layer.<attribute>``.
+
+    The mixer (attention, GatedDeltaNet, Mamba) is captured; the norm before it and the residual
+    add after it are one or two small kernels each and stay eager.
+
+    Args:
+        attribute: the mixer's attribute on the layer (``self_attention``, ``mixer``).
+        unverified: if given, the mixer stays eager with this reason.
+    """
+
+    def pieces(layer: nn.Module) -> dict[str, GraphPiece]:
+        mixer = getattr(layer, attribute)
+        reason = unverified or delayed_wgrad_reason(mixer)
+        if reason is None and layer.config.attention_dropout > 0.0:
+            if hasattr(mixer, "core_attention"):  # attention; GatedDeltaNet and Mamba have none
+                reason = (
+                    "attention dropout draws from megatron's CUDA RNG tracker, whose state a "
+                    "replayed graph does not advance; set attention_dropout=0"
+                )
+        return {"mixer": GraphPiece(mixer, reason)}
+
+    return pieces

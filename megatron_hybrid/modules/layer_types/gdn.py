@@ -9,6 +9,7 @@ from __future__ import annotations
 from megatron_hybrid.modules.layer_types.common import (
     build_transformer_layer,
     forward_transformer_layer,
+    mixer_graph_pieces,
     pre_layer_backward_dw,
     run_attention_half,
 )
@@ -23,4 +24,5 @@ RUNTIME = LayerRuntime(
     schedule_role=ScheduleRole.PRE_LAYER,
     run_pre_dispatch=run_attention_half,
     backward_dw=pre_layer_backward_dw,
+    graph_pieces=mixer_graph_pieces("self_attention"),
 )

@@ -10,7 +10,11 @@ from __future__ import annotations
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
-from megatron_hybrid.modules.layer_types.common import PRE_DISPATCH, ModuleBackwardDW
+from megatron_hybrid.modules.layer_types.common import (
+    PRE_DISPATCH,
+    ModuleBackwardDW,
+    mixer_graph_pieces,
+)
 from megatron_hybrid.modules.registry import (
     LayerBuildArgs,
     LayerInputs,
@@ -65,4 +69,5 @@ RUNTIME = LayerRuntime(
     schedule_role=ScheduleRole.PRE_LAYER,
     run_pre_dispatch=run_pre_dispatch,
     backward_dw=backward_dw,
+    graph_pieces=mixer_graph_pieces("mixer"),
 )

@@ -12,9 +12,15 @@ from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
     build_transformer_layer,
+    delayed_wgrad_reason,
     forward_transformer_layer,
 )
-from megatron_hybrid.modules.registry import LayerRuntime, ScheduleRole, TerminalSlots
+from megatron_hybrid.modules.registry import (
+    GraphPiece,
+    LayerRuntime,
+    ScheduleRole,
+    TerminalSlots,
+)
 from megatron_hybrid.pattern import MLP
 
 
@@ -37,6 +43,11 @@ def backward_dw(layer: nn.Module) -> dict[str, list]:
     return {MLP_SLOT: [layer.mlp]}
 
 
+def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
+    """The MLP is captured (the pre-MLP norm and residual add stay eager)."""
+    return {"mlp": GraphPiece(layer.mlp, delayed_wgrad_reason(layer.mlp))}
+
+
 RUNTIME = LayerRuntime(
     symbol=MLP,
     spec_field="mlp_layer",
@@ -45,4 +56,5 @@ RUNTIME = LayerRuntime(
     schedule_role=ScheduleRole.DENSE_MLP,
     terminal_slots=terminal_slots,
     backward_dw=backward_dw,
+    graph_pieces=graph_pieces,
 )

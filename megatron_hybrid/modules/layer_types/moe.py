@@ -24,12 +24,18 @@ from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
     PRE_DISPATCH,
     build_transformer_layer,
+    delayed_wgrad_reason,
     forward_transformer_layer,
 )
-from megatron_hybrid.modules.registry import LayerRuntime, ScheduleRole, TerminalSlots
+from megatron_hybrid.modules.registry import (
+    GraphPiece,
+    LayerRuntime,
+    ScheduleRole,
+    TerminalSlots,
+)
 from megatron_hybrid.pattern import MOE
 
-__all__ = ["RUNTIME", "MoEBackwardDW", "terminal_slots"]
+__all__ = ["RUNTIME", "MoEBackwardDW", "graph_pieces", "terminal_slots"]
 
 
 def _flex_backend(config) -> str | None:
@@ -165,6 +171,38 @@ def backward_dw(layer: nn.Module) -> dict[str, list]:
     }
 
 
+_DYNAMIC_TOKENS = (
+    "dropless routing sends each expert and rank a data-dependent number of tokens: dynamic "
+    "shapes, and the dispatcher copies the counts to the host (megatron-core 0.19.2 refuses "
+    "to graph the experts under EP overlap too)"
+)
+_COMMUNICATION = "all-to-all communication with data-dependent split sizes read on the host"
+
+
+def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
+    """The router and the shared experts are captured; dispatch, experts and combine are not.
+
+    The router maps ``[tokens, hidden]`` to fixed-shape probabilities and a routing map, with no
+    host sync. Dispatch preprocessing (``MoELayer.preprocess``) of the ``alltoall`` dispatcher
+    counts tokens per expert and copies the split sizes to the host for the all-to-all
+    (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it.
+    """
+    moe = layer.mlp
+    pieces = {
+        "router": GraphPiece(moe.router, delayed_wgrad_reason(moe.router)),
+        "dispatch_preprocess": GraphPiece(moe, _DYNAMIC_TOKENS),
+        "dispatch": GraphPiece(moe, _COMMUNICATION),
+        "experts": GraphPiece(moe.experts, _DYNAMIC_TOKENS),
+        "combine": GraphPiece(moe, _COMMUNICATION),
+    }
+    if moe.use_shared_expert:
+        reason = delayed_wgrad_reason(moe.shared_experts)
+        if moe.shared_expert_overlap:
+            reason = "moe_shared_expert_overlap runs the shared experts on a side stream"
+        pieces["shared_experts"] = GraphPiece(moe.shared_experts, reason)
+    return pieces
+
+
 RUNTIME = LayerRuntime(
     symbol=MOE,
     spec_field="moe_layer",
@@ -173,4 +211,5 @@ RUNTIME = LayerRuntime(
     schedule_role=ScheduleRole.MOE,
     terminal_slots=terminal_slots,
     backward_dw=backward_dw,
+    graph_pieces=graph_pieces,
 )

@@ -1,0 +1,415 @@
+"""CUDA graphs for the compute pieces of a HybridModel, in both schedules.
+
+A *piece* is a submodule that each layer type names in its runtime record
+(:attr:`~megatron_hybrid.modules.registry.LayerRuntime.graph_pieces`): the token mixer of
+``*``/``G``/``M`` layers, the MLP of ``-``, the router and shared experts of ``E``. Pieces with a
+reason (dispatch preprocessing, all-to-all, routed experts, or a setting that cannot be
+captured) stay eager, and the reason is reported. :func:`enable_cuda_graphs` replaces the forward
+of every capturable piece by a :class:`GraphedForward`. The plain schedule
+(``HybridStack.forward``) and the EP-overlap plan's slot callables
+(:mod:`megatron_hybrid.schedule.callables`) call the same submodules, so both replay the same
+graphs, forward and backward.
+
+A :class:`GraphedForward` captures its piece with ``torch.cuda.make_graphed_callables`` (warm-up on
+a side stream, then one forward and one backward graph, with the parameters as the graphs' extra
+inputs so that their gradients reach autograd) once per input signature (shapes, dtypes,
+``requires_grad``, the non-tensor arguments). A graph's activations live in its memory pool until
+its backward has run, and the combined-1F1B schedule keeps several micro-batches in flight, so
+each signature has a small set of graph instances: a forward takes a free one (capturing another
+when all are busy) and the backward gives it back.
+
+Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
+* the warm-up backward runs on dummy output gradients, so every parameter's ``main_grad`` and
+  ``grad`` and the piece's buffers are restored after capture (megatron-core backs them up
+  before capture likewise);
+* a local linear with ``gradient_accumulation_fusion`` adds its weight gradient to ``main_grad``
+  inside its backward and sets ``grad_added_to_main_grad`` in Python; the add is captured, the
+  Python flag is not replayed, so it is set again on every replayed backward (megatron-core sets
+  it in its graphed backward) and megatron's DDP hook does not add the dummy gradient again;
+* the replayed backward hands autograd the parameter gradients in the graph's static memory,
+  and autograd may keep such a tensor as ``.grad`` (it steals gradients nobody else references),
+  so the next replay would overwrite an accumulated gradient: a hook on each graphed parameter
+  gives autograd a copy (megatron-core adds into ``main_grad`` inside the graph instead, which
+  needs megatron's DDP; this works with and without it);
+* TransformerEngine linears with ``delay_wgrad_compute`` queue their weight gradient in Python,
+  which a replay does not run: those pieces stay eager (megatron-core captures a separate wgrad
+  graph instead).
+
+Calls that cannot replay a graph run the original forward, with the reason kept in
+:attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the
+graph), an argument that is neither a tensor nor a plain scalar (``packed_seq_params``,
+``inference_context``), inputs not on a CUDA device, and a capture that failed (a host sync or
+an operation that capture forbids; the piece then stays eager for good).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from megatron_hybrid.modules.registry import layer_runtime
+
+__all__ = [
+    "CudaGraphReport",
+    "GraphCaptureError",
+    "GraphedForward",
+    "capture_cuda_graph",
+    "check_cuda_graph_config",
+    "disable_cuda_graphs",
+    "enable_cuda_graphs",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``(piece, sample_args) -> graphed piece``: called with tensors, returns a tuple of tensors.
+CaptureFunction = Callable[[nn.Module, tuple[Tensor, ...]], Callable[..., tuple[Tensor, ...]]]
+
+#: Graph instances per signature before calls run eager: the schedules keep at most a few
+#: micro-batches in flight per layer; more means backward never frees them.
+MAX_INSTANCES = 8
+_SCALARS = (type(None), bool, int, float, str, Enum, torch.dtype)
+
+
+class GraphCaptureError(RuntimeError):
+    """A piece could not be captured; it runs eager from then on."""
+
+
+def check_cuda_graph_config(config) -> None:
+    """Raise if ``config`` has a setting that the package's CUDA graphs cannot capture.
+
+    Raises:
+        ValueError: what is set and what to change.
+    """
+    problems = []
+    if config.cuda_graph_impl != "none":
+        problems.append(
+            f"cuda_graph_impl={config.cuda_graph_impl!r} turns on megatron-core's own graphs; "
+            "set it to 'none' (hybrid_cuda_graphs replaces them for HybridModel)"
+        )
+    if config.recompute_granularity is not None:
+        problems.append(
+            f"recompute_granularity={config.recompute_granularity!r} re-runs forwards inside "
+            "backward, which a captured piece cannot replay; set it to None"
+        )
+    if config.fp8 or config.fp4:
+        problems.append(
+            "FP8/FP4 scaling state is updated outside a captured graph; turn fp8/fp4 off or use "
+            "megatron-core's cuda_graph_impl='transformer_engine' with GPTModel"
+        )
+    if problems:
+        raise ValueError("hybrid CUDA graphs: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def _thread_local_capture() -> Iterator[None]:
+    """Capture in ``thread_local`` mode inside ``make_graphed_callables``.
+
+    Its default, ``global``, fails the capture when another thread makes a CUDA call that capture
+    forbids, such as the NCCL watchdog querying events; megatron-core 0.19.2 captures in
+    ``thread_local`` mode for that reason (``transformer/cuda_graphs.py``). torch offers no
+    argument for it, so ``torch.cuda.graph`` is swapped for the duration of the call.
+    """
+    original = torch.cuda.graph
+
+    class ThreadLocalGraph(original):
+        def __init__(self, cuda_graph, *args, **kwargs):
+            kwargs.setdefault("capture_error_mode", "thread_local")
+            super().__init__(cuda_graph, *args, **kwargs)
+
+    torch.cuda.graph = ThreadLocalGraph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = original
+
+
+def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
+    for param in module.parameters():
+        for attribute in ("main_grad", "grad"):
+            value = getattr(param, attribute, None)
+            if torch.is_tensor(value):
+                yield param, attribute, value
+
+
+def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
+def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
+    """Capture ``piece`` with ``torch.cuda.make_graphed_callables`` (the default capture).
+
+    Warm-up on a side stream (three iterations), then capture in ``thread_local`` mode. The
+    warm-up iterations run a real backward on dummy gradients; gradients and buffers are restored
+    afterwards.
+
+    Raises:
+        GraphCaptureError: the inputs are not on a CUDA device, or capture failed.
+    """
+    if not _on_cuda(sample_args):
+        raise GraphCaptureError("inputs are not on a CUDA device")
+    saved = [(p, a, v.clone()) for p, a, v in _main_grads(piece)]
+    buffers = [(b, b.clone()) for b in piece.buffers()]
+    params = list(piece.parameters())
+    flags = [getattr(p, "grad_added_to_main_grad", None) for p in params]
+    for param in params:
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = False
+    try:
+        with _thread_local_capture():
+            graphed = torch.cuda.make_graphed_callables(
+                piece, sample_args, num_warmup_iters=3, allow_unused_input=True
+            )
+    except (RuntimeError, AssertionError) as error:
+        raise GraphCaptureError(f"{type(error).__name__}: {error}") from error
+    finally:
+        # Parameters whose fused main_grad add the captured backward contains.
+        piece.fused_params = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]
+        for param, flag in zip(params, flags, strict=True):
+            if flag is not None:
+                param.grad_added_to_main_grad = flag
+        for param, attribute, value in saved:
+            getattr(param, attribute).copy_(value)
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    return graphed
+
+
+class _Piece(nn.Module):
+    """The original forward of a submodule as a function of its tensor arguments only.
+
+    ``make_graphed_callables`` takes a module with tensor inputs and outputs and captures its
+    parameters (the submodule's, registered here as a child) as extra graph inputs.
+    """
+
+    def __init__(self, target: nn.Module, forward: Callable, rebuild: Callable):
+        super().__init__()
+        self.target = target
+        self._forward, self._rebuild = forward, rebuild
+        self.out_spec = None
+        self.constants: dict[int, object] = {}
+        self.fused_params: list[Tensor] = []
+
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        args, kwargs = self._rebuild(tensors)
+        leaves, self.out_spec = tree_flatten(self._forward(*args, **kwargs))
+        self.constants = {i: v for i, v in enumerate(leaves) if not torch.is_tensor(v)}
+        return tuple(v for v in leaves if torch.is_tensor(v))
+
+
+@dataclass
+class _Instance:
+    piece: _Piece
+    graphed: Callable
+    busy: bool = False
+
+
+class _Release(torch.autograd.Function):
+    """Marks a graph instance free when gradient reaches its outputs.
+
+    Its backward runs just before the graphed backward, in the same backward pass, so no forward
+    can reuse the instance in between; it also sets the ``grad_added_to_main_grad`` flags the
+    replayed backward does not set.
+    """
+
+    @staticmethod
+    def forward(ctx, instance: _Instance, *outputs: Tensor):
+        ctx.instance = instance
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        instance = ctx.instance
+        for param in instance.piece.fused_params:
+            param.grad_added_to_main_grad = True
+        instance.busy = False
+        return (None, *grads)
+
+
+def _split(args: tuple, kwargs: dict):
+    """``(tensors, rebuild, key)`` of a call, or a string saying why it cannot be graphed."""
+    tensors, positions, constants = [], [], []
+    named = [(i, v) for i, v in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        if torch.is_tensor(value):
+            positions.append(name)
+            tensors.append(value)
+        elif isinstance(value, _SCALARS):
+            constants.append((name, value))
+        else:
+            return f"argument {name!r} is a {type(value).__name__}"
+    signature = tuple(
+        (name, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+        for name, t in zip(positions, tensors, strict=True)
+    )
+    count = len(args)
+
+    def rebuild(values: tuple[Tensor, ...]):
+        merged = dict(constants)
+        merged.update(zip(positions, values, strict=True))
+        return tuple(merged[i] for i in range(count)), {
+            k: v for k, v in merged.items() if not isinstance(k, int)
+        }
+
+    return tensors, rebuild, (signature, tuple(constants))
+
+
+def _fresh_grad(grad: Tensor) -> Tensor:
+    """A gradient in its own memory, never the graph's static buffer (see the module doc)."""
+    return grad.clone()
+
+
+class GraphedForward:
+    """Replaces a piece's ``forward``: replays a CUDA graph per input signature.
+
+    Attributes:
+        name: the piece's module name in the model.
+        captures: graphs captured so far; ``replays``: forwards that replayed one.
+        eager_calls: reason -> number of calls that ran the original forward.
+        disabled: why the piece runs eager for good (a failed capture), or None.
+    """
+
+    def __init__(self, module: nn.Module, name: str, capture: CaptureFunction):
+        self.module, self.name, self.capture = module, name, capture
+        self.original = module.forward
+        self.instances: dict[tuple, list[_Instance]] = {}
+        self.captures = self.replays = 0
+        self.eager_calls: dict[str, int] = {}
+        self.disabled: str | None = None
+        self.hooks = [p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad]
+
+    def _eager(self, reason: str, args, kwargs):
+        self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
+        return self.original(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.disabled is not None:
+            return self._eager(self.disabled, args, kwargs)
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self._eager("no backward (eval or no_grad) would free a graph", args, kwargs)
+        split = _split(args, kwargs)
+        if isinstance(split, str):
+            return self._eager(split, args, kwargs)
+        tensors, rebuild, key = split
+        instance = self._take(key, tensors, rebuild)
+        if isinstance(instance, str):
+            return self._eager(instance, args, kwargs)
+        instance.busy = True
+        self.replays += 1
+        outputs = list(instance.graphed(*tensors))
+        grads = [i for i, o in enumerate(outputs) if o.requires_grad]
+        if grads:
+            marked = _Release.apply(instance, *(outputs[i] for i in grads))
+            for i, value in zip(grads, marked, strict=True):
+                outputs[i] = value
+        else:
+            instance.busy = False
+        piece = instance.piece
+        leaves, tensors_out = [], iter(outputs)
+        for i in range(piece.out_spec.num_leaves):
+            leaves.append(piece.constants[i] if i in piece.constants else next(tensors_out))
+        return tree_unflatten(leaves, piece.out_spec)
+
+    def _take(self, key, tensors, rebuild) -> _Instance | str:
+        pool = self.instances.setdefault(key, [])
+        for instance in pool:
+            if not instance.busy:
+                return instance
+        if len(pool) >= MAX_INSTANCES:
+            return f"more than {MAX_INSTANCES} graphs of one signature in flight"
+        piece = _Piece(self.module, self.original, rebuild)
+        sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
+        try:
+            graphed = self.capture(piece, sample)
+        except GraphCaptureError as error:
+            self.disabled = f"capture failed: {error}"
+            logger.warning("CUDA graph of %s runs eager: %s", self.name, self.disabled)
+            return self.disabled
+        self.captures += 1
+        instance = _Instance(piece, graphed)
+        pool.append(instance)
+        return instance
+
+
+@dataclass
+class CudaGraphReport:
+    """What :func:`enable_cuda_graphs` graphed and what stays eager.
+
+    Attributes:
+        graphed: module name -> its :class:`GraphedForward`.
+        eager: ``"<module name> (<piece>)"`` -> why it runs eager.
+    """
+
+    graphed: dict[str, GraphedForward] = field(default_factory=dict)
+    eager: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line per piece: graphed (captures, replays, eager calls) or eager and why."""
+        lines = [
+            (
+                f"graphed {name}: {g.captures} captures, {g.replays} replays"
+                + (f", eager calls {g.eager_calls}" if g.eager_calls else "")
+                if g.disabled is None
+                else f"eager   {name}: {g.disabled}"
+            )
+            for name, g in self.graphed.items()
+        ]
+        lines += [f"eager   {name}: {reason}" for name, reason in self.eager.items()]
+        return "\n".join(lines)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module  # DDP, Float16Module
+    return model
+
+
+def enable_cuda_graphs(model, *, capture: CaptureFunction = capture_cuda_graph) -> CudaGraphReport:
+    """Graph the capturable pieces of a HybridModel (or model chunks, or their wrappers).
+
+    Args:
+        model: a HybridModel, a wrapper of one (``Float16Module``, DDP), or a list of chunks.
+        capture: ``(piece, sample_args) -> graphed piece``; tests pass a stand-in.
+
+    Returns:
+        What was graphed and what stays eager, with the reasons.
+
+    Raises:
+        ValueError: a config setting the graphs cannot capture (see
+            :func:`check_cuda_graph_config`), or pieces that are graphed already.
+    """
+    report = CudaGraphReport()
+    for chunk in model if isinstance(model, list | tuple) else [model]:
+        chunk = _unwrap(chunk)
+        check_cuda_graph_config(chunk.config)
+        names = {id(m): n for n, m in chunk.named_modules()}
+        for symbol, layer in chunk.decoder.iter_physical_layers():
+            for piece_name, piece in layer_runtime(symbol).graph_pieces(layer).items():
+                name = names[id(piece.module)]
+                if piece.reason is not None:
+                    report.eager[f"{name} ({piece_name})"] = piece.reason
+                    continue
+                if isinstance(piece.module.forward, GraphedForward):
+                    raise ValueError(f"{name} is graphed already; call enable_cuda_graphs once")
+                graphed = GraphedForward(piece.module, name, capture)
+                piece.module.forward = graphed
+                report.graphed[name] = graphed
+        if getattr(chunk, "mtp", None) is not None:
+            report.eager["mtp"] = "MTP depths are not graphed"
+    return report
+
+
+def disable_cuda_graphs(report: CudaGraphReport) -> None:
+    """Give every graphed piece of ``report`` its original forward back (graphs are dropped)."""
+    for graphed in report.graphed.values():
+        del graphed.module.forward  # the instance attribute; the class's forward shows again
+        graphed.instances.clear()
+        for hook in graphed.hooks:
+            hook.remove()
+    report.graphed.clear()

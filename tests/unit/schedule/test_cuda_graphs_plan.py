@@ -1,0 +1,469 @@
+"""CUDA graphs of the layers' compute pieces, checked on the CPU with a stand-in capture.
+
+The stand-in records which piece it is asked to capture and returns the piece itself (eager), so
+everything around the capture runs as on a GPU: the pieces named by the layer-type table get
+their forward replaced, each call is split into tensor inputs and a signature, graph instances
+are taken and given back by backward, outputs are put back into their structure. The tests
+check which modules go through the graphs (token mixers, dense MLPs, routers) and which never do
+(routed experts, dispatch), and that losses and gradients stay bitwise those of the ungraphed
+model, in the plain schedule and in the EP-overlap plan. Real capture and replay are checked on
+a GPU by ``tests/functional/test_cuda_graphs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
+
+
+class StandIn:
+    """A capture function that records its pieces and returns them uncaptured.
+
+    Args:
+        perturb: scale the first output by this factor (a deliberate bug for the negative
+            control).
+    """
+
+    def __init__(self, perturb: float | None = None):
+        self.captured: list[int] = []
+        self.replayed: list[int] = []
+        self.perturb = perturb
+
+    def __call__(self, piece, sample_args):
+        target = id(piece.target)
+        self.captured.append(target)
+
+        def replay(*tensors):
+            self.replayed.append(target)
+            outputs = piece(*tensors)
+            if self.perturb is None:
+                return outputs
+            return (outputs[0] * self.perturb, *outputs[1:])
+
+        return replay
+
+    def names(self, model, ids: list[int]) -> set[str]:
+        """Module names of ``ids`` in ``model``."""
+        by_id = {id(m): n for n, m in model.named_modules()}
+        return {by_id[i] for i in ids}
+
+
+# Expected by hand, not read from the table: the table is what is tested.
+CASES = [
+    pytest.param(
+        "[*E]{2}",
+        {f"decoder.layers.{i}.layers.{j}" for i in (0, 1)
+         for j in ("0.self_attention", "1.mlp.router")},
+        id="attention-moe-x2",
+    ),
+    pytest.param(
+        "[GE]",
+        {"decoder.layers.0.layers.0.self_attention", "decoder.layers.0.layers.1.mlp.router"},
+        id="gated-delta-net-moe",
+    ),
+    pytest.param(
+        "[*-]",
+        {"decoder.layers.0.layers.0.self_attention", "decoder.layers.0.layers.1.mlp"},
+        id="attention-dense",
+    ),
+    pytest.param("M", {"decoder.layers.0.mixer"}, id="mamba"),
+]  # fmt: skip
+
+
+def _needs(pattern: str) -> None:
+    if "G" in pattern:
+        pytest.importorskip("fla")
+
+
+def _build(pattern, pg, like=None, **changes):
+    """A small model; ``like``: a model whose weights it takes (GatedDeltaNet's initialisation
+    draws from an RNG that the seed does not reset)."""
+    torch.manual_seed(3)
+    model = build_hybrid(small_config(pattern, **changes), pattern, pg)
+    if like is not None:
+        model.load_state_dict(like.state_dict())
+    return model
+
+
+def _step(model, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**model_inputs(seed=seed)).float().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same(actual, reference) -> None:
+    (loss, grads), (ref_loss, ref_grads) = actual, reference
+    assert torch.equal(loss, ref_loss), f"loss {loss.item()} != {ref_loss.item()}"
+    assert grads.keys() == ref_grads.keys()
+    differing = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
+    assert not differing, f"gradients differ: {differing}"
+
+
+@pytest.mark.parametrize("pattern, expected", CASES)
+def test_plain_schedule_graphs_the_table_pieces_bitwise(pg, pattern, expected):
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    _needs(pattern)
+    reference = _build(pattern, pg)
+    model = _build(pattern, pg, like=reference)
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    assert set(report.graphed) == expected
+
+    for seed in (0, 1):
+        _assert_same(_step(model, seed), _step(reference, seed))
+    # Every graphed piece replays, once per step; the instance captured in the first step is
+    # given back by its backward, so the second step captures nothing new.
+    assert stand_in.names(model, stand_in.replayed) == expected
+    assert sorted(stand_in.captured) == sorted(set(stand_in.captured))
+    assert len(stand_in.replayed) == 2 * len(expected)
+    assert all(g.replays == 2 and g.captures == 1 for g in report.graphed.values())
+
+
+def test_moe_dispatch_and_experts_stay_eager_with_reasons(pg):
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*E]", pg, moe_shared_expert_intermediate_size=64)
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    _step(model)
+    moe = "decoder.layers.0.layers.1.mlp"
+    assert f"{moe}.shared_experts" in report.graphed
+    assert set(report.eager) == {
+        f"{moe}.experts (experts)",
+        f"{moe} (dispatch_preprocess)",
+        f"{moe} (dispatch)",
+        f"{moe} (combine)",
+    }
+    assert "dynamic shapes" in report.eager[f"{moe}.experts (experts)"]
+    assert "all-to-all" in report.eager[f"{moe} (dispatch)"]
+    replayed = stand_in.names(model, stand_in.replayed)
+    assert not any(name.startswith(f"{moe}.experts") for name in replayed)
+    assert f"{moe}.router" in replayed
+
+
+def test_negative_control_a_wrong_graph_is_caught(pg):
+    """A graph whose output is off by 1e-3 relative must fail the bitwise comparison."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    reference = _build("[*E]", pg)
+    model = _build("[*E]", pg, like=reference)
+    enable_cuda_graphs(model, capture=StandIn(perturb=1.001))
+    with pytest.raises(AssertionError, match="loss"):
+        _assert_same(_step(model), _step(reference))
+
+
+def test_eval_and_no_grad_run_eager(pg):
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*-]", pg)
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    with torch.no_grad():
+        model(**model_inputs())
+    assert stand_in.captured == []
+    reasons = {r for g in report.graphed.values() for r in g.eager_calls}
+    assert reasons == {"no backward (eval or no_grad) would free a graph"}
+
+
+def test_default_capture_off_cuda_falls_back_eager_with_reason(pg):
+    """``hybrid_cuda_graphs=True`` on the CPU: the real capture refuses, the model runs eager."""
+    reference = _build("[*-]", pg)
+    torch.manual_seed(3)
+    pattern = "[*-]"
+    model = build_hybrid(small_config(pattern), pattern, pg, hybrid_cuda_graphs=True)
+    model.load_state_dict(reference.state_dict())
+    _assert_same(_step(model), _step(reference))
+    for graphed in model.hybrid_cuda_graphs.graphed.values():
+        assert graphed.disabled == "capture failed: inputs are not on a CUDA device"
+        assert graphed.captures == 0
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        pytest.param(dict(recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1), "recompute_granularity='full'", id="recompute"),
+        pytest.param(dict(cuda_graph_impl="local"), "cuda_graph_impl='local'",
+                     id="megatron-graphs"),
+    ],
+)  # fmt: skip
+def test_refuses_settings_it_cannot_capture(pg, changes, match):
+    from megatron_hybrid.schedule import check_cuda_graph_config
+
+    config = small_config("[*-]", **changes)
+    with pytest.raises(ValueError, match=match):
+        check_cuda_graph_config(config)
+
+
+def test_enabling_twice_is_refused_and_disable_restores(pg):
+    from megatron_hybrid.schedule import disable_cuda_graphs, enable_cuda_graphs
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    report = enable_cuda_graphs(model, capture=StandIn())
+    with pytest.raises(ValueError, match="graphed already"):
+        enable_cuda_graphs(model, capture=StandIn())
+    disable_cuda_graphs(report)
+    stand_in = StandIn()
+    enable_cuda_graphs(model, capture=stand_in)
+    _assert_same(_step(model), _step(reference))
+    assert stand_in.captured
+
+
+# ---- the EP-overlap plan on two gloo ranks ------------------------------------------------
+
+PLAN_CASES = {
+    "attention-moe-x2": dict(pattern="[*E]{2}"),
+    "gated-delta-net-moe": dict(pattern="[GE]{2}"),
+    # Local linears compute their weight gradients inside the (captured) backward; the slots'
+    # backward_dw calls then find nothing queued, graphed or not.
+    "delay-wgrad-compute": dict(pattern="[*E]{2}", overlap=dict(delay_wgrad_compute=True)),
+}
+
+
+def plan_worker(rank, world_size, cases):
+    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+
+    enable_cpu_emulation()
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.testing.overlap import compare_overlap
+
+    results = {}
+    for name, case in cases.items():
+        pattern = case["pattern"]
+        if "G" in pattern:
+            try:
+                import fla  # noqa: F401
+            except ImportError:
+                results[name] = None
+                continue
+        pg = initialize_model_parallel(ep=2, seed=5)
+        config = small_config(
+            pattern, expert_model_parallel_size=2, bf16=True, params_dtype=torch.bfloat16,
+            pipeline_dtype=torch.bfloat16,
+        )  # fmt: skip
+        runs, stand_ins = {}, {}
+        for graphed in (False, True):
+            stand_in = StandIn()
+
+            def build(run_config, graphed=graphed, stand_in=stand_in, pattern=pattern, pg=pg,
+                      stand_ins=stand_ins):  # fmt: skip
+                torch.manual_seed(3)
+                model = build_hybrid(run_config, pattern, pg)
+                if not graphed:
+                    stand_ins["weights"] = {
+                        k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in model.state_dict().items()
+                    }
+                else:
+                    model.load_state_dict(stand_ins["weights"])
+                    enable_cuda_graphs(model, capture=stand_in)
+                    stand_ins["model"] = model
+                return [Float16Module(run_config, model)]
+
+            runs[graphed] = compare_overlap(
+                build, config, steps=2, lr=1e-2, num_microbatches=4, schedules=("overlap",),
+                overlap_overrides=case.get("overlap"),
+            )["overlap"]  # fmt: skip
+            stand_ins[graphed] = stand_in
+        stand_in, model = stand_ins[True], stand_ins["model"]
+        results[name] = dict(
+            losses=(runs[False]["losses"], runs[True]["losses"]),
+            differing=[
+                n
+                for step, ref in zip(runs[True]["grads"], runs[False]["grads"], strict=True)
+                for n in ref
+                if not torch.equal(step[n], ref[n])
+            ],
+            captures=len(stand_in.captured),
+            replays=len(stand_in.replayed),
+            replayed=sorted(stand_in.names(model, stand_in.replayed)),
+        )
+    return results
+
+
+@pytest.fixture(scope="module")
+def plan_results():
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    return run_distributed(plan_worker, 2, PLAN_CASES, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_overlap_plan_replays_graphed_pieces_bitwise(plan_results, name):
+    layers = 2
+    for rank, results in enumerate(plan_results):
+        result = results[name]
+        if result is None:
+            pytest.skip("GatedDeltaNet needs fla")
+        plain, graphed = result["losses"]
+        assert plain == graphed, f"rank {rank}: losses {graphed} != {plain}"
+        assert result["differing"] == [], f"rank {rank}: gradients differ"
+        mixer = "self_attention"
+        expected = {
+            f"decoder.layers.{i}.layers.{j}"
+            for i in range(layers)
+            for j in (f"0.{mixer}", "1.mlp.router")
+        }
+        assert set(result["replayed"]) == expected, f"rank {rank}"
+        # 2 steps x 4 micro-batches, every piece once per micro-batch.
+        assert result["replays"] == 2 * 4 * len(expected)
+        # Graph instances are given back by backward: at most two micro-batches of one layer
+        # are in flight under combined 1F1B, so at most two captures per piece, not eight.
+        assert len(expected) <= result["captures"] <= 2 * len(expected), f"rank {rank}"
+
+
+def test_te_linears_with_delayed_wgrad_stay_eager():
+    """A piece holding a TransformerEngine linear under ``delay_wgrad_compute`` is not captured."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from megatron_hybrid.modules.layer_types.common import delayed_wgrad_reason
+
+    te_linear = type("Linear", (nn.Linear,), {"__module__": "transformer_engine.pytorch.module",
+                                              "backward_dw": lambda self: None})  # fmt: skip
+    piece = nn.Sequential(te_linear(4, 4))
+    for delay, expected in ((True, "delay_wgrad_compute with TransformerEngine"), (False, None)):
+        piece.config = SimpleNamespace(delay_wgrad_compute=delay)
+        reason = delayed_wgrad_reason(piece)
+        assert reason == expected if expected is None else expected in reason
+    local = nn.Sequential(nn.Linear(4, 4))
+    local.config = SimpleNamespace(delay_wgrad_compute=True)
+    assert delayed_wgrad_reason(local) is None
+
+
+def test_capture_runs_in_thread_local_mode(monkeypatch):
+    """``make_graphed_callables`` captures in ``thread_local`` mode (NCCL's watchdog thread)."""
+    from megatron_hybrid.schedule import graphs
+
+    seen = []
+
+    class FakeGraph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            seen.append(capture_error_mode)
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    with graphs._thread_local_capture():
+        torch.cuda.graph(None, pool=None)
+        torch.cuda.graph(None, capture_error_mode="relaxed")
+    torch.cuda.graph(None)
+    assert seen == ["thread_local", "relaxed", "global"]
+    assert torch.cuda.graph is FakeGraph
+
+
+def test_capture_restores_gradients_and_replays_the_fused_main_grad_flag(pg, monkeypatch):
+    """The warm-up's side effects are undone; the flag a fused wgrad sets is set on every replay.
+
+    A fake ``make_graphed_callables`` does what the real warm-up does to state: it adds a dummy
+    gradient to ``main_grad``, sets ``grad_added_to_main_grad`` on a fused linear's weight and
+    moves a buffer.
+    """
+    from megatron_hybrid.schedule import enable_cuda_graphs, graphs
+
+    model = _build("[*-]", pg)
+    mlp = model.decoder.layers[0].layers[1].mlp
+    params = list(mlp.parameters())
+    for param in params:
+        param.main_grad = torch.full_like(param, 0.5)
+        param.grad_added_to_main_grad = False
+    mlp.register_buffer("counter", torch.zeros(2))
+    fused = params[0]
+
+    def fake_make_graphed_callables(piece, sample_args, **kwargs):
+        out = piece(*sample_args)
+        torch.autograd.grad([o for o in out if o.requires_grad], list(piece.parameters()),
+                            [torch.ones_like(o) for o in out if o.requires_grad])  # fmt: skip
+        if piece.target is not mlp:  # the attention before it
+            return piece
+        for param in piece.parameters():
+            param.main_grad.add_(1.0)
+        fused.grad_added_to_main_grad = True
+        piece.target.counter.add_(1.0)
+        return piece
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    monkeypatch.setattr(graphs, "_on_cuda", lambda tensors: True)
+    report = enable_cuda_graphs(model)
+    for param in params:
+        param.grad_added_to_main_grad = False
+    model.zero_grad(set_to_none=True)
+    model(**model_inputs()).float().mean().backward()
+
+    graphed = report.graphed["decoder.layers.0.layers.1.mlp"]
+    assert graphed.captures == 1 and graphed.disabled is None
+    assert all(torch.equal(p.main_grad, torch.full_like(p, 0.5)) for p in params)
+    assert torch.equal(mlp.counter, torch.zeros(2))
+    (instance,) = next(iter(graphed.instances.values()))
+    assert instance.piece.fused_params == [fused] and not instance.busy
+    # Restored after capture, set again when gradient reached the replayed piece.
+    assert fused.grad_added_to_main_grad is True
+    assert all(p.grad_added_to_main_grad is False for p in params[1:])
+
+
+class StaticGradStandIn:
+    """A stand-in that hands out parameter gradients in persistent buffers, as a replayed
+    backward graph does (``torch.cuda.make_graphed_callables`` returns its static gradients)."""
+
+    def __call__(self, piece, sample_args):
+        params = [p for p in piece.parameters() if p.requires_grad]
+        static = [torch.zeros_like(p) for p in params]
+        count = len(sample_args)
+
+        class Static(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                with torch.enable_grad():
+                    ctx.leaves = [
+                        t.detach().requires_grad_(t.requires_grad) for t in inputs[:count]
+                    ]
+                    ctx.outs = piece(*ctx.leaves)
+                return tuple(o.detach() for o in ctx.outs)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                leaves = [t for t in ctx.leaves if t.requires_grad]
+                got = torch.autograd.grad(ctx.outs, leaves + params, grads, allow_unused=True)
+                by_leaf = dict(zip(map(id, leaves), got[: len(leaves)], strict=True))
+                for buffer, grad in zip(static, got[len(leaves) :], strict=True):
+                    buffer.copy_(grad)
+                return (*(by_leaf.get(id(t)) for t in ctx.leaves), *(b.detach() for b in static))
+
+        return lambda *tensors: Static.apply(*tensors, *params)
+
+
+def test_accumulated_gradients_never_alias_a_graphs_static_buffer(pg):
+    """Two micro-batches accumulate into ``.grad`` as eager ones do (autograd would otherwise
+    keep the first static buffer as ``.grad`` and the second backward would overwrite it)."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    enable_cuda_graphs(model, capture=StaticGradStandIn())
+    grads = []
+    for net in (model, reference):
+        net.zero_grad(set_to_none=True)
+        for seed in (0, 1):
+            net(**model_inputs(seed=seed)).float().mean().backward()
+        grads.append({n: p.grad for n, p in net.named_parameters()})
+    differing = [n for n in grads[1] if not torch.equal(grads[0][n], grads[1][n])]
+    assert not differing, f"accumulated gradients differ: {differing}"
+
+
+def test_attention_dropout_keeps_attention_eager(pg):
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*-]", pg, attention_dropout=0.1)
+    report = enable_cuda_graphs(model, capture=StandIn())
+    assert set(report.graphed) == {"decoder.layers.0.layers.1.mlp"}
+    reason = report.eager["decoder.layers.0.layers.0.self_attention (mixer)"]
+    assert "attention_dropout=0" in reason
