@@ -152,7 +152,7 @@ def main() -> None:
     if args.warmup < 1:
         parser.error(f"--warmup must be at least 1 (graphs are captured then), got {args.warmup}")
 
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
 
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl")

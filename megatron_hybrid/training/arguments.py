@@ -203,6 +203,14 @@ FLAGS: tuple[Flag, ...] = (
         action="store_true",
         help="delay weight-gradient computation (with EP overlap)",
     ),
+    _flag(
+        "--hybrid-cuda-graphs",
+        _PARALLEL,
+        action="store_true",
+        help="replay each layer's compute pieces (token mixers, dense MLP, router, shared "
+        "experts) as CUDA graphs, in the plain and the EP-overlap schedule (GPUs; "
+        "docs/ep_overlap.md)",
+    ),
     _flag("--num-experts", _MOE, type=int, default=None, help="experts per MoE layer"),
     _flag("--moe-router-topk", _MOE, type=int, default=2, help="experts per token"),
     _flag(

@@ -143,6 +143,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        hybrid_cuda_graphs=getattr(args, "hybrid_cuda_graphs", False),
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,

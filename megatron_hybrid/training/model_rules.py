@@ -152,6 +152,19 @@ def _transformer_engine(s: Settings) -> str | None:
     return None
 
 
+def _cuda_graphs(s: Settings) -> str | None:
+    if not getattr(s.args, "hybrid_cuda_graphs", False):
+        return None
+    if not s.on_gpu:
+        return "--hybrid-cuda-graphs captures CUDA graphs, which need GPUs; drop it on a CPU"
+    if getattr(s.args, "recompute_granularity", None):
+        return (
+            "--hybrid-cuda-graphs cannot replay forwards that recompute re-runs in backward: "
+            "drop --recompute-granularity or --hybrid-cuda-graphs"
+        )
+    return None
+
+
 #: Model rules, in the order they are checked.
 MODEL_RULES: tuple[Rule, ...] = (
     rule("model", "--num-experts", _moe_needs_experts),
@@ -171,5 +184,6 @@ DEVICE_RULES: tuple[Rule, ...] = (
     rule("device", "--hybrid-layer-pattern", _gdn_kernels),
     rule("device", "--hybrid-layer-pattern", _mamba),
     rule("device", "--transformer-impl", _transformer_engine),
+    rule("device", "--hybrid-cuda-graphs", _cuda_graphs),
     rule("device", "--hybrid-layer-pattern --transformer-impl", _mla),
 )

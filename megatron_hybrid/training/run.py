@@ -266,6 +266,7 @@ def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) 
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
+        hybrid_cuda_graphs=args.hybrid_cuda_graphs,
         **({} if source is None else hf_model_kwargs(source)),
     )
     if source is not None:

@@ -85,7 +85,7 @@ def test_graphed_matches_eager(world, pattern):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.schedule import enable_cuda_graphs
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid
 
     rank, world_size, device = world
@@ -134,7 +134,7 @@ def test_overlap_plan_graphed_matches_ungraphed(world, pattern):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.schedule import enable_cuda_graphs
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid
     from megatron_hybrid.testing.overlap import compare_overlap
 

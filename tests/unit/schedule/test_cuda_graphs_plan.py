@@ -227,13 +227,13 @@ PLAN_CASES = {
 
 
 def plan_worker(rank, world_size, cases):
-    from megatron_hybrid.testing.cpu import enable_cpu_emulation
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.schedule import enable_cuda_graphs
-    from megatron_hybrid.testing.megatron_state import initialize_model_parallel
+    from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.overlap import compare_overlap
 
     results = {}

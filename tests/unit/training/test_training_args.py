@@ -10,7 +10,8 @@ import pytest
 HYBRID_FLAGS = [
     "--bf16", "--clip-grad", "--context-parallel-size", "--delay-wgrad-compute",
     "--disable-bias-linear", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-    "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-layer-pattern",
+    "--ffn-hidden-size", "--global-batch-size", "--hidden-size", "--hybrid-cuda-graphs",
+    "--hybrid-layer-pattern",
     "--kv-channels", "--kv-lora-rank", "--load", "--load-hf", "--lr", "--mamba-head-dim",
     "--mamba-impl", "--mamba-num-groups", "--mamba-num-heads", "--mamba-state-dim",
     "--max-position-embeddings", "--micro-batch-size", "--moe-aux-loss-coeff",

@@ -497,3 +497,24 @@ def test_only_rank_zero_prints_settings_errors(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert main(argv) == 2
     assert "error: --clip-grad -1.0 must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "on_gpu", "match"),
+    [
+        pytest.param([], False, r"--hybrid-cuda-graphs captures CUDA graphs, which need GPUs",
+                     id="cpu"),  # fmt: skip
+        pytest.param(
+            ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"],  # fmt: skip
+            True,
+            r"cannot replay forwards that recompute re-runs",
+            id="recompute",
+        ),
+    ],
+)
+def test_cuda_graphs_refused_where_they_cannot_run(extra, on_gpu, match):
+    from megatron_hybrid.training.validation import SettingsError
+
+    with pytest.raises(SettingsError, match=match):
+        _validate(BASE + ["--hybrid-cuda-graphs", *extra], on_gpu=on_gpu)
