@@ -502,11 +502,18 @@ def test_only_rank_zero_prints_settings_errors(monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("extra", "on_gpu", "match"),
     [
-        pytest.param([], False, r"--hybrid-cuda-graphs captures CUDA graphs, which need GPUs",
-                     id="cpu"),  # fmt: skip
         pytest.param(
-            ["--recompute-granularity", "full", "--recompute-method", "uniform",
-             "--recompute-num-layers", "1"],  # fmt: skip
+            [], False, r"--hybrid-cuda-graphs captures CUDA graphs, which need GPUs", id="cpu"
+        ),
+        pytest.param(
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
             True,
             r"cannot replay forwards that recompute re-runs",
             id="recompute",
