@@ -84,8 +84,8 @@ def _worst(actual, reference) -> dict[str, float]:
 def test_graphed_matches_eager(world, pattern):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.testing.models import build_hybrid
 
     rank, world_size, device = world
@@ -133,8 +133,8 @@ def test_graphed_matches_eager(world, pattern):
 def test_overlap_plan_graphed_matches_ungraphed(world, pattern):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.testing.models import build_hybrid
     from megatron_hybrid.testing.overlap import compare_overlap
 

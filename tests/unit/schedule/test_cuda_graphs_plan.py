@@ -232,8 +232,8 @@ def plan_worker(rank, world_size, cases):
     enable_cpu_emulation()
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.schedule import enable_cuda_graphs
     from megatron_hybrid.testing.overlap import compare_overlap
 
     results = {}
