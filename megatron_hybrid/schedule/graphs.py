@@ -130,6 +130,33 @@ def _thread_local_capture() -> Iterator[None]:
         torch.cuda.graph = original
 
 
+@contextlib.contextmanager
+def _rng_forks_suspended() -> Iterator[None]:
+    """Make megatron's RNG-tracker forks no-ops while a piece is captured.
+
+    megatron-core forks its CUDA RNG tracker around every dropout call, dropout 0 included
+    (``transformer/dot_product_attention.py``), and a tracker that is not graph-safe re-seeds
+    the CUDA generator there, which stream capture refuses ("set_current_seed can be called
+    during stream capture only if new seed is the same", seen on one H100 with torch 2.11).
+    Graphed pieces draw no random numbers (pieces with dropout stay eager), so the fork changes
+    nothing they compute; a graph-safe tracker is left alone.
+    """
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        is_graph_safe_cuda_rng_tracker,
+    )
+
+    tracker = get_cuda_rng_tracker()
+    suspend = not is_graph_safe_cuda_rng_tracker(tracker)
+    if suspend:
+        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        if suspend:
+            del tracker.fork  # the class's method again
+
+
 def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
     for param in module.parameters():
         for attribute in ("main_grad", "grad"):
@@ -162,7 +189,7 @@ def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = False
     try:
-        with _thread_local_capture():
+        with _thread_local_capture(), _rng_forks_suspended():
             graphed = torch.cuda.make_graphed_callables(
                 piece, sample_args, num_warmup_iters=3, allow_unused_input=True
             )
