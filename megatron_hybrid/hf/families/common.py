@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_hybrid.hf.config import ConfigReader
 from megatron_hybrid.hf.plan import PlanBuilder
 
-__all__ = ["gated_mlp", "qkv_interleave", "rope_fields", "routed_experts"]
+__all__ = ["gated_mlp", "qkv_interleave", "rope_fields", "routed_experts", "sigmoid_router"]
 
 
 def rope_fields(reader: ConfigReader, allowed_types=("default",)) -> dict:
@@ -94,3 +94,25 @@ def qkv_interleave(
         for name in (k, v):
             b.gather(key, name, range(g * head_dim, (g + 1) * head_dim), start)
             start += head_dim
+
+
+def sigmoid_router(reader: ConfigReader) -> dict:
+    """``TransformerConfig`` fields of DeepSeek-V3's router (also Nemotron-H's).
+
+    Sigmoid scores, top-k chosen on ``scores + e_score_correction_bias`` (an fp32 expert bias)
+    within the ``topk_group`` best of ``n_group`` groups, renormalised and scaled by
+    ``routed_scaling_factor``; no auxiliary loss (the bias balances the load).
+    """
+    groups = reader.get("n_group")
+    grouped = bool(groups) and int(groups) > 1
+    top_groups = reader.get("topk_group")
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=int(groups) if grouped else None,
+        moe_router_group_topk=int(top_groups) if grouped else None,
+        moe_router_topk_scaling_factor=float(reader.get("routed_scaling_factor", 1.0) or 1.0),
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+    )

@@ -29,7 +29,12 @@ from megatron_hybrid.hf.config import (
     dtype_name,
     register_family,
 )
-from megatron_hybrid.hf.families.common import gated_mlp, rope_fields, routed_experts
+from megatron_hybrid.hf.families.common import (
+    gated_mlp,
+    rope_fields,
+    routed_experts,
+    sigmoid_router,
+)
 from megatron_hybrid.hf.plan import PlanBuilder
 from megatron_hybrid.pattern import parse_pattern
 
@@ -101,7 +106,6 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
         r.unsupported.append(("num_key_value_heads", "MLA has one key/value head per query head"))
     experts = int(r.require("n_routed_experts"))
     shared = int(r.get("n_shared_experts", 0) or 0)
-    groups = r.get("n_group")
     kwargs = dict(
         num_layers=pattern.physical_layer_count,
         mtp_num_layers=depths or None,
@@ -129,16 +133,8 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
         moe_shared_expert_intermediate_size=(
             int(r.config["moe_intermediate_size"]) * shared if shared else None
         ),
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=int(groups) if groups and int(groups) > 1 else None,
-        moe_router_group_topk=int(r.get("topk_group")) if groups and int(groups) > 1 else None,
-        moe_router_topk_scaling_factor=float(r.get("routed_scaling_factor", 1.0) or 1.0),
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0,
+        **sigmoid_router(r),
     )
-    r.get("topk_group")
     # Derived fields transformers writes: check them instead of ignoring them.
     nope, rope_dim = kwargs["qk_head_dim"], kwargs["qk_pos_emb_head_dim"]
     r.expect("qk_head_dim", [nope + rope_dim, None], nope + rope_dim)

@@ -39,7 +39,7 @@ from megatron_hybrid.hf.config import (
     dtype_name,
     register_family,
 )
-from megatron_hybrid.hf.families.common import qkv_interleave, routed_experts
+from megatron_hybrid.hf.families.common import qkv_interleave, routed_experts, sigmoid_router
 from megatron_hybrid.hf.plan import PlanBuilder
 from megatron_hybrid.pattern import parse_pattern
 
@@ -158,7 +158,6 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
     r.expect("conv_kernel", [4], 4, " (megatron_hybrid builds Mamba with a width-4 conv)")
     hidden = int(r.require("hidden_size"))
     heads = int(r.require("num_attention_heads"))
-    groups = r.get("n_group")
     eps = float(r.get("layer_norm_epsilon", 1e-5))
     time_step_min = float(r.get("time_step_min", 0.001))
     kwargs = dict(
@@ -190,14 +189,7 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
             moe_shared_expert_intermediate_size=int(
                 r.require("moe_shared_expert_intermediate_size")
             ),
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_num_groups=int(groups) if groups and int(groups) > 1 else None,
-            moe_router_group_topk=int(r.get("topk_group")) if groups and int(groups) > 1 else None,
-            moe_router_topk_scaling_factor=float(r.get("routed_scaling_factor", 1.0) or 1.0),
-            moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall",
-            moe_aux_loss_coeff=0.0,
+            **sigmoid_router(r),
         )
     else:
         for name in (
@@ -206,9 +198,10 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
             "moe_intermediate_size",
             "moe_shared_expert_intermediate_size",
             "routed_scaling_factor",
+            "n_group",
+            "topk_group",
         ):
             r.get(name)
-    r.get("topk_group")
     if "M" in pattern.pattern and eps != MEGATRON_MAMBA_NORM_EPS:
         notes.append(
             f"layer_norm_epsilon {eps:g} is also Mamba's gated-norm epsilon in transformers; the "
