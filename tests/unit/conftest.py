@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# The unit suite computes on the CPU (gloo ranks, megatron-core's CUDA calls emulated). GPUs are
+# hidden before any test module is imported: fla probes the device when it is imported, and a
+# process that has initialised CUDA cannot be emulated, so without this the model tests would
+# skip on a machine with GPUs instead of running. Spawned ranks inherit the setting.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 @pytest.fixture(scope="session")
 def megatron_cpu():

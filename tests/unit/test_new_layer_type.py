@@ -361,8 +361,6 @@ def overlap_worker(rank, world_size, pattern):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_runs_in_the_ep_overlap_schedule():
-    if torch.cuda.is_available():
-        pytest.skip("CPU-emulation tests run on CPU-only machines")
     from megatron_hybrid.testing.spawn import run_distributed
 
     ranks = run_distributed(overlap_worker, 2, "[CE]{2}", timeout=600)
