@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hybrid.checkpointing.equivalence import is_gpt_equivalent_group, uniform_gpt_layers
+from megatron_hybrid.checks import check_int
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
 
 __all__ = [
@@ -67,8 +68,7 @@ class LayerKey:
 
 
 def _check_index(name: str, value: int, stop: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    value = check_int(name, value, 0)
     if stop is not None and value >= stop:
         raise ValueError(f"{name} ({value}) must be < {stop}")
 

@@ -57,9 +57,9 @@ def test_mtp_prefix():
     ("call", "match"),
     [
         (lambda: decoder_layer_prefix("[*E]{2}", 2), r"logical_index \(2\) must be < 2"),
-        (lambda: decoder_layer_prefix("[*E]{2}", -1), "logical_index must be an int >= 0"),
-        (lambda: mtp_layer_prefix(-1, 0), "depth must be an int >= 0"),
-        (lambda: mtp_layer_prefix(0, True), "index must be an int >= 0"),
+        (lambda: decoder_layer_prefix("[*E]{2}", -1), "logical_index must be an integer >= 0"),
+        (lambda: mtp_layer_prefix(-1, 0), "depth must be an integer >= 0"),
+        (lambda: mtp_layer_prefix(0, True), "index must be an integer >= 0"),
     ],
     ids=["past-end", "negative", "negative-depth", "bool-index"],
 )
