@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from ep_overlap import _batches, _config, _profile_step
+from ep_overlap import add_shape_args, bench_config, profile_step, synthetic_batches
 
 VARIANTS = ("eager", "graphed")
 
@@ -38,7 +38,7 @@ def _build(args, pg, graphed: bool):
     from megatron_hybrid.testing.models import build_hybrid
 
     pattern = f"[GE]{{{args.layers}}}"
-    config = _config(args, pattern, overlap=False, ep=1)
+    config = bench_config(args, pattern, overlap=False, ep=1)
     torch.manual_seed(1234)
     model = build_hybrid(config, pattern, pg, vocab_size=args.vocab, max_sequence_length=args.seq,
                          hybrid_cuda_graphs=graphed).cuda()  # fmt: skip
@@ -50,7 +50,7 @@ def measure(args, pg, variant: str) -> dict:
     from megatron_hybrid.testing.overlap import run_schedule
 
     model, config, graphs = _build(args, pg, variant == "graphed")
-    batches = _batches(args, args.microbatches)
+    batches = synthetic_batches(args, args.microbatches)
 
     def step():
         run_schedule([model], batches, config, seq_length=args.seq, micro_batch_size=args.mbs)
@@ -65,7 +65,7 @@ def measure(args, pg, variant: str) -> dict:
         if index >= args.warmup:
             times.append(time.perf_counter() - began)
     model.zero_grad(set_to_none=True)
-    profile = _profile_step(step, Path(args.out), f"cuda_graphs_{variant}")
+    profile = profile_step(step, Path(args.out), f"cuda_graphs_{variant}")
     per = args.layers * args.microbatches
     window = profile["window_ms"]
     result = {
@@ -129,16 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("--expert-hidden", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--mbs", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32768)
+    add_shape_args(parser)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(

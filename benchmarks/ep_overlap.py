@@ -54,7 +54,7 @@ VARIANTS = (
 )  # fmt: skip
 
 
-def _config(args, pattern: str, overlap: bool, ep: int):
+def bench_config(args, pattern: str, overlap: bool, ep: int):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_hybrid.pattern import parse_pattern
@@ -110,7 +110,7 @@ def _build(variant: str, args, pg, ep: int):
         "ge": f"[GE]{{{layers}}}",
     }[variant.split("_")[0]]
     overlap = variant.endswith("overlap")
-    config = _config(args, pattern, overlap, ep)
+    config = bench_config(args, pattern, overlap, ep)
     builder = build_gpt_twin if variant.startswith("gpt") else build_hybrid
     torch.manual_seed(1234)
     model = builder(config, pattern, pg, vocab_size=args.vocab,
@@ -118,7 +118,7 @@ def _build(variant: str, args, pg, ep: int):
     return Float16Module(config, model), config
 
 
-def _batches(args, count: int):
+def synthetic_batches(args, count: int):
     generator = torch.Generator().manual_seed(7)
     out = []
     for _ in range(count):
@@ -131,7 +131,7 @@ def _batches(args, count: int):
     return out
 
 
-def _profile_step(step, out: Path, name: str) -> dict:
+def profile_step(step, out: Path, name: str) -> dict:
     """One step under torch.profiler: its summary, and rank 0's trace written to ``out``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -155,7 +155,7 @@ def measure(variant: str, args, pg, ep: int, profile_as: str | None = None) -> d
     from megatron_hybrid.testing.overlap import run_schedule
 
     model, config = _build(variant, args, pg, ep)
-    chunks, batches = [model], _batches(args, args.microbatches)
+    chunks, batches = [model], synthetic_batches(args, args.microbatches)
 
     def step():
         run_schedule(chunks, batches, config, seq_length=args.seq, micro_batch_size=args.mbs)
@@ -181,7 +181,7 @@ def measure(variant: str, args, pg, ep: int, profile_as: str | None = None) -> d
     if profile_as is not None:
         model.zero_grad(set_to_none=True)
         torch.distributed.barrier()
-        profiled = _profile_step(step, Path(args.out), profile_as)
+        profiled = profile_step(step, Path(args.out), profile_as)
     # The slowest rank decides the step; take each step's max over ranks.
     t = torch.tensor(times, device=DEVICE)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -384,11 +384,9 @@ def _write(args, ep: int, results: dict, commands: list[str]) -> None:
     write_outputs(Path(args.out), f"ep_overlap_{args.label}_{ep}gpu", meta, results, ratios)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--label", required=True, help="network setting, e.g. nvlink, no-p2p")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The model and batch shape flags (shared with ``cuda_graphs.py``, which measures the same
+    shapes)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -399,6 +397,14 @@ def main() -> None:
     parser.add_argument("--mbs", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32768)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--label", required=True, help="network setting, e.g. nvlink, no-p2p")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    add_shape_args(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument(

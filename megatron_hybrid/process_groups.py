@@ -37,8 +37,9 @@ def init_single_process_world(backend: str = "gloo") -> None:
 
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # A fresh port, as init_world picks one: a rendezvous address inherited from a parent process
+    # (a test runner, a launcher) may be held by that parent.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group(backend, rank=0, world_size=1)
 
 

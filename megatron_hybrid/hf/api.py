@@ -159,10 +159,12 @@ def stack_spec_for(conversion: HFConversion, backend: str, config, mamba_impl: s
     """
     from megatron_hybrid.modules import hybrid_stack_spec
     from megatron_hybrid.modules.mamba_torch import with_mixer_params
+    from megatron_hybrid.pattern import MAMBA
 
     base_spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
     spec = with_mixer_params(base_spec, conversion.mamba_mixer_params)
-    if spec is base_spec and conversion.mamba_mixer_params and "M" in conversion.pattern.pattern:
+    uses_mamba = conversion.pattern.layer_counts.get(MAMBA)
+    if spec is base_spec and conversion.mamba_mixer_params and uses_mamba:
         differ = [note for note in conversion.notes if "MambaMixer" in note]
         if differ:
             warnings.warn("; ".join(differ), stacklevel=3)

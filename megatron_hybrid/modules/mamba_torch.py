@@ -42,12 +42,17 @@ from megatron_hybrid.modules.ssd import causal_conv1d, gated_rms_norm, ssd_chunk
 
 __all__ = [
     "MAMBA_IMPLS",
+    "MEGATRON_GATED_NORM_EPS",
     "GatedRMSNorm",
     "TorchMambaMixer",
     "mamba_kernels_available",
     "resolve_mamba_impl",
     "with_mixer_params",
 ]
+
+#: The gated norm's epsilon megatron-core's MambaMixer hard-codes (megatron-core 0.19.2,
+#: ``ssm/mamba_mixer.py``); this class's default.
+MEGATRON_GATED_NORM_EPS = 1e-5
 
 #: Values of ``hybrid_stack_spec(mamba_impl=...)`` and ``train --mamba-impl``.
 MAMBA_IMPLS = ("auto", "torch", "kernels")
@@ -179,7 +184,7 @@ class TorchMambaMixer(MegatronModule):
         conv_bias: bool = True,
         chunk_size: int = 128,
         dt_limit: tuple[float, float] = (0.0, math.inf),
-        norm_eps: float = 1e-5,
+        norm_eps: float = MEGATRON_GATED_NORM_EPS,
         layer_number: int | None = None,
         pg_collection=None,
         pp_layer_offset: int = 0,
@@ -440,7 +445,11 @@ def with_mixer_params(stack_spec, params: dict):
     """
     import dataclasses
 
-    layer = getattr(stack_spec.submodules, "mamba_layer", None)
+    from megatron_hybrid.modules.registry import layer_runtime
+    from megatron_hybrid.pattern import MAMBA
+
+    field = layer_runtime(MAMBA).spec_field
+    layer = getattr(stack_spec.submodules, field, None)
     if not params or layer is None or layer.submodules.mixer.module is not TorchMambaMixer:
         return stack_spec
     mixer = layer.submodules.mixer
@@ -448,7 +457,7 @@ def with_mixer_params(stack_spec, params: dict):
     layer = dataclasses.replace(
         layer, submodules=dataclasses.replace(layer.submodules, mixer=mixer)
     )
-    submodules = dataclasses.replace(stack_spec.submodules, mamba_layer=layer)
+    submodules = dataclasses.replace(stack_spec.submodules, **{field: layer})
     return dataclasses.replace(stack_spec, submodules=submodules)
 
 

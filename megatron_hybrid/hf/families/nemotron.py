@@ -41,9 +41,10 @@ from megatron_hybrid.hf.config import (
 )
 from megatron_hybrid.hf.families.common import qkv_interleave, routed_experts, sigmoid_router
 from megatron_hybrid.hf.plan import PlanBuilder
-from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.modules.mamba_torch import MEGATRON_GATED_NORM_EPS
+from megatron_hybrid.pattern import MAMBA, MOE, parse_pattern
 
-__all__ = ["NEMOTRON_H", "mamba_mixer_params"]
+__all__ = ["NEMOTRON_H"]
 
 #: HF block type -> pattern symbol (transformers' own ``_list_to_pattern`` table).
 _SYMBOL = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}
@@ -81,9 +82,6 @@ _IGNORED = (
     "expand",
     "num_hidden_layers",
 )
-#: megatron-core's MambaMixer hard-codes its gated norm's epsilon (megatron-core 0.19.2,
-#: ``ssm/mamba_mixer.py``).
-MEGATRON_MAMBA_NORM_EPS = 1e-5
 
 
 def _block_types(r: ConfigReader) -> list[str]:
@@ -181,7 +179,7 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
         mamba_num_groups=int(r.require("n_groups")),
         mamba_num_heads=int(r.require("mamba_num_heads")),
     )
-    if "E" in pattern.pattern:
+    if pattern.layer_counts.get(MOE):
         kwargs.update(
             num_moe_experts=int(r.require("n_routed_experts")),
             moe_router_topk=int(r.require("num_experts_per_tok")),
@@ -202,13 +200,13 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
             "topk_group",
         ):
             r.get(name)
-    if "M" in pattern.pattern and eps != MEGATRON_MAMBA_NORM_EPS:
+    if pattern.layer_counts.get(MAMBA) and eps != MEGATRON_GATED_NORM_EPS:
         notes.append(
             f"layer_norm_epsilon {eps:g} is also Mamba's gated-norm epsilon in transformers; the "
             "torch Mamba2 path uses it, megatron-core's MambaMixer (mamba_impl='kernels') "
-            f"hard-codes {MEGATRON_MAMBA_NORM_EPS:g}"
+            f"hard-codes {MEGATRON_GATED_NORM_EPS:g}"
         )
-    if "M" in pattern.pattern and time_step_min > 0:
+    if pattern.layer_counts.get(MAMBA) and time_step_min > 0:
         notes.append(
             f"transformers clamps Mamba's step size from below at time_step_min "
             f"({time_step_min:g}); the torch Mamba2 path does too, megatron-core's MambaMixer "
@@ -234,11 +232,6 @@ def _to_megatron(hf: dict, *, mtp=None, has_tensor=None) -> HFConversion:
         notes=notes,
         mamba_mixer_params=dict(dt_limit=(time_step_min, float("inf")), norm_eps=eps),
     )
-
-
-def mamba_mixer_params(conversion: HFConversion) -> dict:
-    """Torch Mamba2 mixer arguments that reproduce transformers' Mamba numerics."""
-    return dict(conversion.mamba_mixer_params)
 
 
 def _norm(b: PlanBuilder, p: str, h: str, *suffixes: str) -> None:

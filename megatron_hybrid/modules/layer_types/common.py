@@ -13,10 +13,17 @@ from typing import Any
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
-from megatron_hybrid.modules.registry import GraphPiece, LayerBuildArgs, LayerInputs
+from megatron_hybrid.modules.registry import (
+    GraphPiece,
+    LayerBuildArgs,
+    LayerInputs,
+    LayerRuntime,
+    ScheduleRole,
+)
 
 __all__ = [
     "ModuleBackwardDW",
+    "attention_half_runtime",
     "build_transformer_layer",
     "delayed_wgrad_reason",
     "mixer_graph_pieces",
@@ -163,3 +170,30 @@ def mixer_graph_pieces(
         return {"mixer": GraphPiece(mixer, reason)}
 
     return pieces
+
+
+def attention_half_runtime(
+    symbol: str, spec_field: str, *, attention: bool = True, unverified: str | None = None
+) -> LayerRuntime:
+    """The runtime of a type that is the attention half of a ``TransformerLayer``.
+
+    ``*``, ``D``, ``+`` and ``G`` differ only in their symbol, spec field, whether the layer
+    takes the attention-only constructor arguments, and whether their mixer is verified under
+    CUDA graph capture.
+
+    Args:
+        symbol: the pattern symbol.
+        spec_field: the ``HybridStackSubmodules`` field holding the layer spec.
+        attention: pass ``TransformerLayer``'s attention-only arguments (False for GDN).
+        unverified: if given, the mixer is not graphed, for this reason.
+    """
+    return LayerRuntime(
+        symbol=symbol,
+        spec_field=spec_field,
+        build=build_transformer_layer(attention=attention),
+        forward=forward_transformer_layer,
+        schedule_role=ScheduleRole.PRE_LAYER,
+        run_pre_dispatch=run_attention_half,
+        backward_dw=pre_layer_backward_dw,
+        graph_pieces=mixer_graph_pieces("self_attention", unverified=unverified),
+    )
