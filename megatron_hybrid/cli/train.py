@@ -66,11 +66,19 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
         raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
+    rank = 0
     try:
         summary = run_training(args, backend=select_backend())
     except CheckpointExistsError as error:  # an OSError: main() would print a traceback
         raise CommandError(str(error)) from None
-    if torch.distributed.get_rank() == 0:
+    finally:
+        # Also when a check refuses the run after the world started: a process group left to
+        # the interpreter's exit can abort it ("terminate called without an active exception")
+        # instead of exiting with the error's code.
+        if torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+            torch.distributed.destroy_process_group()
+    if rank == 0:
         losses = summary.losses
         first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         saved = f" | saved {summary.saved}" if summary.saved else ""
@@ -79,7 +87,6 @@ def _run(args: argparse.Namespace) -> int:
             f"loss {first:.4f} -> {last:.4f} | {summary.tokens_per_second:,.0f} tok/s{saved}",
             flush=True,
         )
-    torch.distributed.destroy_process_group()
     return 0
 
 
