@@ -66,18 +66,21 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
         raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
-    rank = 0
+    started_world = not torch.distributed.is_initialized()
     try:
-        summary = run_training(args, backend=select_backend())
-    except CheckpointExistsError as error:  # an OSError: main() would print a traceback
-        raise CommandError(str(error)) from None
-    finally:
-        # Also when a check refuses the run after the world started: a process group left to
-        # the interpreter's exit can abort it ("terminate called without an active exception")
-        # instead of exiting with the error's code.
-        if torch.distributed.is_initialized():
-            rank = torch.distributed.get_rank()
+        try:
+            summary = run_training(args, backend=select_backend())
+        except CheckpointExistsError as error:  # an OSError: main() would print a traceback
+            raise CommandError(str(error)) from None
+    except BaseException:
+        # A check that refuses the run after this command started the world: a process group
+        # left to the interpreter's exit can abort it ("terminate called without an active
+        # exception") instead of exiting with the error's code. A caller's world stays.
+        if started_world and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        raise
+    rank = torch.distributed.get_rank()
+    torch.distributed.destroy_process_group()
     if rank == 0:
         losses = summary.losses
         first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
