@@ -186,7 +186,7 @@ def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_hybrid.modules.attention import MLACoreAttention
+    from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
     from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 
     norm = local_norm_impl()
@@ -202,8 +202,10 @@ def _local_layers(opts: _SpecOptions) -> dict:
         for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
             if getattr(attention, name, None) is WrappedTorchNorm:
                 setattr(attention, name, norm)
-        if kwargs.get("multi_latent_attention"):
-            attention.core_attention = MLACoreAttention
+        # megatron-core's local DotProductAttention refuses packed (THD) batches and MLA's two
+        # head sizes; the package's local core attention takes both.
+        multi_latent = kwargs.get("multi_latent_attention")
+        attention.core_attention = MLACoreAttention if multi_latent else LocalCoreAttention
         return sub
 
     layers = _gpt_derived_layers(gpt_submodules, opts)
