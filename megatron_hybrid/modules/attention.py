@@ -56,13 +56,13 @@ def thd_segments(packed_seq_params, total: int) -> list[tuple[int, int]]:
             f"packed_seq_params describe {starts[-1]} positions in {len(lengths)} sequences, "
             f"but the packed row holds {total}; build them with the plan that packed the row"
         )
-    slots = [b - a for a, b in zip(starts, starts[1:])]
-    if any(n < 0 or n > slot for n, slot in zip(lengths, slots)):
+    slots = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    if any(n < 0 or n > slot for n, slot in zip(lengths, slots, strict=True)):
         raise ValueError(
             f"a packed sequence is longer than its slot: real lengths {lengths}, slots {slots} "
             "(cu_seqlens_q vs cu_seqlens_q_padded)"
         )
-    return list(zip(starts[:-1], lengths))
+    return list(zip(starts[:-1], lengths, strict=True))
 
 
 class LocalCoreAttention(DotProductAttention):
@@ -111,13 +111,17 @@ class LocalCoreAttention(DotProductAttention):
                 continue
             window = slice(start, start + length)
             # One sequence as a [L, 1, np, hn] batch: exactly the computation it gets alone.
-            out[window] = super().forward(
-                query[window].unsqueeze(1),
-                key[window].unsqueeze(1),
-                value[window].unsqueeze(1),
-                None,
-                attention_bias=attention_bias,
-            ).squeeze(1)
+            out[window] = (
+                super()
+                .forward(
+                    query[window].unsqueeze(1),
+                    key[window].unsqueeze(1),
+                    value[window].unsqueeze(1),
+                    None,
+                    attention_bias=attention_bias,
+                )
+                .squeeze(1)
+            )
         return out
 
 

@@ -23,11 +23,11 @@ megatron calls fla itself, with the same ``cu_seqlens``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch.nn.functional import conv1d, pad, silu
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "install", "l2norm", "sequence_spans"]
 
-_ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+_ACTIVATIONS = {None: lambda x: x, "silu": silu, "swish": silu}
 
 
 def sequence_spans(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[int, int]]:
@@ -39,12 +39,13 @@ def sequence_spans(cu_seqlens: torch.Tensor | None, total: int) -> list[tuple[in
     if cu_seqlens is None:
         return [(0, total)]
     bounds = [int(b) for b in cu_seqlens.tolist()]
-    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+    steps = zip(bounds, bounds[1:], strict=False)
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in steps):
         raise ValueError(
             f"cu_seqlens must rise from 0 to the packed length {total}, got {bounds[:8]}"
             f"{' ...' if len(bounds) > 8 else ''}"
         )
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _refuse_packed_batch(x: torch.Tensor, cu_seqlens, name: str) -> None:
@@ -113,8 +114,8 @@ def causal_conv1d(
     pieces = []
     for start, end in sequence_spans(cu_seqlens, x.shape[1]):
         # Left padding only: step t sees its own sequence's x[t - W + 1 .. t] and nothing else.
-        segment = F.pad(x[:, start:end].transpose(1, 2), (width - 1, 0))
-        pieces.append(F.conv1d(segment, filters, bias, groups=channels))
+        segment = pad(x[:, start:end].transpose(1, 2), (width - 1, 0))
+        pieces.append(conv1d(segment, filters, bias, groups=channels))
     y = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
     return _ACTIVATIONS[activation](y).transpose(1, 2), None
 
