@@ -21,6 +21,7 @@ from functools import partial
 
 import torch
 
+from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
 from megatron_hybrid.logprobs.batches import (
     MicroBatch,
     build_micro_batch,
@@ -29,10 +30,7 @@ from megatron_hybrid.logprobs.batches import (
 )
 from megatron_hybrid.logprobs.vocab import check_temperature, token_entropy, token_logprobs
 
-__all__ = ["DEFAULT_MAX_TOKENS", "forward_logprobs"]
-
-#: Tokens per micro-batch when the caller does not say (after alignment padding).
-DEFAULT_MAX_TOKENS = 8192
+__all__ = ["forward_logprobs"]
 
 
 def _chunks(model) -> list:
