@@ -82,7 +82,12 @@ def pack_with_gaps(sequences: Sequence[torch.Tensor], *, tp: int = 1, chunk: int
 
 
 def packing_errors(
-    model, sequences: Sequence[torch.Tensor], packed=None, *, packed_position_ids=None
+    model,
+    sequences: Sequence[torch.Tensor],
+    packed=None,
+    *,
+    packed_position_ids=None,
+    align: int = 1,
 ) -> list[float]:
     """Max abs difference per sequence between its packed logits and its logits alone.
 
@@ -93,6 +98,8 @@ def packing_errors(
             :func:`pack_with_gaps`).
         packed_position_ids: position ids for the packed row instead of the packer's (a
             negative control passes ids that do not restart per sequence).
+        align: a sequence run alone is padded (after its tokens, masked) to a multiple of this,
+            e.g. the TP size under sequence parallelism.
     """
     packed = pack_with_gaps(sequences) if packed is None else packed
     tensors = packed.tensors
@@ -108,7 +115,10 @@ def packing_errors(
         errors = []
         for tokens, start in zip(sequences, packed.plan.cu_seqlens_padded, strict=False):
             n = len(tokens)
-            alone = model(tokens.unsqueeze(0), torch.arange(n).unsqueeze(0), None)
+            width = -(-n // align) * align
+            ids = torch.cat([tokens, tokens.new_zeros(width - n)]).unsqueeze(0)
+            pads = (torch.arange(width) >= n).unsqueeze(0)
+            alone = model(ids, torch.arange(width).unsqueeze(0), None, padding_mask=pads)
             part = together[0, start : start + n]
-            errors.append((part.float() - alone[0].float()).abs().max().item())
+            errors.append((part.float() - alone[0, :n].float()).abs().max().item())
     return errors
