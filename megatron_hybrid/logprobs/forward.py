@@ -148,7 +148,9 @@ def _forward_step(data_iterator, model, *, reduce, device):
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
     params = inputs["packed_seq_params"]
     if params is not None:
-        params = _on_device(params, device)
+        from megatron_hybrid.padding import packed_seq_params_to
+
+        params = packed_seq_params_to(params, device)
     output = model(
         input_ids=inputs["input_ids"],
         position_ids=inputs["position_ids"],
@@ -158,17 +160,6 @@ def _forward_step(data_iterator, model, *, reduce, device):
         runtime_gather_output=False,  # vocab-parallel logits: reduced without gathering them
     )
     return output, partial(_collect, batch, reduce)
-
-
-def _on_device(params, device):
-    import dataclasses
-
-    moved = {
-        f.name: getattr(params, f.name).to(device)
-        for f in dataclasses.fields(params)
-        if torch.is_tensor(getattr(params, f.name))
-    }
-    return dataclasses.replace(params, **moved) if moved else params
 
 
 def forward_logprobs(

@@ -88,6 +88,7 @@ def packing_errors(
     *,
     packed_position_ids=None,
     align: int = 1,
+    leak: bool = False,
 ) -> list[float]:
     """Max abs difference per sequence between its packed logits and its logits alone.
 
@@ -100,25 +101,37 @@ def packing_errors(
             negative control passes ids that do not restart per sequence).
         align: a sequence run alone is padded (after its tokens, masked) to a multiple of this,
             e.g. the TP size under sequence parallelism.
+        leak: negative control: tell the model the packed row is one sequence (every state,
+            conv window and attention mask then runs across the boundaries).
     """
+    from megatron_hybrid.padding import packed_seq_params_to
+
     packed = pack_with_gaps(sequences) if packed is None else packed
-    tensors = packed.tensors
+    device = next(model.parameters()).device
+    tensors = {k: v.to(device) for k, v in packed.tensors.items()}
     positions = tensors["position_ids"] if packed_position_ids is None else packed_position_ids
+    params = packed.packed_seq_params
+    if leak:
+        from megatron_hybrid.padding import thd_pack
+        from megatron_hybrid.padding.batch import packed_seq_params_from
+
+        params = packed_seq_params_from(thd_pack([packed.plan.total_tokens], tp=1, cp=1, sp=False))
     with torch.no_grad():
         together = model(
             tensors["input_ids"],
-            positions,
+            positions.to(device),
             None,
-            packed_seq_params=packed.packed_seq_params,
+            packed_seq_params=packed_seq_params_to(params, device),
             padding_mask=tensors["padding_mask"],
         )
         errors = []
         for tokens, start in zip(sequences, packed.plan.cu_seqlens_padded, strict=False):
             n = len(tokens)
             width = -(-n // align) * align
-            ids = torch.cat([tokens, tokens.new_zeros(width - n)]).unsqueeze(0)
-            pads = (torch.arange(width) >= n).unsqueeze(0)
-            alone = model(ids, torch.arange(width).unsqueeze(0), None, padding_mask=pads)
+            ids = torch.cat([tokens, tokens.new_zeros(width - n)]).unsqueeze(0).to(device)
+            pads = (torch.arange(width) >= n).unsqueeze(0).to(device)
+            positions = torch.arange(width, device=device).unsqueeze(0)
+            alone = model(ids, positions, None, padding_mask=pads)
             part = together[0, start : start + n]
             errors.append((part.float() - alone[0, :n].float()).abs().max().item())
     return errors
