@@ -22,6 +22,13 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
+#                kernels, Mamba's kernels where built and TE's attention where installed, and
+#                forward_logprobs (forward only: no Triton staging needed; one fla config each)
+#   gdn-gates    the [GE]{2} GatedDeltaNet gate-gradient check alone (fla bf16 and float32 vs the
+#                torch path, the principled bound; one GPU, /tmp/tsite's Triton, one fla config)
+#   logprobs     benchmarks/logprobs.py: forward_logprobs packed vs padded, one GPU
+#                ($LOGPROBS_ARGS)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -82,7 +89,8 @@ for part in "$@"; do
         -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      TRITON_F32_DEFAULT=ieee with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s \
+        -p no:cacheprovider -W ignore \
         tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
         2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
@@ -137,6 +145,23 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    packing)
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_packing_gpu.py 2>&1 | quiet | tee "$OUT/packing.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    gdn-gates)
+      have_tsite || { status=1; continue; }
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 PYTHONPATH=$TSITE:$PYTHONPATH \
+        timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 -m pytest -q -s \
+        -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
+        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        2>&1 | quiet | tee "$OUT/gdn_gates.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    logprobs)
+      timeout "${LOGPROBS_TIMEOUT:-420}" python3 benchmarks/logprobs.py --out "$OUT" \
+        ${LOGPROBS_ARGS:-} 2>&1 | quiet | tee "$OUT/logprobs.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \
         2>/dev/null || bash scripts/stage_mamba.sh --device 2>&1 | tail -20 | tee "$OUT/mamba_build.log"

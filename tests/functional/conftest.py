@@ -22,6 +22,28 @@ from megatron_hybrid.testing.overlap import rel_error
 ON_CPU = os.environ.get("MH_FUNCTIONAL_ON_CPU") == "1"
 
 
+def _autotune_first_config_only() -> None:
+    """``MH_TRITON_ONE_CONFIG=1``: Triton autotuners keep their first config.
+
+    A fresh GPU machine compiles and benchmarks every config of every fla kernel on first use
+    (minutes of device time); correctness tests do not depend on which config runs, only speed
+    does, so benchmarks never set this. Patched before fla defines its kernels.
+    """
+    if os.environ.get("MH_TRITON_ONE_CONFIG") != "1":
+        return
+    import triton.runtime.autotuner as autotuner
+
+    init = autotuner.Autotuner.__init__
+
+    def first_config(self, fn, arg_names, configs, *args, **kwargs):
+        init(self, fn, arg_names, configs[:1], *args, **kwargs)
+
+    autotuner.Autotuner.__init__ = first_config
+
+
+_autotune_first_config_only()
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "launcher: starts its own torchrun jobs; run with plain pytest, not torchrun"
