@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_hybrid.checkpointing.store import common_record, read_common
+
 __all__ = ["mismatched_flags", "recorded_pattern", "settings_from_checkpoint"]
 
 # Suffix of a dense MLP's weights in megatron-core's keys (MoE experts have "experts." in them).
@@ -23,14 +25,11 @@ _EMBEDDING = "embedding.word_embeddings.weight"
 
 def recorded_pattern(checkpoint_dir: Path) -> str | None:
     """The pattern a ``train`` checkpoint was saved with, None if it records none."""
-    from megatron.core import dist_checkpointing
-
     try:
-        common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
-    except Exception:  # noqa: BLE001 - foreign or partial checkpoints: the caller asks the user
+        common = read_common(checkpoint_dir)
+    except (OSError, ValueError):  # foreign or partial checkpoints: the caller asks the user
         return None
-    record = common.get("megatron_hybrid") if isinstance(common, Mapping) else None
-    pattern = record.get("hybrid_layer_pattern") if isinstance(record, Mapping) else None
+    pattern = common_record(common).get("hybrid_layer_pattern")
     return pattern if isinstance(pattern, str) and pattern else None
 
 

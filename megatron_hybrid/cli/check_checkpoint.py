@@ -53,11 +53,9 @@ for _option in ("--hidden-size", "--vocab-size", "--ffn-hidden-size"):
 
 def _fill_from_checkpoint(args: argparse.Namespace) -> list[str]:
     """Set the pattern and model-shape flags not given from the checkpoint; say which."""
-    from megatron_hybrid.checkpointing.inspect import (
-        checkpoint_model_tensors,
-        resolve_checkpoint_dir,
-    )
+    from megatron_hybrid.checkpointing.inspect import checkpoint_model_tensors
     from megatron_hybrid.checkpointing.settings import recorded_pattern, settings_from_checkpoint
+    from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
 
     try:
         folder = resolve_checkpoint_dir(args.load)
@@ -95,12 +93,10 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hybrid.checkpointing.inspect import (
-        compare_with_checkpoint,
-        resolve_checkpoint_dir,
-    )
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.settings import mismatched_flags
+    from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.arguments import with_defaults
     from megatron_hybrid.training.config import hybrid_config_from_args

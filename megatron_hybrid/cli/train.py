@@ -59,9 +59,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_hybrid.checkpointing.store import CheckpointExistsError
     from megatron_hybrid.runtime import select_backend
     from megatron_hybrid.training.arguments import PATTERN_REQUIRED
-    from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
     if not args.hybrid_layer_pattern and not args.load_hf and not args.load:

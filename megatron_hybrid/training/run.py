@@ -310,14 +310,14 @@ def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
     """Refuse before training, not after hours of it, if a save would replace a checkpoint."""
     if not args.save or args.overwrite_checkpoint:
         return
-    from megatron_hybrid.training.checkpoint import existing_iterations
+    from megatron_hybrid.checkpointing.store import iteration_folders
 
     planned = {args.train_iters} | (
         set(range(args.save_interval, args.train_iters + 1, args.save_interval))
         if args.save_interval
         else set()
     )
-    clash = sorted(i for i in existing_iterations(args.save) if i in planned and i > start)
+    clash = sorted(i for i in iteration_folders(args.save) if i in planned and i > start)
     if clash:
         raise TrainingError(
             f"--save {args.save} already holds iteration(s) {clash} that this run would "
