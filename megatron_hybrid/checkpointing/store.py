@@ -70,6 +70,7 @@ __all__ = [
     "is_complete",
     "iteration_folder_name",
     "iteration_folders",
+    "nonfinite_on_any_rank",
     "read",
     "read_common",
     "read_model_state",
@@ -389,8 +390,12 @@ def _collective_device(group) -> torch.device | str:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
 
-def _agree_on_nonfinite(local: str | None, group) -> tuple[str, int] | None:
-    """``(name, rank)`` of the first rank's non-finite tensor, or None if all are finite."""
+def nonfinite_on_any_rank(local: str | None, group=None) -> tuple[str, int] | None:
+    """``(name, rank)`` of the lowest rank's non-finite tensor, None if every rank is finite.
+
+    Collective over ``group`` (default: the world). Args: ``local``: this rank's
+    :func:`first_nonfinite` result. Names cross ranks only when something is not finite.
+    """
     bad = torch.tensor([float(local is not None)], device=_collective_device(group))
     torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
     if not bad.item():
@@ -516,7 +521,7 @@ def write(
     root = Path(root)
     folder = root / iteration_folder_name(iteration)
     encoded = _encoded_records(records)
-    found = _agree_on_nonfinite(first_nonfinite(_state_tensors(state)), group)
+    found = nonfinite_on_any_rank(first_nonfinite(_state_tensors(state)), group)
     if found is not None:
         name, rank = found
         raise NonFiniteCheckpointError(
@@ -624,7 +629,7 @@ def read(folder: str | Path, request: dict, *, group=None) -> dict:
             f"cannot read the checkpoint {folder}: {describe_read_error(error)}"
         ) from None
     local = first_nonfinite((keys.get(p, p), t) for p, t in _state_tensors(state))
-    found = _agree_on_nonfinite(local, group)
+    found = nonfinite_on_any_rank(local, group)
     if found is not None:
         name, _ = found
         files = ", ".join(str(folder / f) for f in _files_of(folder, name)) or str(folder)

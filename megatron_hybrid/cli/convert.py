@@ -110,22 +110,29 @@ def _dtype(args):
     return None if args.dtype == "auto" else getattr(torch, args.dtype)
 
 
-def _progress(label: str, rank: int):
-    if rank != 0:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """A tqdm bar on stderr for ``(done, total)`` callbacks (rank 0 only), closed on every way
+    out so that an error message starts on a line of its own."""
 
-    bar = None
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled, self.bar = label, enabled, None
 
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
-        bar.update(done - bar.n)
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.label, unit="tensor", file=sys.stderr,
+                            leave=False)  # fmt: skip
+        self.bar.update(done - self.bar.n)
         if done == total:
-            bar.close()
+            self.close()
 
-    return update
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _check_conversion(args: argparse.Namespace):
@@ -164,6 +171,7 @@ def _from_hf(args: argparse.Namespace) -> int:
             f"{args.from_hf} does not convert cleanly; nothing was written:\n"
             + "\n".join(report.lines())
         )
+    progress = _Progress("loading", _rank() == 0)
     try:
         model = load_hf_model(
             args.from_hf,
@@ -174,10 +182,12 @@ def _from_hf(args: argparse.Namespace) -> int:
             params_dtype=_dtype(args),
             mtp=False if args.no_mtp else None,
             ignore_config_fields=args.ignore_hf_config_field,
-            progress=_progress("loading", _rank()),
+            progress=progress,
         )
     except HFWeightsError as error:
         raise CommandError(str(error)) from None
+    finally:
+        progress.close()
     try:
         folder = save_model_state(model, args.save, model.hf_conversion)
     except FileExistsError as error:
@@ -258,15 +268,19 @@ def _to_hf(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     _check(args)
     if args.dry_run:
         return _dry_run(args)
-    code = _from_hf(args) if args.from_hf else _to_hf(args)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    started_world = not dist.is_initialized()
+    try:
+        return _from_hf(args) if args.from_hf else _to_hf(args)
+    finally:
+        # On every way out, refusals included: a process group left to the interpreter's exit
+        # can abort it instead of exiting with the command's code. A caller's world stays.
+        if started_world and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 COMMAND = Command(

@@ -16,7 +16,6 @@ from megatron_hybrid.hf.config import (
     family_for,
     family_named,
     hf_config_to_megatron,
-    text_config,
 )
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import PlanReport, check_plan
@@ -96,17 +95,14 @@ def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_con
     Returns:
         ``(conversion or None, PlanReport)``; the conversion is None when the config is refused.
     """
-    from megatron_hybrid.hf.config import HFConfigError
+    from megatron_hybrid.hf.config import HFConfigError, convert_config
 
     source = HFCheckpoint(path)
     report = PlanReport()
     try:
         conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
     except HFConfigError:
-        family = family_for(source.config)
-        conversion = family.to_megatron(
-            text_config(source.config), mtp=mtp, has_tensor=lambda n: n in source
-        )
+        conversion = convert_config(source.config, mtp=mtp, has_tensor=lambda n: n in source)
         report.unsupported_config = [
             (k, m) for k, m in conversion.unsupported if k not in set(ignore_config_fields)
         ]

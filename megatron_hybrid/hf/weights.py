@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hybrid.hf.config import HFConversion
-from megatron_hybrid.hf.io import HFCheckpoint
+from megatron_hybrid.hf.io import HFCheckpoint, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
 __all__ = ["HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
@@ -81,10 +81,12 @@ def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple
 
 def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
     if isinstance(rows, slice):
-        return source.read(name, (rows, *rest))
-    low, high = min(rows), max(rows) + 1
-    span = source.read(name, (slice(low, high), *rest))
-    return span[torch.tensor([r - low for r in rows])]
+        values = source.read(name, (rows, *rest))
+    else:
+        low, high = min(rows), max(rows) + 1
+        span = source.read(name, (slice(low, high), *rest))
+        values = span[torch.tensor([r - low for r in rows])]
+    return require_finite(source, name, values)
 
 
 def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:

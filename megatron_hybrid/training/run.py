@@ -1,17 +1,19 @@
 """The small pretraining loop behind ``python -m megatron_hybrid train``.
 
 One process on CPU by default (megatron-core's CUDA-only calls emulated, gloo), or one process
-per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 shows a progress
-line per step (loss, gradient norm, tokens/s) and a one-line summary at the end.
+per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 names the device
+and layout when training starts, shows a progress line per step (loss, gradient norm, tokens/s)
+and a one-line summary at the end, whose throughput leaves out the warm-up step.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,16 +26,48 @@ class TrainingError(ValueError):
     """A setting or input that prevents training; printed as one message (exit code 2)."""
 
 
+#: Steps at the start of a run that pay for one-time work (kernel autotuning and compilation,
+#: lazy allocations, the first collectives) and are timed apart from the rest.
+WARMUP_STEPS = 1
+
+
 @dataclass(frozen=True)
 class TrainingSummary:
-    """What a run did, returned by :func:`run_training`."""
+    """What a run did, returned by :func:`run_training`.
+
+    Attributes:
+        first_iteration, last_iteration: the iterations the run went from and to.
+        losses, grad_norms: per applied step (skipped non-finite steps left out).
+        saved: the last checkpoint folder written, if any.
+        step_seconds, step_tokens: wall time and real tokens of each applied step.
+    """
 
     first_iteration: int
     last_iteration: int
     losses: list[float]
     grad_norms: list[float]
-    tokens_per_second: float
     saved: str | None
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def warmup_seconds(self) -> float:
+        """Wall time of the first :data:`WARMUP_STEPS` applied steps."""
+        return sum(self.step_seconds[:WARMUP_STEPS])
+
+    @property
+    def median_step_seconds(self) -> float | None:
+        """Median time of the steps after warm-up (None: the run had none)."""
+        timed = self.step_seconds[WARMUP_STEPS:]
+        return statistics.median(timed) if timed else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Median tokens/s of the steps after warm-up (the warm-up's own rate if none came
+        after it; 0 without steps)."""
+        pairs = list(zip(self.step_tokens, self.step_seconds, strict=True))
+        timed = pairs[WARMUP_STEPS:] or pairs
+        return statistics.median(t / s for t, s in timed) if timed else 0.0
 
 
 def _check_resume_compatible(chunks, folder, args=None) -> None:
@@ -157,7 +191,28 @@ def run_training(
     )
     start, consumed = _resume(setup, chunks, optimizer)
     _refuse_overwrite(args, start)
+    if rank == 0:
+        print(_start_line(setup, world, start), flush=True)
     return _train(setup, chunks, optimizer, start, consumed)
+
+
+def _start_line(setup: _Setup, world: int, start: int) -> str:
+    """``training PATTERN on DEVICE | layout | iterations``: what runs where, said once."""
+    import torch
+
+    from megatron_hybrid.training import resume
+
+    args = setup.args
+    comm = torch.distributed.get_backend()
+    if setup.backend.on_gpu:
+        where = f"{world} x {setup.backend.device_name()} ({comm})"
+    else:
+        where = f"CPU ({world} process{'es' if world > 1 else ''}, {comm})"
+    layout = " ".join(f"{k.upper()}{v}" for k, v in resume.layout_of(setup.pg).items())
+    return (
+        f"training {args.hybrid_layer_pattern} on {where} | {layout} | iterations "
+        f"{start}->{args.train_iters}"
+    )
 
 
 def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
@@ -329,14 +384,14 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
     """The steps from ``start`` to ``--train-iters``, with periodic and final saves."""
     from megatron_hybrid.training import resume
     from megatron_hybrid.training.checkpoint import save_checkpoint
-    from megatron_hybrid.training.guard import check_step
+    from megatron_hybrid.training.guard import check_step, describe
     from megatron_hybrid.training.loop import train_step
 
     args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
     dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)
     losses, norms, saved = [], [], None
-    tokens_total, time_total = 0, 0.0
+    seconds, tokens = [], []
     for iteration in range(start, args.train_iters):
         base = consumed + dp_rank * setup.num_microbatches * mbs
         batches = [
@@ -358,11 +413,10 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
         consumed += setup.global_batch
         if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
-                print(
-                    f"step {iteration + 1}: NaN or infinite loss or gradient: skipped", flush=True
-                )
+                print(f"step {iteration + 1}: {describe(result)}: skipped", flush=True)
         else:
-            tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
+            seconds.append(elapsed)
+            tokens.append(result.tokens)
             losses.append(result.loss)
             norms.append(result.grad_norm)
             progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
@@ -395,6 +449,7 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
         last_iteration=args.train_iters,
         losses=losses,
         grad_norms=norms,
-        tokens_per_second=tokens_total / time_total if time_total else 0.0,
         saved=saved,
+        step_seconds=seconds,
+        step_tokens=tokens,
     )

@@ -88,7 +88,7 @@ def test_release_does_not_hide_another_checkpoint(megatron_cpu, tmp_path):
 @pytest.mark.parametrize(
     ("records", "error", "match"),
     [
-        pytest.param({"metadata.json": {}}, ValueError, "record name 'metadata.json'", id="reserved"),
+        pytest.param({"metadata.json": {}}, ValueError, "name .metadata.json.", id="reserved"),
         pytest.param({"../x.json": {}}, ValueError, "plain file name", id="path"),
         pytest.param({"x.txt": {}}, ValueError, "ending in .json", id="suffix"),
         pytest.param({"x.json": [1]}, TypeError, "must be a mapping", id="not-a-mapping"),
