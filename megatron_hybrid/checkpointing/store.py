@@ -1,10 +1,12 @@
-"""The checkpoint folder format: its names, the folder listing, the one writer and the reader.
+"""The checkpoint store: the folder format's names and listing, the one writer and the reader.
 
 Every checkpoint folder of the package is written by :func:`write` and read through
 :func:`read` (or :func:`read_model_state`); the format is described once, in
-``docs/architecture.md`` ("The checkpoint folder"). What a checkpoint *holds* is the business of
-its writer: ``training/checkpoint.py`` adds optimizer and RNG state, ``hf/dist.py`` the record of
-the Hugging Face model, ``training/resume.py`` decides what a run resumes from.
+``docs/architecture.md`` ("The checkpoint folder"). The names and the folder listing
+(:func:`resolve_load`, :func:`complete_iterations`, ...) are defined in ``folders.py`` and
+exported here with the rest, so that the store is one import. What a checkpoint *holds* is the
+business of its writer: ``training/checkpoint.py`` adds optimizer and RNG state, ``hf/dist.py``
+the record of the Hugging Face model, ``training/resume.py`` decides what a run resumes from.
 
 :func:`write` is atomic in the sense that matters after a crash: a folder counts as a checkpoint
 only once megatron-core's ``metadata.json`` is in it, the records are written before that, the
@@ -31,14 +33,40 @@ import os
 import queue
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_hybrid.checkpointing.finite import (
+    collective_device,
+    first_nonfinite,
+    named_leaves,
+    nonfinite_on_any_rank,
+    state_tensors,
+)
+from megatron_hybrid.checkpointing.folders import (
+    COMMON_RECORD,
+    HF_RECORD_FILE,
+    INCOMPLETE_DIR,
+    METADATA_FILE,
+    MODEL_ONLY_FORMAT,
+    PER_RANK_FORMAT,
+    RELEASE,
+    TRACKER_FILE,
+    TRAIN_FORMAT,
+    LoadTarget,
+    complete_iterations,
+    incomplete_iterations,
+    is_complete,
+    iteration_folder_name,
+    iteration_folders,
+    read_tracker,
+    resolve_checkpoint_dir,
+    resolve_load,
+)
 from megatron_hybrid.checkpointing.integrity import (
     INTEGRITY_FILE,
     CheckpointDamagedError,
@@ -65,12 +93,10 @@ __all__ = [
     "NonFiniteCheckpointError",
     "common_record",
     "complete_iterations",
-    "first_nonfinite",
     "incomplete_iterations",
     "is_complete",
     "iteration_folder_name",
     "iteration_folders",
-    "nonfinite_on_any_rank",
     "read",
     "read_common",
     "read_model_state",
@@ -78,38 +104,13 @@ __all__ = [
     "read_tracker",
     "resolve_checkpoint_dir",
     "resolve_load",
-    "tensor_is_finite",
     "verify",
     "write",
 ]
 
-# --- the on-disk names -----------------------------------------------------------------------
-
-#: The save root's tracker: the newest iteration (or ``release``), replaced atomically, last.
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-#: megatron-core's last file of a save: a folder without it is the leftover of a killed save.
-METADATA_FILE = "metadata.json"
-#: The iteration "name" of a weights-only checkpoint (Megatron-LM's release layout).
-RELEASE = "release"
-#: Folder of a save root that receives the leftovers of interrupted saves (``train``).
-INCOMPLETE_DIR = "incomplete"
-#: The JSON record of the Hugging Face model a checkpoint holds (``hf/dist.py`` writes it).
-HF_RECORD_FILE = "hf_model.json"
-#: Key of the package's entry in a checkpoint's common state: ``format``, the pattern, and the
-#: model settings of a ``train`` checkpoint.
-COMMON_RECORD = "megatron_hybrid"
-#: Formats (``common[COMMON_RECORD]["format"]``): training state with the CPU optimizer state
-#: pickled per rank (loads only on the layout that wrote it) ...
-PER_RANK_FORMAT = "megatron_hybrid/1"
-#: ... training state with every tensor sharded (``train --save``) ...
-TRAIN_FORMAT = "megatron_hybrid/2"
-#: ... and model weights only (``convert --from-hf``).
-MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
-
 # Files a record may not replace (megatron-core's and the manifest).
 _RESERVED = frozenset({METADATA_FILE, INTEGRITY_FILE, "common.pt", ".metadata"})
 _RECORD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.json")
-_ITERATION = re.compile(r"iter_(\d+)")
 
 
 class CheckpointExistsError(FileExistsError):
@@ -118,149 +119,6 @@ class CheckpointExistsError(FileExistsError):
 
 class NonFiniteCheckpointError(ValueError):
     """A tensor to save or loaded is NaN or infinite; the message names it."""
-
-
-def iteration_folder_name(iteration: int | str) -> str:
-    """Megatron-LM's folder of one saved iteration (``iter_0000010``, or ``release``)."""
-    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
-
-
-# --- the folder listing ----------------------------------------------------------------------
-
-
-def is_complete(folder: str | Path) -> bool:
-    """Whether megatron-core finished writing the dist checkpoint in ``folder``."""
-    return (Path(folder) / METADATA_FILE).is_file()
-
-
-def iteration_folders(root: str | Path) -> dict[int, Path]:
-    """Iteration -> folder of every ``iter_*`` folder under a save root, complete or not."""
-    root = Path(root)
-    if not root.is_dir():
-        return {}
-    found = {}
-    for path in root.iterdir():
-        match = _ITERATION.fullmatch(path.name)
-        if match and path.is_dir():
-            found[int(match.group(1))] = path
-    return found
-
-
-def complete_iterations(root: str | Path) -> dict[int, Path]:
-    """Iteration -> folder of every complete checkpoint under a save root."""
-    return {i: p for i, p in iteration_folders(root).items() if is_complete(p)}
-
-
-def incomplete_iterations(root: str | Path) -> dict[int, Path]:
-    """Iteration -> folder of every leftover of an interrupted save under a save root."""
-    return {i: p for i, p in iteration_folders(root).items() if not is_complete(p)}
-
-
-def read_tracker(tracker: str | Path) -> int | str:
-    """The iteration a tracker file names (an int, or ``"release"``).
-
-    Raises:
-        CheckpointDamagedError: the file holds anything else.
-    """
-    text = Path(tracker).read_text(errors="replace").strip()
-    if text == RELEASE:
-        return text
-    if not text.isdigit():
-        raise CheckpointDamagedError(
-            f"{tracker} is damaged: it holds {text[:40]!r}, not an iteration number; write the "
-            "iteration of a complete iter_* folder into it, or delete it to resume from the "
-            "newest complete one"
-        )
-    return int(text)
-
-
-@dataclass(frozen=True)
-class LoadTarget:
-    """The checkpoint folder a ``--load`` path stands for (None: it holds none yet), and notes
-    on how it was chosen."""
-
-    folder: Path | None
-    notes: tuple[str, ...] = ()
-
-
-def _holds_only_leftovers(path: Path) -> bool:
-    """Whether a directory is missing, or holds nothing but interrupted saves."""
-    if not path.exists():
-        return True
-    if not path.is_dir():
-        return False
-    leftovers = set(incomplete_iterations(path).values())
-    return all(p in leftovers or p.name == INCOMPLETE_DIR for p in path.iterdir())
-
-
-def resolve_load(path: str | Path) -> LoadTarget:
-    """The newest complete checkpoint of a save root or iteration folder.
-
-    The tracker names the checkpoint, except when a complete folder is newer (the tracker is
-    written after the folder, so a crash between the two leaves it one save behind) or when the
-    folder it names is not complete (a crash while a save replaced it): then the newest complete
-    folder is taken, with a note saying so. A path that is missing or holds only leftovers of
-    interrupted saves has no checkpoint yet (``folder`` None).
-
-    Raises:
-        FileNotFoundError: ``path`` holds something else, or its tracker names a missing
-            checkpoint and no folder is complete.
-        CheckpointDamagedError: the tracker is damaged.
-    """
-    path = Path(path)
-    if is_complete(path):
-        return LoadTarget(path)
-    complete = complete_iterations(path)
-    newest = max(complete) if complete else None
-    tracker = path / TRACKER_FILE
-    if tracker.is_file():
-        named = read_tracker(tracker)
-        if named != RELEASE and newest is not None and newest > named:
-            note = (
-                f"{tracker} names iteration {named}, but {complete[newest]} is a complete, newer "
-                "checkpoint (the run stopped before updating the tracker): resuming from it"
-            )
-            return LoadTarget(complete[newest], (note,))
-        folder = path / iteration_folder_name(named)
-        if is_complete(folder):
-            return LoadTarget(folder)
-        if newest is not None:  # e.g. a kill while an overwrite replaced that folder
-            note = (
-                f"{tracker} names {folder}, which is not a complete checkpoint: resuming from "
-                f"the newest complete one, {complete[newest]}"
-            )
-            return LoadTarget(complete[newest], (note,))
-        raise FileNotFoundError(
-            f"{tracker} names {folder}, which is not a complete torch_dist checkpoint, and no "
-            "iteration folder is complete; restore the checkpoint or delete the tracker to "
-            "start from scratch"
-        )
-    if newest is not None:
-        return LoadTarget(complete[newest])
-    if _holds_only_leftovers(path):
-        leftovers = sorted(incomplete_iterations(path))
-        why = f" (only interrupted saves: iterations {leftovers})" if leftovers else ""
-        return LoadTarget(None, (f"{path} holds no checkpoint yet{why}",))
-    raise FileNotFoundError(
-        f"{path} is not a torch_dist checkpoint: expected a {METADATA_FILE} in it, a "
-        f"{TRACKER_FILE}, or iter_* folders"
-    )
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """The checkpoint folder of a save root or iteration folder (:func:`resolve_load`'s choice).
-
-    Raises:
-        FileNotFoundError: ``path`` holds no complete checkpoint.
-        CheckpointDamagedError: the tracker is damaged.
-    """
-    target = resolve_load(path)
-    if target.folder is None:
-        raise FileNotFoundError(
-            f"{path} is not a torch_dist checkpoint: expected a {METADATA_FILE} in it, or a "
-            f"{TRACKER_FILE} naming an iteration folder"
-        )
-    return target.folder
 
 
 # --- records -----------------------------------------------------------------------------------
@@ -331,81 +189,6 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# --- finiteness --------------------------------------------------------------------------------
-
-# float8 types torch.isfinite does not take (e4m3 has NaN but no infinity).
-_UPCAST = frozenset(
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, name)
-)
-
-
-def tensor_is_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor on the tensor's device: no NaN or infinity in it (no host sync)."""
-    if not tensor.is_floating_point() or not tensor.numel():
-        return torch.ones((), dtype=torch.bool, device=tensor.device)
-    if tensor.dtype in _UPCAST:
-        tensor = tensor.float()
-    return torch.isfinite(tensor).all()
-
-
-def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The name of the first tensor holding a NaN or infinity, None if all are finite.
-
-    All flags are reduced before one host synchronisation; the names are looked at only when
-    something is not finite.
-    """
-    items = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
-    if not items:
-        return None
-    flags = [tensor_is_finite(t) for _, t in items]
-    device = flags[0].device
-    finite = torch.stack([f.to(device) for f in flags])
-    if bool(finite.all()):
-        return None
-    return items[int((~finite).nonzero()[0, 0])][0]
-
-
-def _state_tensors(state, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of a (sharded) state dict: checkpoint keys for sharded entries, the
-    dotted path for plain tensors; objects (RNG state, pickled values) are not tensors."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    if isinstance(state, (ShardedTensor, ShardedTensorFactory)):
-        if isinstance(state.data, torch.Tensor):
-            yield state.key, state.data
-    elif isinstance(state, torch.Tensor):
-        yield path, state
-    elif isinstance(state, Mapping):
-        for key, value in state.items():
-            yield from _state_tensors(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            yield from _state_tensors(value, f"{path}.{i}" if path else str(i))
-
-
-def _collective_device(group) -> torch.device | str:
-    backend = torch.distributed.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-
-
-def nonfinite_on_any_rank(local: str | None, group=None) -> tuple[str, int] | None:
-    """``(name, rank)`` of the lowest rank's non-finite tensor, None if every rank is finite.
-
-    Collective over ``group`` (default: the world). Args: ``local``: this rank's
-    :func:`first_nonfinite` result. Names cross ranks only when something is not finite.
-    """
-    bad = torch.tensor([float(local is not None)], device=_collective_device(group))
-    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
-    if not bad.item():
-        return None
-    names: list = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(names, local, group=group)
-    rank = next(r for r, name in enumerate(names) if name is not None)
-    return names[rank], rank
-
-
 def _on_first_rank(work: Callable[[], Any], group) -> Any:
     """``work()`` on the group's first rank; every rank returns its result or raises its error."""
     payload: list = [None]
@@ -414,16 +197,11 @@ def _on_first_rank(work: Callable[[], Any], group) -> Any:
             payload = [work()]
         except (OSError, ValueError) as error:  # CheckpointDamagedError is a ValueError
             payload = [error]
-    torch.distributed.broadcast_object_list(
-        payload, src=torch.distributed.get_global_rank(group or _world(), 0), group=group
-    )
+    first = torch.distributed.get_global_rank(group or torch.distributed.group.WORLD, 0)
+    torch.distributed.broadcast_object_list(payload, src=first, group=group)
     if isinstance(payload[0], BaseException):
         raise payload[0]
     return payload[0]
-
-
-def _world():
-    return torch.distributed.group.WORLD
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -521,7 +299,7 @@ def write(
     root = Path(root)
     folder = root / iteration_folder_name(iteration)
     encoded = _encoded_records(records)
-    found = nonfinite_on_any_rank(first_nonfinite(_state_tensors(state)), group)
+    found = nonfinite_on_any_rank(first_nonfinite(state_tensors(state)), group)
     if found is not None:
         name, rank = found
         raise NonFiniteCheckpointError(
@@ -530,7 +308,7 @@ def write(
         )
     # A release checkpoint repoints the tracker: it may not hide the root's other checkpoints.
     taken = folder.exists() or (iteration == RELEASE and (root / TRACKER_FILE).exists())
-    exists = torch.tensor([float(taken)], device=_collective_device(group))
+    exists = torch.tensor([float(taken)], device=collective_device(group))
     torch.distributed.all_reduce(exists, op=torch.distributed.ReduceOp.MAX, group=group)
     if exists.item() and not overwrite:
         where = folder if folder.exists() else root
@@ -589,20 +367,6 @@ def _files_of(folder: Path, key: str) -> list[str]:
     return sorted({info.relative_path for index, info in storage.items() if index.fqn == key})
 
 
-def _request_keys(request, path: str = "") -> Iterator[tuple[str, str]]:
-    """``(dotted path, checkpoint key)`` of every sharded tensor (or factory) of a request."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    if isinstance(request, (ShardedTensor, ShardedTensorFactory)):
-        yield path, request.key
-    elif isinstance(request, Mapping):
-        for key, value in request.items():
-            yield from _request_keys(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(request, (list, tuple)):
-        for i, value in enumerate(request):
-            yield from _request_keys(value, f"{path}.{i}" if path else str(i))
-
-
 def read(folder: str | Path, request: dict, *, group=None) -> dict:
     """Load ``request`` (a sharded state dict) from a checkpoint folder; refuse non-finite values.
 
@@ -619,7 +383,8 @@ def read(folder: str | Path, request: dict, *, group=None) -> dict:
     from megatron.core import dist_checkpointing
 
     folder = Path(folder)
-    keys = dict(_request_keys(request))  # before loading: the load replaces the entries
+    # Checkpoint keys by path, before loading (the load replaces the entries by tensors).
+    keys = {path: leaf.key for path, leaf in named_leaves(request) if hasattr(leaf, "key")}
     try:
         state = dist_checkpointing.load(request, str(folder), process_group=group)
     except BaseException as error:  # noqa: BLE001 - torch's CheckpointException is one
@@ -628,7 +393,8 @@ def read(folder: str | Path, request: dict, *, group=None) -> dict:
         raise CheckpointDamagedError(
             f"cannot read the checkpoint {folder}: {describe_read_error(error)}"
         ) from None
-    local = first_nonfinite((keys.get(p, p), t) for p, t in _state_tensors(state))
+    local = first_nonfinite((keys.get(p, p), t) for p, t in named_leaves(state)
+                            if isinstance(t, torch.Tensor))  # fmt: skip
     found = nonfinite_on_any_rank(local, group)
     if found is not None:
         name, _ = found

@@ -136,10 +136,10 @@ class _Progress:
 
 
 def _check_conversion(args: argparse.Namespace):
-    """``(conversion or None, report)`` of ``--from-hf`` with the command's options."""
-    from megatron_hybrid.hf import dry_run
+    """``--from-hf`` opened, its config converted and its weights planned, once."""
+    from megatron_hybrid.hf.api import check_conversion
 
-    return dry_run(
+    return check_conversion(
         args.from_hf,
         backend="te" if args.transformer_impl == "transformer_engine" else "local",
         mtp=False if args.no_mtp else None,
@@ -148,7 +148,8 @@ def _check_conversion(args: argparse.Namespace):
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    conversion, report = _check_conversion(args)
+    check = _check_conversion(args)
+    conversion, report = check.conversion, check.report
     if conversion is not None:
         print(f"family {conversion.family} | pattern {conversion.pattern.pattern}")
         for note in conversion.notes:
@@ -165,24 +166,25 @@ def _from_hf(args: argparse.Namespace) -> int:
     from megatron_hybrid.hf import HFWeightsError, load_hf_model
     from megatron_hybrid.hf.dist import save_model_state
 
-    conversion, report = _check_conversion(args)
-    if not report.ok:
+    check = _check_conversion(args)
+    conversion = check.conversion
+    if not check.report.ok:
         raise CommandError(
             f"{args.from_hf} does not convert cleanly; nothing was written:\n"
-            + "\n".join(report.lines())
+            + "\n".join(check.report.lines())
         )
     progress = _Progress("loading", _rank() == 0)
     try:
         model = load_hf_model(
-            args.from_hf,
+            check.source,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             transformer_impl=args.transformer_impl,
             params_dtype=_dtype(args),
-            mtp=False if args.no_mtp else None,
-            ignore_config_fields=args.ignore_hf_config_field,
             progress=progress,
+            conversion=conversion,
+            plan=check.plan,
         )
     except HFWeightsError as error:
         raise CommandError(str(error)) from None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_hybrid.checkpointing.store import tensor_is_finite
+from megatron_hybrid.checkpointing.finite import tensor_is_finite
 
 __all__ = [
     "HFCheckpoint",

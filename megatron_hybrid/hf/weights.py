@@ -119,7 +119,9 @@ def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
     return out
 
 
-def load_hf_weights(model, path, conversion: HFConversion | None = None, *, progress=None):
+def load_hf_weights(
+    model, path, conversion: HFConversion | None = None, *, progress=None, plan: Plan | None = None
+):
     """Load a Hugging Face checkpoint into ``model`` (its chunks on this rank), strictly.
 
     Each rank reads only the Hugging Face rows behind its own shards.
@@ -130,9 +132,12 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         conversion: the :class:`HFConversion` the model was built from (default: from the
             folder's config.json).
         progress: optional callable ``(done, total)`` called after each tensor.
+        plan: the conversion's weight plan over the whole model (``check_conversion`` made
+            it); default: planned here from this rank's keys.
 
     Raises:
         HFWeightsError: a model tensor has no source, or shapes do not fit.
+        HFCheckpointError: a value read is NaN or infinite (named with its file).
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
@@ -149,7 +154,8 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         for st in _leaves(sharded)
         if isinstance(st, ShardedTensor)
     }
-    plan, _ = build_plan(conversion, key_shapes)
+    if plan is None:
+        plan, _ = build_plan(conversion, key_shapes)
     info = {name: source.info(name) for name in plan.hf_shapes if name in source}
     for name, shape in plan.hf_shapes.items():
         if name in plan.shared_copies:

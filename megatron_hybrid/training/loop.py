@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hybrid.checkpointing.store import first_nonfinite, nonfinite_on_any_rank
+from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_any_rank
 from megatron_hybrid.pattern import ParsedPattern
 
 __all__ = [

@@ -19,7 +19,7 @@ import torch
 
 from megatron_hybrid.runtime import RuntimeBackend, select_backend
 
-__all__ = ["TrainingError", "TrainingSummary", "run_training"]
+__all__ = ["TrainingError", "TrainingSummary", "recorded_settings", "run_training"]
 
 
 class TrainingError(ValueError):
@@ -129,9 +129,14 @@ class _Progress:
 
 @dataclass(frozen=True)
 class _Setup:
-    """What the training loop needs, built by :func:`run_training` before the first step."""
+    """What the training loop needs, built by :func:`run_training` before the first step.
+
+    ``args`` are the effective settings: the flags, with a Hugging Face source's architecture in
+    place of the model flags; ``load`` what to resume (None for a weights-only start).
+    """
 
     args: argparse.Namespace
+    load: str | None
     backend: RuntimeBackend
     config: object
     pg: object
@@ -160,7 +165,9 @@ def run_training(
     from megatron_hybrid.training.validation import validate_settings
 
     source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
-    validate_settings(args)  # every flag, before any process group or model exists
+    if source is not None:
+        args = source.applied_to(args)  # the conversion's settings, validated and read below
+    validate_settings(args)  # every setting, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     backend = backend or select_backend()
     # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
@@ -179,6 +186,7 @@ def run_training(
     )
     setup = _Setup(
         args=args,
+        load=None if source is not None and source.checkpoint else args.load,
         backend=backend,
         config=config,
         pg=pg,
@@ -216,16 +224,15 @@ def _start_line(setup: _Setup, world: int, start: int) -> str:
 
 
 def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
-    """The TransformerConfig of the flags (and of the Hugging Face source, if any)."""
+    """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
+    conversion and the training flags."""
     from megatron_hybrid.training.config import hybrid_config_from_args
+    from megatron_hybrid.training.hf_source import hf_training_config
 
     overrides = backend.config_overrides()
-    config = hybrid_config_from_args(args, **overrides)
     if source is not None:
-        from megatron_hybrid.training.hf_source import hf_training_config
-
-        config = hf_training_config(source, config, **overrides)
-    return config
+        return hf_training_config(source, args, **overrides)
+    return hybrid_config_from_args(args, **overrides)
 
 
 def _parallel_setup(args: argparse.Namespace, config, world: int):
@@ -313,11 +320,7 @@ def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) 
         backend=spec_backend(args),
         stack_spec=stack_spec,
         vocab_size=args.vocab_size,
-        max_sequence_length=(
-            source.conversion.model_kwargs["max_sequence_length"]
-            if source is not None
-            else args.max_position_embeddings or seq_length
-        ),
+        max_sequence_length=args.max_position_embeddings or seq_length,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
@@ -343,7 +346,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
 
     args = setup.args
     try:
-        point = resume.prepare_resume(args.load, args.save)
+        point = resume.prepare_resume(setup.load, args.save)
     except FileNotFoundError as error:
         raise TrainingError(str(error)) from None
     for note in point.notes if setup.rank == 0 else ():
@@ -359,6 +362,16 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     if setup.rank == 0:
         print(f"resumed from {folder} at iteration {start}", flush=True)
     return start, consumed
+
+
+def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
+    """The model settings a checkpoint records (``model_setting_dests``), as this run used
+    them: ``--max-position-embeddings`` defaults to the sequence length here."""
+    from megatron_hybrid.training.arguments import model_setting_dests
+
+    settings = {dest: getattr(args, dest, None) for dest in model_setting_dests()}
+    settings["max_position_embeddings"] = args.max_position_embeddings or seq_length
+    return settings
 
 
 def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
@@ -436,6 +449,7 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
                     chunks,
                     optimizer,
                     pattern=args.hybrid_layer_pattern,
+                    model_settings=recorded_settings(args, setup.seq_length),
                     overwrite=args.overwrite_checkpoint,
                     consumed_samples=consumed,
                     layout=resume.layout_of(setup.pg),

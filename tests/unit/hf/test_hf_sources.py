@@ -161,3 +161,91 @@ def test_a_nonfinite_torch_dist_checkpoint_is_refused_by_name(
     assert f"(in {release}/__0_0.distcp)" in line and "experts" in line
     assert not (tmp_path / "out").exists()
     assert torch.isinf(hf_oracle.read_tensors(folder)[name]).any()
+
+
+class _Counts:
+    """How often the folder is opened, its config converted and its weights planned."""
+
+    def __init__(self, monkeypatch):
+        from megatron_hybrid.hf import api as hf_api
+        from megatron_hybrid.hf import config as hf_config
+        from megatron_hybrid.hf import io as hf_io
+
+        self.opened = self.converted = self.planned = 0
+        init, convert = hf_io.HFCheckpoint.__init__, hf_config.convert_config
+        plan = hf_weights.build_plan
+
+        def counting_init(this, *args, **kwargs):
+            self.opened += 1
+            init(this, *args, **kwargs)
+
+        def counting_convert(*args, **kwargs):
+            self.converted += 1
+            return convert(*args, **kwargs)
+
+        def counting_plan(*args, **kwargs):
+            self.planned += 1
+            return plan(*args, **kwargs)
+
+        monkeypatch.setattr(hf_io.HFCheckpoint, "__init__", counting_init)
+        monkeypatch.setattr(hf_config, "convert_config", counting_convert)
+        monkeypatch.setattr(hf_weights, "build_plan", counting_plan)
+        monkeypatch.setattr(hf_api, "build_plan", counting_plan)
+
+    def __call__(self) -> tuple[int, int, int]:
+        return self.opened, self.converted, self.planned
+
+
+def test_convert_opens_converts_and_plans_once(source, tmp_path, pg, capsys, monkeypatch):
+    counts = _Counts(monkeypatch)
+    code, _, err = _convert(capsys, "--from-hf", str(source), "--save", str(tmp_path / "ckpt"))
+    assert code == 0, err
+    assert counts() == (1, 1, 1)
+
+
+def test_negative_control_the_counts_see_a_second_pass(source, pg, monkeypatch):
+    """A dry run followed by a plain load (how convert used to work) is counted twice."""
+    from megatron_hybrid.hf import dry_run
+
+    counts = _Counts(monkeypatch)
+    dry_run(source)
+    load_hf_model(source)
+    assert counts() == (2, 2, 2)
+
+
+def test_load_hf_settings_are_read_once_and_the_flags_left_alone(source, monkeypatch):
+    """--load-hf: the conversion's settings are validated (a message names its real expert
+    count) and the config is built once from the conversion and the training flags, without
+    writing the architecture into the parsed flags or building a config of them first."""
+    import copy
+
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.runtime import select_backend
+    from megatron_hybrid.training import config as training_config
+    from megatron_hybrid.training import run
+    from megatron_hybrid.training.hf_source import hf_source
+    from megatron_hybrid.training.validation import SettingsError, validate_settings
+
+    parser = build_parser(load_commands())
+    args = parser.parse_args(["train", "--load-hf", str(source), "--expert-model-parallel-size",
+                              "3", "--moe-aux-loss-coeff", "0.01"])  # fmt: skip
+    before = copy.deepcopy(vars(args))
+    hf = hf_source(args)
+    assert vars(args) == before  # nothing written back into the flags
+    experts = hf.conversion.config_kwargs["num_moe_experts"]
+    effective = hf.applied_to(args)
+    assert effective.num_experts == experts and args.num_experts is None
+    assert effective.hybrid_layer_pattern == hf.conversion.pattern.pattern
+    assert args.hybrid_layer_pattern is None
+    with pytest.raises(SettingsError, match=rf"--num-experts {experts} is not divisible by "
+                       r"--expert-model-parallel-size 3"):  # fmt: skip
+        validate_settings(effective, world_size=3)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a config of the flags was built")
+
+    monkeypatch.setattr(training_config, "hybrid_config_from_args", refuse)
+    config = run._model_config(effective, hf, select_backend("cpu"))
+    assert config.num_moe_experts == experts and config.moe_aux_loss_coeff == 0.01
+    assert config.expert_model_parallel_size == 3
+    assert config.hidden_size == hf.conversion.config_kwargs["hidden_size"]
