@@ -313,8 +313,8 @@ def write(
     if exists.item() and not overwrite:
         where = folder if folder.exists() else root
         raise CheckpointExistsError(
-            f"{where} already holds a checkpoint; pass --overwrite-checkpoint (Python: "
-            "overwrite=True) to replace it or choose another --save directory"
+            f"{where} already holds a checkpoint; save to another directory, or replace it "
+            "(train's --overwrite-checkpoint, overwrite=True in Python)"
         )
     first = torch.distributed.get_rank(group) == 0
     if first:
