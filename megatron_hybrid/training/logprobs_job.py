@@ -56,23 +56,19 @@ def read_sequences(path) -> list[list[int]]:
 def _load_weights(args, chunks, source, rank: int) -> None:
     """A ``train`` checkpoint's model weights (no optimizer), checked against the model first."""
     if source is not None and not source.resumed:
-        return  # build_chunks loaded the Hugging Face weights
+        return  # build_chunks loaded the Hugging Face weights (or the converted checkpoint's)
     from megatron_hybrid.hf.dist import load_model_state
-    from megatron_hybrid.training.resume import find_resume_folder
+    from megatron_hybrid.training.resume import prepare_resume
     from megatron_hybrid.training.run import check_resume_compatible
 
-    if not args.load:
-        raise ValueError(
-            "logprobs scores a trained model: give --load-hf HF_DIR or --load CHECKPOINT"
-        )
     try:
-        folder = find_resume_folder(args.load).folder
+        target = prepare_resume(args.load, None)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
-    if folder is None:
+    if target.folder is None:
         raise ValueError(f"--load {args.load} holds no checkpoint")
-    check_resume_compatible(chunks, folder, args)
-    load_model_state(chunks, folder)
+    check_resume_compatible(chunks, target.folder, args)
+    folder = load_model_state(chunks, target.folder)
     if rank == 0:
         print(f"loaded {folder}", file=sys.stderr, flush=True)
 
@@ -97,7 +93,9 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     sequences = read_sequences(args.input)  # before any process group or model exists
     if args.load_hf is None and args.load is None:
         raise ValueError("logprobs scores a trained model: give --load-hf HF_DIR or --load CKPT")
-    source = hf_source(args)
+    source = hf_source(args)  # the architecture of --load-hf or a converted checkpoint
+    if source is not None:
+        args = source.applied_to(args)
     validate_settings(args, scopes=("model", "device", "parallel"))
     backend = backend or select_backend()
     config = model_config(args, source, backend)
