@@ -11,7 +11,6 @@ tokens as they do in training.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import torch
@@ -21,32 +20,10 @@ __all__ = [
     "pack_with_gaps",
     "packing_errors",
     "random_sequences",
-    "train_config",
 ]
 
 #: Lengths that cover a single token, partial and full GDN chunks and Mamba chunk boundaries.
 PACKING_LENGTHS = (1, 5, 17, 30, 9)
-
-
-def train_config(pattern: str, *flags: str, vocab_size: int = 128, **overrides):
-    """The ``TransformerConfig`` ``train --hybrid-layer-pattern PATTERN FLAGS`` builds on a CPU.
-
-    Args:
-        pattern: the layer pattern.
-        *flags: further ``train`` flags (``"--num-experts", "4"``).
-        vocab_size: ``--vocab-size``.
-        **overrides: config fields set on top.
-    """
-    from megatron_hybrid.runtime.cpu import cpu_config_overrides
-    from megatron_hybrid.training.arguments import add_hybrid_args
-    from megatron_hybrid.training.config import hybrid_config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_hybrid_args(parser)
-    args = parser.parse_args(
-        ["--hybrid-layer-pattern", pattern, "--vocab-size", str(vocab_size), *flags]
-    )
-    return hybrid_config_from_args(args, **{**cpu_config_overrides(), **overrides})
 
 
 def random_sequences(

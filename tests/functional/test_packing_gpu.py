@@ -31,7 +31,6 @@ from megatron_hybrid.testing.packing import (  # noqa: E402
     pack_with_gaps,
     packing_errors,
     random_sequences,
-    train_config,
 )
 
 FLAGS = ("--swiglu", "--num-experts", "4", "--moe-router-topk", "2")
@@ -40,6 +39,14 @@ MLA = ("--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
 PATTERNS = {"[*E][GE][M-][*-]": FLAGS, "[+E][G-]": FLAGS + MLA}
 LAYOUTS = {"tp1": {}, "tp2": dict(tp=2), "ep2": dict(ep=2)}
 FP32_BOUND = 1e-4
+
+
+def train_config(pattern, *flags, **overrides):
+    """``train``'s config of ``pattern`` and ``flags``, with the CPU runtime's settings."""
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
+    from megatron_hybrid.training.config import config_from_flags
+
+    return config_from_flags(pattern, *flags, **{**cpu_config_overrides(), **overrides})
 
 
 def _have_te() -> bool:

@@ -16,7 +16,6 @@ from megatron_hybrid.testing.packing import (
     PACKING_LENGTHS,
     packing_errors,
     random_sequences,
-    train_config,
 )
 from megatron_hybrid.testing.spawn import run_distributed
 
@@ -29,6 +28,14 @@ PATTERNS = {"attention": ("[*E][GE][M-][*-]", FLAGS), "mla": ("[+E][G-]", FLAGS 
 PIPED = {"pp2": "[*E][GE]|[M-][*-]", "pp2-vpp2": "[*E]|[GE]|[M-]|[*-]"}
 VOCAB = 120  # the model has 128 output rows: 8 of them vocabulary padding
 EXACT = 1e-5
+
+
+def train_config(pattern, *flags, **overrides):
+    """``train``'s config of ``pattern`` and ``flags``, with the CPU runtime's settings."""
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
+    from megatron_hybrid.training.config import config_from_flags
+
+    return config_from_flags(pattern, *flags, **{**cpu_config_overrides(), **overrides})
 
 
 def _model(pg, pattern, *flags, vp_stage=None, **overrides):

@@ -98,7 +98,8 @@ def _tp2_worker(rank: int, world_size: int, logits, labels):
     lp = token_logprobs(shard, labels, tp_group=group, vocab_size=VOCAB, temperature=0.9)
     h = token_entropy(shard, tp_group=group, vocab_size=VOCAB, temperature=0.9)
     (lp.sum() + h.sum()).backward()
-    return lp.detach(), h.detach(), shard.grad
+    # numpy: tensors would travel through shared memory that the rank releases when it exits.
+    return lp.detach().numpy(), h.detach().numpy(), shard.grad.numpy()
 
 
 @pytest.mark.distributed
@@ -109,7 +110,8 @@ def test_tp2_equals_tp1_with_padding_columns_on_the_last_rank():
     lp = token_logprobs(leaf, labels, vocab_size=VOCAB, temperature=0.9)
     h = token_entropy(leaf, vocab_size=VOCAB, temperature=0.9)
     (lp.sum() + h.sum()).backward()
-    for rank, (lp2, h2, grad) in enumerate(run_distributed(_tp2_worker, 2, logits, labels)):
+    for rank, result in enumerate(run_distributed(_tp2_worker, 2, logits, labels)):
+        lp2, h2, grad = (torch.from_numpy(x) for x in result)
         torch.testing.assert_close(lp2, lp, rtol=0, atol=1e-5)
         torch.testing.assert_close(h2, h, rtol=0, atol=1e-5)
         torch.testing.assert_close(grad, leaf.grad.chunk(2, dim=-1)[rank], rtol=0, atol=5e-6)

@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron_hybrid.testing.packing import packing_errors, random_sequences, train_config
+from megatron_hybrid.testing.packing import packing_errors, random_sequences
 
 # Measured differences are <= 3e-7 (float32 rounding of differently sized matmuls); a leak moves
 # later sequences' logits by O(0.1 - 1).
@@ -32,6 +32,14 @@ SYMBOLS = {
     "-": ("--position-embedding-type", "learned_absolute"),
     "E": MOE_FLAGS + ("--position-embedding-type", "learned_absolute"),
 }
+
+
+def train_config(pattern, *flags, **overrides):
+    """``train``'s config of ``pattern`` and ``flags``, with the CPU runtime's settings."""
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
+    from megatron_hybrid.training.config import config_from_flags
+
+    return config_from_flags(pattern, *flags, **{**cpu_config_overrides(), **overrides})
 
 
 def _model(pg, pattern, *flags, **overrides):
