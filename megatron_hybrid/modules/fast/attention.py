@@ -23,8 +23,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch.nn import functional
 
 from megatron_hybrid.modules.attention import MLACoreAttention
 from megatron_hybrid.modules.fast.selection import is_causal_mask, sdpa_reason
@@ -32,7 +32,7 @@ from megatron_hybrid.modules.fast.selection import is_causal_mask, sdpa_reason
 __all__ = ["SDPACoreAttention", "SDPAMLACoreAttention", "sdpa_attention", "sdpa_packed_attention"]
 
 # SDPA is a builtin without an introspectable signature; enable_gqa came in torch 2.5.
-_HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_HAS_ENABLE_GQA = "enable_gqa" in (functional.scaled_dot_product_attention.__doc__ or "")
 
 
 def sdpa_attention(
@@ -67,7 +67,7 @@ def sdpa_attention(
         else:  # torch < 2.5
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(
+    out = functional.scaled_dot_product_attention(
         q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs
     )
     sq, batch = query.shape[0], query.shape[1]

@@ -25,10 +25,10 @@ path, override or wrap ``grouped_linear`` and add ``B_e A_e x`` for each group (
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
+from torch.nn import functional
 
 from megatron_hybrid.modules.fast.selection import grouped_gemm_reason
 
@@ -51,7 +51,7 @@ def expert_activation(config, activation_func, hidden: torch.Tensor, probs: torc
     """
     if config.bias_activation_fusion:
         weights = probs.unsqueeze(-1)
-        if activation_func == F.silu and config.gated_linear_unit:
+        if activation_func == functional.silu and config.gated_linear_unit:
             return weighted_bias_swiglu_impl(
                 hidden, None, weights, config.activation_func_fp8_input_store
             )
