@@ -19,6 +19,7 @@ import torch
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
+from megatron_hybrid.modules.flops import SequenceBatch, linear_flops
 from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
@@ -27,6 +28,7 @@ from megatron_hybrid.modules.layer_types.common import (
     delayed_wgrad_reason,
     forward_transformer_layer,
 )
+from megatron_hybrid.modules.layer_types.mlp import mlp_flops
 from megatron_hybrid.modules.registry import (
     GraphPiece,
     LayerRuntime,
@@ -35,7 +37,7 @@ from megatron_hybrid.modules.registry import (
 )
 from megatron_hybrid.pattern import MOE
 
-__all__ = ["RUNTIME", "MoEBackwardDW", "graph_pieces", "terminal_slots"]
+__all__ = ["RUNTIME", "MoEBackwardDW", "flops", "graph_pieces", "terminal_slots"]
 
 
 def _flex_backend(config) -> str | None:
@@ -203,6 +205,29 @@ def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
     return pieces
 
 
+def flops(config, batch: SequenceBatch) -> dict[str, float]:
+    """Forward FLOPs: the router, the ``moe_router_topk`` experts each token is routed to (on
+    the ``moe_latent_size`` width with its two projections, where set), the shared experts and
+    their gate."""
+    tokens, hidden = batch.tokens, config.hidden_size
+    topk, gated = config.moe_router_topk, config.gated_linear_unit
+    width = config.moe_latent_size or hidden
+    expert = mlp_flops(tokens, width, config.moe_ffn_hidden_size, gated)
+    parts = {
+        "router": linear_flops(tokens, hidden, config.num_moe_experts),
+        "experts_fc1": topk * expert["fc1"],
+        "experts_fc2": topk * expert["fc2"],
+    }
+    if config.moe_latent_size:
+        parts["latent_proj"] = 2 * linear_flops(tokens, hidden, config.moe_latent_size)
+    if config.moe_shared_expert_intermediate_size:
+        shared = mlp_flops(tokens, hidden, config.moe_shared_expert_intermediate_size, gated)
+        parts["shared_experts"] = shared["fc1"] + shared["fc2"]
+        if config.moe_shared_expert_gate:
+            parts["shared_experts"] += linear_flops(tokens, hidden, 1)
+    return parts
+
+
 RUNTIME = LayerRuntime(
     symbol=MOE,
     spec_field="moe_layer",
@@ -212,4 +237,5 @@ RUNTIME = LayerRuntime(
     terminal_slots=terminal_slots,
     backward_dw=backward_dw,
     graph_pieces=graph_pieces,
+    flops=flops,
 )
