@@ -264,8 +264,9 @@ def _patch_gated_delta_net(torch) -> None:
     except ImportError:  # pragma: no cover - megatron without the GDN module
         return
 
-    def l2norm(x, eps: float = 1e-6):
-        return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    def l2norm(x, dim: int = -1, eps: float = 1e-6):
+        # fla's signature: the torch chunked path calls l2norm(x, dim=-1, eps=1e-6).
+        return x * torch.rsqrt(x.float().pow(2).sum(dim, keepdim=True) + eps).to(x.dtype)
 
     gdn_common.l2norm = l2norm
 
