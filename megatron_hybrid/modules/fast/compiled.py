@@ -48,10 +48,11 @@ class CompiledPiece:
     Args:
         fn: a pure function of tensors and Python constants.
         name: the name its compile time is recorded under.
+        backend: ``torch.compile``'s backend (``"inductor"``: generated fused kernels).
     """
 
-    def __init__(self, fn: Callable, name: str):
-        self.fn, self.name = fn, name
+    def __init__(self, fn: Callable, name: str, backend: str = "inductor"):
+        self.fn, self.name, self.backend = fn, name, backend
         self.failure: str | None = None
         self._compiled: Callable | None = None
         self._seen: set[tuple] = set()
@@ -60,7 +61,7 @@ class CompiledPiece:
         if self.failure is not None or _dynamo_disabled():
             return self.fn(*args, **kwargs)
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=False)
+            self._compiled = torch.compile(self.fn, dynamic=False, backend=self.backend)
         signature = _signature(args, kwargs)
         new = signature not in self._seen
         began = time.perf_counter()
