@@ -119,9 +119,15 @@ def _packed_params(lengths, padded_lengths):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu_padded = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()],
                              dtype=torch.int32)  # fmt: skip
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
-                           max_seqlen_q=max(padded_lengths), max_seqlen_kv=max(padded_lengths))
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=max(padded_lengths),
+        max_seqlen_kv=max(padded_lengths),
+    )
 
 
 @pytest.mark.parametrize("bug", [None, "ignore_padding"], ids=["exact", "negative-control"])

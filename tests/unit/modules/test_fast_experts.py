@@ -67,13 +67,23 @@ def _run(module, tokens, counts, probs):
 ACTIVATIONS = [
     pytest.param({}, id="gelu"),
     pytest.param({"gated_linear_unit": True, "activation_func": F.silu}, id="swiglu"),
-    pytest.param({"gated_linear_unit": True, "activation_func": F.silu,
-                  "bias_activation_fusion": True}, id="swiglu-fused"),  # fmt: skip
-    pytest.param({"gated_linear_unit": True, "activation_func": F.silu,
-                  "activation_func_clamp_value": 0.5, "glu_linear_offset": 1.0},
-                 id="swiglu-clamp-offset"),  # fmt: skip
-    pytest.param({"moe_router_topk": 1, "moe_router_pre_softmax": True,
-                  "moe_apply_probs_on_input": True}, id="probs-on-input"),  # fmt: skip,
+    pytest.param(
+        {"gated_linear_unit": True, "activation_func": F.silu, "bias_activation_fusion": True},
+        id="swiglu-fused",
+    ),
+    pytest.param(
+        {
+            "gated_linear_unit": True,
+            "activation_func": F.silu,
+            "activation_func_clamp_value": 0.5,
+            "glu_linear_offset": 1.0,
+        },
+        id="swiglu-clamp-offset",
+    ),
+    pytest.param(
+        {"moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_apply_probs_on_input": True},
+        id="probs-on-input",
+    ),
 ]
 
 
@@ -106,7 +116,9 @@ def test_wrong_offsets_are_caught(pg, monkeypatch):
     from megatron_hybrid.modules.fast import experts
 
     config = _config()
-    fast, ref = _experts(pg, experts.GroupedGemmExperts, config), _experts(pg, SequentialMLP, config)
+    fast, ref = _experts(pg, experts.GroupedGemmExperts, config), _experts(
+        pg, SequentialMLP, config
+    )
     right = experts.group_offsets
     monkeypatch.setattr(experts, "group_offsets", lambda c, d: right(c.roll(1), d))
     fast_run, ref_run = _run(fast, *_inputs(torch.float32)), _run(ref, *_inputs(torch.float32))
@@ -139,9 +151,11 @@ def test_same_parameters_and_checkpoint_keys_as_sequential_mlp(pg):
     [
         pytest.param({"add_bias_linear": True}, "expert biases", id="bias"),
         pytest.param({"moe_ffn_hidden_size": 10}, "not a multiple of 4", id="unaligned-width"),
-        pytest.param({"num_moe_experts": 1, "moe_router_topk": 1, "moe_router_pre_softmax": True},
-                     "one local expert",
-                     id="one-expert"),  # fmt: skip
+        pytest.param(
+            {"num_moe_experts": 1, "moe_router_topk": 1, "moe_router_pre_softmax": True},
+            "one local expert",
+            id="one-expert",
+        ),
     ],
 )
 def test_unsupported_experts_run_the_reference(pg, overrides, reason):

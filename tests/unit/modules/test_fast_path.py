@@ -84,8 +84,15 @@ def _config(pattern: str):
     from megatron.core.transformer import MLATransformerConfig
 
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    fields.update(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
-                  qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope")
+    fields.update(
+        multi_latent_attention=True,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_head_dim=16,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=16,
+        rope_type="rope",
+    )
     return MLATransformerConfig(**fields)  # fmt: skip
 
 
