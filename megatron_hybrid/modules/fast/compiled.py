@@ -7,7 +7,8 @@ unsupported operation, a Triton that inductor does not know), so :class:`Compile
 
 * compiles lazily on the first call, ``dynamic=False`` (one graph per input shape);
 * runs the eager function instead where TorchDynamo is disabled (the CPU runtime back-end
-  disables it) or a compilation failed, with the failure kept in ``failure`` and warned once;
+  disables it), where ``MEGATRON_HYBRID_COMPILE=0`` is set in the environment, or where a
+  compilation failed, with the failure kept in ``failure`` and warned once;
 * times each call that compiled (the first call per input signature) into
   :data:`COMPILE_SECONDS`, which benchmarks report. The backward graph is compiled during the
   first backward and is not in these times; it shows in the first step's time.
@@ -15,6 +16,7 @@ unsupported operation, a Triton that inductor does not know), so :class:`Compile
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -30,7 +32,7 @@ COMPILE_SECONDS: dict[str, float] = {}
 def _dynamo_disabled() -> bool:
     import torch._dynamo
 
-    return bool(torch._dynamo.config.disable)
+    return bool(torch._dynamo.config.disable) or os.environ.get("MEGATRON_HYBRID_COMPILE") == "0"
 
 
 def _signature(args, kwargs) -> tuple:
