@@ -271,7 +271,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
         "step_tflop": flops.step / 1e12,
         "tflop_by_part": {k: 3 * v / 1e12 for k, v in flops.by_symbol().items()},
         "mfu": flops.mfu(median, peak),
-        "gdn_kernel": ("torch" if deterministic else "fla") if "G" in pattern else None,
+        "gdn_kernel": _gdn_label(impl, deterministic) if "G" in pattern else None,
         "compile_s": {k: v - compiled_before.get(k, 0.0) for k, v in COMPILE_SECONDS.items()
                       if v != compiled_before.get(k, 0.0)},  # fmt: skip
     }
@@ -301,6 +301,13 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     return result  # the model goes with this frame; the caller collects it
 
 
+def _gdn_label(impl: str, deterministic: bool) -> str:
+    """What GatedDeltaNet ran: fla's kernels, the fast path's scan or megatron's torch loop."""
+    if not deterministic:
+        return "fla"
+    return "torch scan" if impl == "fast" else "torch loop"
+
+
 def _fmt(value, spec=".3f") -> str:
     return "—" if value is None else format(value, spec)
 
@@ -324,8 +331,9 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]  # fmt: skip
     for run, r in results.items():
+        label = run if not r.get("gdn_kernel") else f"{run} ({r['gdn_kernel']})"
         lines.append(
-            f"| {run} | {r['median_s']:.4f} | {r['first_step_s']:.2f} | {r['tokens_per_s']:,.0f} "
+            f"| {label} | {r['median_s']:.4f} | {r['first_step_s']:.2f} | {r['tokens_per_s']:,.0f} "
             f"| {r['peak_gib']:.2f} | {r['step_tflop']:.2f} | {r['mfu']:.4f} "
             f"| {_fmt(r.get('gpu_busy'))} | {r.get('kernels_per_step', '—')} |"
         )

@@ -42,7 +42,7 @@ def test_tiny_run_writes_results_with_model_flops(tmp_path):
     assert fast["step_tflop"] * 1e12 == pytest.approx(3 * forward)
     assert fast["mfu"] == pytest.approx(fast["step_tflop"] * 1e12 / fast["median_s"] / 1e12)
     assert fast["fast_path"] and all(line.endswith(": fast") for line in fast["fast_path"])
-    assert data["results"]["ge/fast"]["gdn_kernel"] == "torch"
+    assert data["results"]["ge/fast"]["gdn_kernel"] == "torch scan"
     assert "fast_path" not in data["results"]["star_e/reference"]
     table = (tmp_path / "mfu_tiny_CPU.md").read_text()
     assert "| star_e/fast |" in table and "| ge / star_e fast step time <= 1.15 |" in table
