@@ -14,6 +14,7 @@ idle time, non-matmul kernels and matmul efficiency.
 
 Patterns (``--patterns``): ``star_e`` ``[*E]{L}``, ``ge`` ``[GE]{L}``, ``me`` ``[ME]{L}``,
 ``plus_e`` ``[+E]{L}``. Implementations: ``fast`` (``local`` backend, fast TE-free path),
+``fast-graphs`` (the same with the package's CUDA graphs of the layers' compute pieces),
 ``reference`` (``local`` backend, megatron-core's modules), ``te`` (the ``te`` spec, grouped-GEMM
 experts), ``gpt-te`` / ``gpt-local`` (GPTModel with the same layers; ``*`` and ``+`` only).
 TE runs are skipped where TransformerEngine is not importable. Every run uses the same
@@ -45,7 +46,7 @@ from trace_summary import kernel_breakdown, summarize_trace
 CUDA = torch.cuda.is_available()
 
 PATTERNS = {"star_e": "[*E]", "ge": "[GE]", "me": "[ME]", "plus_e": "[+E]"}
-IMPLS = ("fast", "reference", "te", "gpt-te", "gpt-local")
+IMPLS = ("fast", "fast-graphs", "reference", "te", "gpt-te", "gpt-local")
 GPT_PATTERNS = ("star_e", "plus_e")  # GPTModel has no GatedDeltaNet or Mamba layers
 
 SHAPES = {
@@ -180,6 +181,9 @@ def build_model(shape, pattern: str, impl: str, config, pg):
         model = build_gpt_twin(config, pattern, pg, backend=impl[4:], **kwargs)
     elif impl == "te":
         model = build_hybrid(config, pattern, pg, backend="te", **kwargs)
+    elif impl == "fast-graphs":
+        model = build_hybrid(config, pattern, pg, backend="local", local_impl="fast",
+                             hybrid_cuda_graphs=True, **kwargs)  # fmt: skip
     else:
         model = build_hybrid(config, pattern, pg, backend="local", local_impl=impl, **kwargs)
     device = "cuda" if CUDA else "cpu"
@@ -278,6 +282,9 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     report = fast_path_report(inner)
     if report:
         result["fast_path"] = sorted({f"{k.split('.')[-1]}: {v}" for k, v in report.items()})
+    graphs = getattr(inner, "hybrid_cuda_graphs", None)
+    if graphs is not None:
+        result["cuda_graphs"] = graphs.summary().splitlines()
     if CUDA and not args.no_profile:
         model.zero_grad(set_to_none=True)
         summary, breakdown = profile(step)
@@ -341,7 +348,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     for label, value, bound, op in targets:
         lines.append(f"| {label} | {_fmt(value)} | {_met(value, bound, op)} |")
     for run, r in results.items():
-        if "distance" not in r and "fast_path" not in r and not r.get("compile_s"):
+        if not ({"distance", "fast_path", "cuda_graphs"} & set(r) or r.get("compile_s")):
             continue
         lines += ["", f"## {run}", ""]
         if "distance" in r:
@@ -367,6 +374,8 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
                 f"{k} {v:.1f}" for k, v in r["compile_s"].items())]  # fmt: skip
         if r.get("fast_path"):
             lines += ["", "Fast modules: " + "; ".join(r["fast_path"])]
+        if r.get("cuda_graphs"):
+            lines += ["", "CUDA graphs:", "", *(f"* {line}" for line in r["cuda_graphs"])]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[: 8 + len(results) + 3 + len(targets)]), flush=True)
 
@@ -381,7 +390,8 @@ def default_runs(te: bool) -> list[tuple[str, str]]:
     runs = [(name, "fast") for name in PATTERNS] + [("star_e", "reference")]
     if te:
         runs += [(name, "te") for name in PATTERNS] + [("star_e", "gpt-te")]
-    return runs
+    # Last: a capture that fails can leave the CUDA generator registered with the failed graph.
+    return runs + [("star_e", "fast-graphs"), ("ge", "fast-graphs")]
 
 
 def parse_runs(parser, values: list[str] | None, te: bool) -> list[tuple[str, str]]:
@@ -406,8 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="issue" if CUDA else "tiny")
     parser.add_argument("--runs", nargs="+", metavar="PATTERN/IMPL",
                         help="runs to measure, e.g. star_e/fast ge/te (default: every pattern "
-                        "fast, star_e reference, and where TE is importable every pattern te "
-                        "and star_e gpt-te)")  # fmt: skip
+                        "fast, star_e reference, where TE is importable every pattern te and "
+                        "star_e gpt-te, then star_e and ge fast-graphs)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="2 warm-up and 4 timed steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)

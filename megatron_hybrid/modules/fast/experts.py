@@ -84,6 +84,10 @@ class GroupedGemmExperts(SequentialMLP):
     """
 
     fast_path_reason: str | None = "not run"
+    #: The grouped path reads ``tokens_per_expert`` on the device only (no ``.tolist()``), so
+    #: with a dispatcher that keeps them there its inputs have fixed shapes and CUDA graphs may
+    #: capture it (``modules/layer_types/moe.py``).
+    takes_device_counts = True
 
     def grouped_linear(
         self, name: str, tokens: torch.Tensor, offsets: torch.Tensor

@@ -181,20 +181,33 @@ _DYNAMIC_TOKENS = (
 _COMMUNICATION = "all-to-all communication with data-dependent split sizes read on the host"
 
 
+def _experts_reason(moe: nn.Module) -> str | None:
+    """Why the routed experts stay eager, or None where their inputs have fixed shapes and no
+    host copy: a dispatcher that keeps the token counts on the device (the fast path's at EP 1)
+    feeding experts that read them there (``takes_device_counts``: grouped-GEMM experts)."""
+    dispatcher_copies = getattr(moe.token_dispatcher, "fast_path_reason", "megatron's")
+    if dispatcher_copies is None and getattr(moe.experts, "takes_device_counts", False):
+        return delayed_wgrad_reason(moe.experts)
+    return _DYNAMIC_TOKENS
+
+
 def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
-    """The router and the shared experts are captured; dispatch, experts and combine are not.
+    """The router and the shared experts are captured; dispatch and combine are not; the routed
+    experts only where nothing reads the token counts on the host.
 
     The router maps ``[tokens, hidden]`` to fixed-shape probabilities and a routing map, with no
     host sync. Dispatch preprocessing (``MoELayer.preprocess``) of the ``alltoall`` dispatcher
     counts tokens per expert and copies the split sizes to the host for the all-to-all
-    (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it.
+    (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it,
+    except on the fast path at EP 1, where the counts stay on the device and the grouped-GEMM
+    experts' inputs have fixed shapes (``tokens x top-k`` rows).
     """
     moe = layer.mlp
     pieces = {
         "router": GraphPiece(moe.router, delayed_wgrad_reason(moe.router)),
         "dispatch_preprocess": GraphPiece(moe, _DYNAMIC_TOKENS),
         "dispatch": GraphPiece(moe, _COMMUNICATION),
-        "experts": GraphPiece(moe.experts, _DYNAMIC_TOKENS),
+        "experts": GraphPiece(moe.experts, _experts_reason(moe)),
         "combine": GraphPiece(moe, _COMMUNICATION),
     }
     if moe.use_shared_expert:
