@@ -488,7 +488,9 @@ def with_mixer_params(stack_spec, params: dict):
 
     field = layer_runtime(MAMBA).spec_field
     layer = getattr(stack_spec.submodules, field, None)
-    if not params or layer is None or layer.submodules.mixer.module is not TorchMambaMixer:
+    mixer_class = layer.submodules.mixer.module if layer is not None else None
+    torch_path = isinstance(mixer_class, type) and issubclass(mixer_class, TorchMambaMixer)
+    if not params or not torch_path:  # the fast path's mixer is a TorchMambaMixer too
         return stack_spec
     mixer = layer.submodules.mixer
     mixer = dataclasses.replace(mixer, params={**(mixer.params or {}), **params})
