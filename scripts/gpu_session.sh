@@ -145,11 +145,11 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
     mfu)
-      timeout "${FAST_TEST_TIMEOUT:-240}" torchrun --nproc_per_node 1 -m pytest -q -s \
+      timeout "${FAST_TEST_TIMEOUT:-180}" torchrun --nproc_per_node 1 -m pytest -q -s \
         -p no:cacheprovider -W ignore tests/functional/test_fast_path_gpu.py 2>&1 | quiet \
         | tee "$OUT/fast_path.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py --out "$OUT" --quick \
+      timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick \
         ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu-large)

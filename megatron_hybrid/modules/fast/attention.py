@@ -20,14 +20,12 @@ zero output.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch.nn import functional
 
 from megatron_hybrid.modules.attention import MLACoreAttention
-from megatron_hybrid.modules.fast.selection import is_causal_mask, sdpa_reason
+from megatron_hybrid.modules.fast.selection import host_values, is_causal_mask, sdpa_reason
 
 __all__ = ["SDPACoreAttention", "SDPAMLACoreAttention", "sdpa_attention", "sdpa_packed_attention"]
 
@@ -74,21 +72,6 @@ def sdpa_attention(
     return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
-_HOST_OFFSETS: dict[int, tuple[weakref.ref, list[int]]] = {}
-
-
-def _host_list(tensor: torch.Tensor) -> list[int]:
-    """``tensor.tolist()``, cached for as long as that tensor lives (one host copy per batch)."""
-    key = id(tensor)
-    cached = _HOST_OFFSETS.get(key)
-    if cached is not None and cached[0]() is tensor:
-        return cached[1]
-    values = tensor.tolist()
-    _HOST_OFFSETS[key] = (weakref.ref(tensor, lambda _, key=key: _HOST_OFFSETS.pop(key, None)),
-                          values)  # fmt: skip
-    return values
-
-
 def sdpa_packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -111,9 +94,9 @@ def sdpa_packed_attention(
         causal: causal mask within each sequence.
         dropout_p: dropout probability on the attention weights.
     """
-    lengths = _host_list(packed_seq_params.cu_seqlens_q)
+    lengths = host_values(packed_seq_params.cu_seqlens_q)
     padded = packed_seq_params.cu_seqlens_q_padded
-    starts = _host_list(padded) if padded is not None else lengths
+    starts = host_values(padded) if padded is not None else lengths
     total = query.shape[0]
     width = query.shape[1] * value.shape[-1]
     pieces, position = [], 0

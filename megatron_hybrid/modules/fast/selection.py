@@ -17,6 +17,7 @@ act on.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "fast_path_report",
     "gdn_rule_choice",
     "grouped_gemm_reason",
+    "host_values",
     "is_causal_mask",
     "resolve_local_impl",
     "sdpa_reason",
@@ -76,13 +78,13 @@ def sdpa_reason(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
         return f"softmax_type={config.softmax_type!r} (a learnable or off-by-one softmax sink)"
     thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
     if thd:
-        same = (
-            packed_seq_params.cu_seqlens_kv is packed_seq_params.cu_seqlens_q
-            or packed_seq_params.cu_seqlens_kv is None
-            or torch.equal(packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_q)
-        )
-        if not same:
-            return "packed sequences whose key lengths differ from their query lengths"
+        for q_name in ("cu_seqlens_q", "cu_seqlens_q_padded"):
+            q_offsets = getattr(packed_seq_params, q_name)
+            kv_offsets = getattr(packed_seq_params, q_name.replace("_q", "_kv"))
+            if kv_offsets is None or kv_offsets is q_offsets:
+                continue
+            if q_offsets is None or host_values(kv_offsets) != host_values(q_offsets):
+                return "packed sequences whose key lengths differ from their query lengths"
         return None
     causal = attention_mask is None and is_causal_mask(attn_mask_type or module.attn_mask_type)
     if causal and query.shape[0] != key.shape[0]:
@@ -91,6 +93,25 @@ def sdpa_reason(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
             "aligns it top-left, megatron bottom-right)"
         )
     return None
+
+
+_HOST_VALUES: dict[int, tuple[weakref.ref, list[int]]] = {}
+
+
+def host_values(tensor: torch.Tensor) -> list[int]:
+    """``tensor.tolist()``, read once for as long as that tensor lives.
+
+    A packed batch's ``cu_seqlens`` is one tensor that every layer of a forward receives, so the
+    device-to-host copy (a synchronisation) happens once per micro-batch, not once per layer.
+    """
+    key = id(tensor)
+    cached = _HOST_VALUES.get(key)
+    if cached is not None and cached[0]() is tensor:
+        return cached[1]
+    values = tensor.tolist()
+    _HOST_VALUES[key] = (weakref.ref(tensor, lambda _, key=key: _HOST_VALUES.pop(key, None)),
+                         values)  # fmt: skip
+    return values
 
 
 def is_causal_mask(mask_type) -> bool:

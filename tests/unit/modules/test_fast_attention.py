@@ -198,13 +198,17 @@ def test_plain_causal_call_takes_the_fast_path(pg):
     assert selection.sdpa_reason(fast, q, k, None, None, None, None) is None
     longer_keys = torch.randn(10, 1, 4, 16)
     assert "top-left" in selection.sdpa_reason(fast, q, longer_keys, None, None, None, None)
+    packed = _packed_params([3, 5], [4, 4])
+    assert selection.sdpa_reason(fast, q, k, None, None, None, packed) is None
+    packed.cu_seqlens_kv = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert "key lengths differ" in selection.sdpa_reason(fast, q, k, None, None, None, packed)
 
 
 def test_host_offsets_are_read_once_per_tensor():
-    from megatron_hybrid.modules.fast import attention
+    from megatron_hybrid.modules.fast.selection import host_values
 
     first = torch.tensor([0, 3, 5])
-    assert attention._host_list(first) == [0, 3, 5]
-    first[1] = 4  # a cached copy would keep 3: the cache is per tensor, read once per batch
-    assert attention._host_list(first) == [0, 3, 5]
-    assert attention._host_list(torch.tensor([0, 4, 5])) == [0, 4, 5]
+    assert host_values(first) == [0, 3, 5]
+    first[1] = 4  # a cached copy keeps 3: the cache is per tensor, read once per batch
+    assert host_values(first) == [0, 3, 5]
+    assert host_values(torch.tensor([0, 4, 5])) == [0, 4, 5]
