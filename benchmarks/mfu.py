@@ -315,7 +315,7 @@ def _gdn_label(impl: str, deterministic: bool) -> str:
     """What GatedDeltaNet ran: fla's kernels, the fast path's scan or megatron's torch loop."""
     if not deterministic:
         return "fla"
-    return "torch scan" if impl == "fast" else "torch loop"
+    return "torch scan" if impl.startswith("fast") else "torch loop"
 
 
 def _fmt(value, spec=".3f") -> str:
