@@ -150,13 +150,14 @@ def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):
     assert torch.equal(eager(x, 2.0), piece(x, 2.0))  # dynamo disabled by the CPU runtime
     assert "test_piece_eager" not in compiled.COMPILE_SECONDS
 
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
-    traced = compiled.CompiledPiece(piece, "test_piece", backend="eager")
-    torch.testing.assert_close(traced(x, 2.0), piece(x, 2.0))
-    traced(x, 2.0)  # same signature: no second compile recorded
-    first = compiled.COMPILE_SECONDS["test_piece"]
-    traced(torch.randn(5, 4), 2.0)
-    assert compiled.COMPILE_SECONDS["test_piece"] > first and traced.failure is None
+    # The config's own patch context: it restores the setting (monkeypatch would delete it).
+    with torch._dynamo.config.patch(disable=False):
+        traced = compiled.CompiledPiece(piece, "test_piece", backend="eager")
+        torch.testing.assert_close(traced(x, 2.0), piece(x, 2.0))
+        traced(x, 2.0)  # same signature: no second compile recorded
+        first = compiled.COMPILE_SECONDS["test_piece"]
+        traced(torch.randn(5, 4), 2.0)
+        assert compiled.COMPILE_SECONDS["test_piece"] > first and traced.failure is None
 
     def broken(*args, **kwargs):
         def fail(*a, **k):
@@ -166,7 +167,7 @@ def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):
 
     monkeypatch.setattr(torch, "compile", broken)
     failing = compiled.CompiledPiece(piece, "test_piece_broken")
-    with warnings.catch_warnings(record=True) as caught:
+    with torch._dynamo.config.patch(disable=False), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = failing(x, 2.0)
     assert torch.equal(out, piece(x, 2.0))
