@@ -37,12 +37,14 @@ import torch
 from torch.nn.functional import softplus
 
 __all__ = [
+    "RULE_TENSORS",
     "GateReport",
     "cauchy_schwarz_bound",
     "gate_gradients",
     "gate_report",
     "gate_weights",
     "record_gates",
+    "replay_rule",
 ]
 
 
@@ -206,12 +208,35 @@ def gate_report(
     )
 
 
+#: The gradients (and output) :func:`replay_rule` returns, by the name of what they belong to.
+RULE_TENSORS = ("out", "q", "k", "v", "g", "beta")
+
+
+def replay_rule(rule: Callable, call: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Run ``rule`` again on one recorded call (:func:`record_gates`), forward and backward.
+
+    ``q, k, v, beta`` and the output gradient go in as ``dtype`` (rounded, for a bf16 run of a
+    float32 recording), ``g`` in float32 as the layer passes it (float64 in a float64 run).
+    Returns float64 ``out`` and the gradients ``q, k, v, g, beta`` (:data:`RULE_TENSORS`).
+    """
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    inputs = {name: call[name].to(dtype).clone().requires_grad_() for name in ("q", "k", "v")}
+    inputs["g"] = call["g"].to(wide).clone().requires_grad_()
+    inputs["beta"] = call["beta"].to(dtype).clone().requires_grad_()
+    out = rule(*(inputs[name] for name in ("q", "k", "v", "g", "beta")))
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(call["do"].to(out.dtype))
+    return {"out": out.detach().double(), **{n: t.grad.double() for n, t in inputs.items()}}
+
+
 @contextlib.contextmanager
 def record_gates(model: torch.nn.Module) -> Iterator[list[dict]]:
     """Record ``g``, ``dg`` and the gate inputs of every GatedDeltaNet layer of ``model``.
 
     Yields a list that gets one dict per layer call: ``g`` (float64, detached), ``dg`` (filled
-    by the backward pass) and ``layer`` (the module, for its ``A_log``/``dt_bias``). The layers'
+    by the backward pass), ``layer`` (the module, for its ``A_log``/``dt_bias``), and the rule's
+    other inputs ``q``, ``k``, ``v``, ``beta`` and its output gradient ``do`` (detached, in
+    their dtypes), so that the rule can be run again on exactly what it got. The layers'
     ``gated_delta_rule`` is wrapped for the duration.
     """
     calls: list[dict] = []
@@ -221,10 +246,16 @@ def record_gates(model: torch.nn.Module) -> Iterator[list[dict]]:
     def wrap(layer, rule):
         def recorded(q, k, v, g=None, beta=None, **kwargs):
             entry = {"layer": layer, "g": g.detach().double()}
+            rule_inputs = dict(q=q, k=k, v=v, beta=beta)
+            entry.update((name, t.detach().clone()) for name, t in rule_inputs.items())
             calls.append(entry)
             if g.requires_grad:
                 g.register_hook(lambda grad: entry.__setitem__("dg", grad.detach().double()))
-            return rule(q, k, v, g=g, beta=beta, **kwargs)
+            out = rule(q, k, v, g=g, beta=beta, **kwargs)
+            core = out[0] if isinstance(out, tuple) else out
+            if core.requires_grad:
+                core.register_hook(lambda grad: entry.__setitem__("do", grad.detach().clone()))
+            return out
 
         return recorded
 
