@@ -25,8 +25,9 @@
 #   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
 #                kernels, Mamba's kernels where built and TE's attention where installed, and
 #                forward_logprobs (forward only: no Triton staging needed; one fla config each)
-#   gdn-gates    the [GE]{2} GatedDeltaNet gate-gradient check alone (fla bf16 and float32 vs the
-#                torch path, the principled bound; one GPU, /tmp/tsite's Triton, one fla config)
+#   gdn-gates    the [GE]{2} GatedDeltaNet gate-gradient check alone (fla bf16 and float32, as
+#                shipped and with an IEEE WY-inverse merge, vs the torch path; replays against
+#                float64; one GPU, /tmp/tsite's Triton, one fla config)
 #   logprobs     benchmarks/logprobs.py: forward_logprobs packed vs padded, one GPU
 #                ($LOGPROBS_ARGS)
 #   mfu          the fast TE-free path: its numerics against the reference path
@@ -98,7 +99,7 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       TRITON_F32_DEFAULT=ieee with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s \
         -p no:cacheprovider -W ignore \
-        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        tests/functional/test_gdn_gates_gpu.py \
         2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-ge|bench-ge-nop2p)
@@ -162,7 +163,7 @@ for part in "$@"; do
       TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 PYTHONPATH=$TSITE:$PYTHONPATH \
         timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 -m pytest -q -s \
         -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
-        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        tests/functional/test_gdn_gates_gpu.py \
         2>&1 | quiet | tee "$OUT/gdn_gates.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     logprobs)
