@@ -264,8 +264,8 @@ def save_peft_adapter(
     config = lora_config_dict(model, format=format, base_model_name_or_path=source, group=group)
     tensors = {}
     for name, tensor in iter_lora_weights(model, format=format, dtype=dtype, group=group):
-        if writer:
-            tensors[name] = tensor.detach().to("cpu").contiguous()
+        if writer:  # own memory: shared-A pieces are views of one tensor
+            tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
     if not writer:
         return None
     out = Path(out)
