@@ -4,13 +4,14 @@ the shared-A and per-expert variants."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import peft_oracle
 import pytest
 import torch
 from test_peft_oracle import MAX_ABS, REL_L2, errors, logits_of
 
-from megatron_hybrid.hf import load_hf_model
+from megatron_hybrid.hf import iter_hf_weights, load_hf_model
 from megatron_hybrid.peft import (
     LoRAConfig,
     LoRAConfigError,
@@ -201,3 +202,28 @@ def test_config_round_trips_through_a_dict():
     config = LoRAConfig(rank=8, alpha=16, targets=["linear_qkv"], exclude=["mtp.*"])
     assert LoRAConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     assert config.scale == 2.0 and LoRAConfig(rank=4, alpha=8, use_rslora=True).scale == 4.0
+
+
+def test_mtp_layers_take_adapters_and_export_merged(cases, pg, tmp_path):
+    import hf_oracle
+
+    folder = tmp_path / "mtp"
+    shutil.copytree(cases["qwen3_5_moe"].hf, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    hf_oracle.add_fake_mtp_tensors(folder, "qwen3_5_moe")
+    model = apply_lora(load_hf_model(folder), LoRAConfig(rank=4, alpha=8))
+    mtp = [c for c in model.lora_state.adapted if c.path.startswith("mtp.")]
+    assert {c.name for c in mtp} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    _randomise(model)
+    with pytest.raises(LoRAConfigError, match="MTP layer.*merge_lora=True"):
+        save_peft_adapter(model, tmp_path / "x")
+    base = dict(iter_hf_weights(load_hf_model(folder)))
+    merged = dict(iter_hf_weights(model, merge_lora=True))
+    assert not torch.equal(
+        merged["mtp.layers.0.self_attn.q_proj.weight"], base["mtp.layers.0.self_attn.q_proj.weight"]
+    )
+    assert torch.equal(merged["mtp.fc.weight"], base["mtp.fc.weight"])  # eh_proj: no adapter
+    without = apply_lora(load_hf_model(folder), LoRAConfig(rank=4, alpha=8, exclude=["mtp.*"]))
+    assert not any(c.path.startswith("mtp.") for c in without.lora_state.adapted)
+    save_peft_adapter(without, tmp_path / "no_mtp")

@@ -232,6 +232,4 @@ def test_config_names_every_adapted_module(cases, pg):
     assert {"gate_proj.weight", "up_proj.weight", "down_proj.weight"} <= set(
         config["target_parameters"]
     )
-    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(
-        config["target_parameters"]
-    )
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= set(config["target_parameters"])

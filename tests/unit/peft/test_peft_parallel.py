@@ -117,11 +117,15 @@ def _layout(cases, input_ids, layout, reference_grads):
             wrong=sorted(n for n in file if not torch.equal(streamed.get(n), file[n])),
             merged=max((merged_stream[n] - t).abs().max().item() for n, t in merged.items()),
             merged_names=set(merged_stream) == set(merged),
-            grads=None
-            if grads is None
-            else max(
-                ((g - reference_grads[family][n]).norm() / reference_grads[family][n].norm()).item()
-                for n, g in grads.items()
+            grads=(
+                None
+                if grads is None
+                else max(
+                    (
+                        (g - reference_grads[family][n]).norm() / reference_grads[family][n].norm()
+                    ).item()
+                    for n, g in grads.items()
+                )
             ),
             grad_names=grads is None or set(grads) == set(reference_grads[family]),
         )
