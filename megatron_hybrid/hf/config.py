@@ -22,6 +22,7 @@ __all__ = [
     "Family",
     "HFConfigError",
     "HFConversion",
+    "convert_config",
     "family_for",
     "family_named",
     "hf_config_to_megatron",
@@ -194,6 +195,31 @@ def text_config(hf_config: dict) -> dict:
     return dict(hf_config)
 
 
+def convert_config(
+    hf_config: dict,
+    *,
+    mtp: bool | None = None,
+    has_tensor: Callable[[str], bool] | None = None,
+) -> HFConversion:
+    """The family's translation of a config.json dict, its unsupported fields listed in
+    ``conversion.unsupported`` rather than refused (``dry_run`` reports them).
+
+    Raises:
+        HFConfigError: the family is unknown, a required field is missing, or a field has a
+            value of the wrong kind (one message, naming it).
+    """
+    family = family_for(hf_config)
+    try:
+        return family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
+    except HFConfigError as error:
+        raise HFConfigError(f"the {family.name} config cannot be converted: {error}") from None
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as error:
+        raise HFConfigError(
+            f"the {family.name} config has a field of the wrong kind or value "
+            f"({type(error).__name__}: {error}); is config.json complete and unedited?"
+        ) from None
+
+
 def hf_config_to_megatron(
     hf_config: dict,
     *,
@@ -213,7 +239,7 @@ def hf_config_to_megatron(
         HFConfigError: the family is unknown or a field cannot be mapped (message names it).
     """
     family = family_for(hf_config)
-    conversion = family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
+    conversion = convert_config(hf_config, mtp=mtp, has_tensor=has_tensor)
     ignored = set(ignore_config_fields)
     conversion.unsupported = [(k, m) for k, m in conversion.unsupported if k not in ignored]
     if conversion.unsupported:
@@ -241,11 +267,16 @@ class ConfigReader:
         return self.config.get(name, default)
 
     def require(self, name: str, default: Any = None) -> Any:
-        """A field that must be present."""
+        """A field that must be present.
+
+        Raises:
+            HFConfigError: it is missing (nothing can be derived without it).
+        """
         self.used.add(name)
-        if self.config.get(name, default) is None:
-            self.unsupported.append((name, "is required"))
-        return self.config.get(name, default)
+        value = self.config.get(name, default)
+        if value is None:
+            raise HFConfigError(f"config.json has no {name!r}, which the model needs")
+        return value
 
     def expect(self, name: str, allowed: Iterable[Any], default: Any = None, why: str = "") -> Any:
         """A field that must take one of ``allowed`` values."""

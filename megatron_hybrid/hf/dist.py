@@ -1,51 +1,45 @@
-"""``torch_dist`` checkpoints of models converted from Hugging Face.
+"""``torch_dist`` checkpoints of models converted from Hugging Face, and their HF record.
 
 ``convert --from-hf`` writes Megatron-LM's *release* layout (``<root>/release/`` and a tracker
-that says ``release``): model weights only, under the package's checkpoint keys, plus the source
-``config.json`` in the common state, so the checkpoint can be turned back into a Hugging Face
-folder, and ``train --load`` starts fine-tuning from it (iteration 0, fresh optimizer).
+that says ``release``) through the checkpoint store: model weights only, under the package's
+checkpoint keys, plus the record of the source model (:data:`~megatron_hybrid.checkpointing.
+store.HF_RECORD_FILE`: its ``config.json``, per-tensor dtypes and pattern), so the checkpoint
+can be turned back into a Hugging Face folder, and ``train --load`` starts fine-tuning from it
+(iteration 0, fresh optimizer). ``train`` writes the same record into the checkpoints of a model
+that started from Hugging Face weights.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 
-from megatron_hybrid.checkpointing.inspect import (
-    TRACKER_FILE,
-    iteration_folder_name,
-    resolve_checkpoint_dir,
-)
+from megatron_hybrid.checkpointing import store
+from megatron_hybrid.checkpointing.sharded import model_sharded_state
+from megatron_hybrid.checkpointing.store import COMMON_RECORD, HF_RECORD_FILE, MODEL_ONLY_FORMAT
 from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
 from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
-    "HF_RECORD_FILE",
-    "MODEL_ONLY_FORMAT",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
     "hf_record",
     "read_hf_record",
-    "write_hf_record",
     "load_model_state",
     "save_model_state",
 ]
 
-#: ``megatron_hybrid.format`` of a weights-only checkpoint.
-MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
 
-#: A small JSON file in the iteration folder that says which Hugging Face model a checkpoint
-#: holds: readable without touching the checkpoint's data files (which may be damaged), and
-#: covered by the integrity manifest.
-HF_RECORD_FILE = "hf_model.json"
+def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool = False) -> dict:
+    """What a checkpoint records about a model that came from Hugging Face ({} otherwise).
 
-
-def hf_record(model, conversion: HFConversion | None = None) -> dict:
-    """What a checkpoint records about a model that came from Hugging Face ({} otherwise)."""
+    Args:
+        model: the model (chunks).
+        conversion: its conversion (default: the one ``load_hf_model`` attached).
+        model_only: the checkpoint holds weights only (an initialisation, not a resume).
+    """
     first = model_chunks(model)[0]
     conversion = conversion or getattr(first, "hf_conversion", None)
     if conversion is None:
@@ -56,68 +50,33 @@ def hf_record(model, conversion: HFConversion | None = None) -> dict:
         # Each tensor's dtype in the source folder, so that the export writes it back so.
         "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
         "hybrid_layer_pattern": conversion.pattern.pattern,
+        "model_only": model_only,
     }
 
 
-def write_hf_record(folder, record: dict, *, model_only: bool = False) -> None:
-    """Write :data:`HF_RECORD_FILE` (rank 0; nothing if ``record`` is empty)."""
-    if record:
-        record = {**record, "model_only": model_only}
-        (Path(folder) / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
-
-
 def read_hf_record(root) -> dict:
-    """The record of the checkpoint ``root`` resolves to ({} if it has none)."""
-    path = resolve_checkpoint_dir(root) / HF_RECORD_FILE
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
-
-
-def _model_state(model) -> dict:
-    from megatron_hybrid.checkpointing.sharded import model_sharded_state
-
-    return model_sharded_state(model_chunks(model))
+    """The HF record of the checkpoint ``root`` resolves to ({} if it has none)."""
+    return store.read_record(root, HF_RECORD_FILE) or {}
 
 
 def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool = False) -> Path:
     """Write the model's weights as a release ``torch_dist`` checkpoint; every rank calls it.
 
     Raises:
-        FileExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False.
+        CheckpointExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False
+            (a ``FileExistsError``).
+        NonFiniteCheckpointError: a weight is NaN or infinite (named; nothing is written).
     """
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    root = Path(root)
-    folder = root / iteration_folder_name("release")
-    if (folder.exists() or (root / TRACKER_FILE).exists()) and not overwrite:
-        raise FileExistsError(
-            f"{root} already holds a checkpoint; choose another --save folder or remove it"
-        )
-    if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     state = {
-        **_model_state(model),
+        **model_sharded_state(model_chunks(model)),
         "iteration": 0,
-        "megatron_hybrid": {
+        COMMON_RECORD: {
             "format": MODEL_ONLY_FORMAT,
             "hybrid_layer_pattern": conversion.pattern.pattern,
         },
     }
-    dist_checkpointing.save(state, str(folder))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
-
-        write_hf_record(folder, hf_record(model, conversion), model_only=True)
-        write_integrity_manifest(folder)
-        tmp = root / f".{TRACKER_FILE}.tmp"
-        tmp.write_text("release")
-        os.replace(tmp, root / TRACKER_FILE)
-    dist.barrier()
-    return folder
+    record = hf_record(model, conversion, model_only=True)
+    return store.write(root, store.RELEASE, state, {HF_RECORD_FILE: record}, overwrite=overwrite)
 
 
 def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
@@ -151,13 +110,12 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
     return hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
 
 
-def load_model_state(model, root) -> None:
-    """Load a checkpoint's model weights (no optimizer state) into ``model``, strictly."""
-    from megatron.core import dist_checkpointing
+def load_model_state(model, root) -> Path:
+    """Load a checkpoint's model weights (no optimizer state) into ``model``, strictly.
 
-    folder = resolve_checkpoint_dir(root)
-    chunks = model_chunks(model)
-    state = dist_checkpointing.load(_model_state(model), str(folder))
-    with torch.no_grad():
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    Files are verified and non-finite values refused by name (the store's reader).
+
+    Returns:
+        The checkpoint folder that was read.
+    """
+    return store.read_model_state(root, model_chunks(model))

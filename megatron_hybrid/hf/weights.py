@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hybrid.hf.config import HFConversion
-from megatron_hybrid.hf.io import HFCheckpoint
+from megatron_hybrid.hf.io import HFCheckpoint, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
 __all__ = ["LORA_DELTA", "HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
@@ -88,10 +88,12 @@ def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple
 
 def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
     if isinstance(rows, slice):
-        return source.read(name, (rows, *rest))
-    low, high = min(rows), max(rows) + 1
-    span = source.read(name, (slice(low, high), *rest))
-    return span[torch.tensor([r - low for r in rows])]
+        values = source.read(name, (rows, *rest))
+    else:
+        low, high = min(rows), max(rows) + 1
+        span = source.read(name, (slice(low, high), *rest))
+        values = span[torch.tensor([r - low for r in rows])]
+    return require_finite(source, name, values)
 
 
 def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
@@ -124,7 +126,9 @@ def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
     return out
 
 
-def load_hf_weights(model, path, conversion: HFConversion | None = None, *, progress=None):
+def load_hf_weights(
+    model, path, conversion: HFConversion | None = None, *, progress=None, plan: Plan | None = None
+):
     """Load a Hugging Face checkpoint into ``model`` (its chunks on this rank), strictly.
 
     Each rank reads only the Hugging Face rows behind its own shards.
@@ -135,9 +139,12 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         conversion: the :class:`HFConversion` the model was built from (default: from the
             folder's config.json).
         progress: optional callable ``(done, total)`` called after each tensor.
+        plan: the conversion's weight plan over the whole model (``check_conversion`` made
+            it); default: planned here from this rank's keys.
 
     Raises:
         HFWeightsError: a model tensor has no source, or shapes do not fit.
+        HFCheckpointError: a value read is NaN or infinite (named with its file).
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
@@ -154,7 +161,8 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         for st in _leaves(sharded)
         if isinstance(st, ShardedTensor)
     }
-    plan, _ = build_plan(conversion, key_shapes)
+    if plan is None:
+        plan, _ = build_plan(conversion, key_shapes)
     info = {name: source.info(name) for name in plan.hf_shapes if name in source}
     for name, shape in plan.hf_shapes.items():
         if name in plan.shared_copies:
