@@ -38,6 +38,8 @@ class LoRAState:
         plan: its plan over the whole model's checkpoint keys, or None.
         base_path: the Hugging Face folder the base came from, if known (recorded in PEFT
             folders as ``base_model_name_or_path``).
+        base_info: where the base came from and its fingerprint, for adapter checkpoints
+            (``train`` sets it; see :mod:`megatron_hybrid.peft.checkpoint`).
     """
 
     config: LoRAConfig
@@ -45,6 +47,7 @@ class LoRAState:
     conversion: object = None
     plan: object = None
     base_path: str | None = None
+    base_info: dict | None = None
 
 
 def lora_state(model) -> LoRAState | None:
