@@ -144,6 +144,16 @@ def _attach(cand: Candidate, config: LoRAConfig) -> None:
         setattr(w, LORA_DELTA, functools.partial(adapter.delta, i))
 
 
+def _embedding_output_requires_grad(module, args, output):
+    """Forward hook on a frozen embedding: its output requires grad, so that schedules which
+    run backward from it (megatron's combined 1F1B) and reentrant activation recompute, whose
+    recomputed outputs carry gradients only when an input does, reach the adapters (what
+    transformers' ``enable_input_require_grads`` does for PEFT)."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        return output.detach().requires_grad_()
+    return output
+
+
 def apply_lora(model, config: LoRAConfig, *, conversion=None, group=None):
     """Freeze the base and add adapters to the linears ``config`` selects, on every chunk.
 
@@ -189,6 +199,10 @@ def apply_lora(model, config: LoRAConfig, *, conversion=None, group=None):
             param.requires_grad_(False)
     for cand in candidates:
         _attach(cand, config)
+    for chunk in chunks:
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None:
+            embedding.register_forward_hook(_embedding_output_requires_grad)
     for index, chunk in enumerate(chunks):
         mine = [c for c in candidates if c.chunk == index]
         base = getattr(chunk, "hf_source_path", None)

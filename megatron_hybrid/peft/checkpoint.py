@@ -107,7 +107,10 @@ def _hf_fingerprint(folder: Path) -> dict:
             header = stream.read(size)
             digest.update(file.name.encode() + header + stream.read(_SAMPLE))
         digest.update(str(file.stat().st_size).encode())
-    return {"config": _sha(json.dumps(config, sort_keys=True).encode()), "tensors": digest.hexdigest()}
+    return {
+        "config": _sha(json.dumps(config, sort_keys=True).encode()),
+        "tensors": digest.hexdigest(),
+    }
 
 
 def _checkpoint_fingerprint(path) -> dict:

@@ -49,9 +49,7 @@ def _lora_flags(s: Settings) -> str | None:
     if given and not enabled and not s.load:
         return f"{', '.join(given)} set(s) up LoRA adapters: add --lora-rank R"
     if s.load_peft and s.lora_rank is not None:
-        return (
-            f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop --lora-rank"
-        )
+        return f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop --lora-rank"
     if s.load_base and not enabled and not s.load:
         return "--load-base gives the frozen base of a LoRA run: add --lora-rank R"
     if s.load_base and s.load_hf:
@@ -61,9 +59,12 @@ def _lora_flags(s: Settings) -> str | None:
     try:
         _config_from_flags(s.args) if s.lora_rank is not None else None
     except LoRAConfigError as error:
-        return str(error).replace("LoRAConfig: rank", "--lora-rank").replace(
-            "LoRAConfig: alpha", "--lora-alpha"
-        ).replace("LoRAConfig: dropout", "--lora-dropout")
+        return (
+            str(error)
+            .replace("LoRAConfig: rank", "--lora-rank")
+            .replace("LoRAConfig: alpha", "--lora-alpha")
+            .replace("LoRAConfig: dropout", "--lora-dropout")
+        )
     return None
 
 
@@ -262,4 +263,3 @@ def parameter_counts(chunks, pg) -> tuple[int, int]:
     torch.distributed.all_reduce(dense, group=pg.mp)
     torch.distributed.all_reduce(expert, group=pg.tp_ep_pp)
     return int(dense[0] + expert[0]), int(dense[1] + expert[1])
-

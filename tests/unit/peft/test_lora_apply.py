@@ -227,3 +227,25 @@ def test_mtp_layers_take_adapters_and_export_merged(cases, pg, tmp_path):
     without = apply_lora(load_hf_model(folder), LoRAConfig(rank=4, alpha=8, exclude=["mtp.*"]))
     assert not any(c.path.startswith("mtp.") for c in without.lora_state.adapted)
     save_peft_adapter(without, tmp_path / "no_mtp")
+
+
+@pytest.mark.parametrize("recompute", [None, "full"], ids=["plain", "full_recompute"])
+def test_adapters_get_gradients_with_recompute(recompute, pg):
+    """A frozen embedding's output would carry no gradient into reentrant recompute (whose
+    recomputed layers then never reach the adapters); apply_lora makes it require grad."""
+    from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
+
+    overrides = (
+        {}
+        if recompute is None
+        else dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    )
+    torch.manual_seed(0)
+    model = build_hybrid(small_config("[*E]{2}", **overrides), "[*E]{2}", pg)
+    apply_lora(model, LoRAConfig(rank=2, alpha=4))
+    _randomise(model)
+    batch = model_inputs()
+    loss = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"]).sum()
+    loss.backward()
+    grads = [p.grad for p in lora_parameters(model)]
+    assert all(g is not None for g in grads) and all(g.abs().sum() > 0 for g in grads)
