@@ -22,6 +22,9 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   lora         tests/functional/test_lora_gpu.py on one GPU (LoRA on TE linears, fused norm +
+#                linear and grouped-GEMM experts against the local backend's math; TE from
+#                /tmp/site as for te) and benchmarks/lora.py ($LORA_BENCH_ARGS)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -137,6 +140,13 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    lora)
+      NVIDIA_TF32_OVERRIDE=0 torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
+        -W ignore tests/functional/test_lora_gpu.py 2>&1 | quiet | tee "$OUT/lora.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/lora.py --out "$OUT" ${LORA_BENCH_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/lora_bench.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \
         2>/dev/null || bash scripts/stage_mamba.sh --device 2>&1 | tail -20 | tee "$OUT/mamba_build.log"

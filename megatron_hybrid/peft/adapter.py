@@ -192,7 +192,7 @@ class LoRAAdapter(torch.nn.Module):
             x = _dropout(x, self.dropout, sharded)
         if self.pairs == 1:
             return self.scale * self._project(x, 0)
-        parts = torch.split(x, list(m_splits))
+        parts = torch.split(x, [int(size) for size in m_splits])
         return self.scale * torch.cat([self._project(p, i) for i, p in enumerate(parts)])
 
     # --- state dict: adapters are not part of the base's --------------------------------

@@ -103,6 +103,8 @@ def _init_a(adapter: LoRAAdapter, i: int, cand: Candidate, blocks: list[str], co
     p = template.prepend_axis_num
     width, start = template.global_shape[p + 1], template.global_offset[p + 1]
     a = adapter.a(i)
+    if a.is_meta:  # a shape-only model (benchmarks, planning): nothing to draw
+        return
     local = a.shape[1]
     for block, piece in enumerate(blocks):
         generator = torch.Generator().manual_seed(_seed(config, weight.a_key, weight.expert, piece))

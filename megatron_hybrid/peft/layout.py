@@ -73,17 +73,25 @@ def row_chunks(entry, param: torch.Tensor) -> list[RowChunk]:
 
     built = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
     leaves = list(nested_values(built)) if isinstance(built, dict | list) else [built]
-    row_bytes = param.stride(0) * param.element_size()
     chunks = []
     for st in leaves:
         data = st.data
-        offset = data.data_ptr() - param.data_ptr()
-        if data.shape[1:] != param.shape[1:] or offset % row_bytes or offset < 0:
+        # Views of the weight (megatron's factories chunk and narrow it): element offsets, which
+        # meta tensors (shape-only builds) have too.
+        offset = data.storage_offset() - param.storage_offset()
+        if (
+            data.shape[1:] != param.shape[1:]
+            or data.stride() != param.stride()
+            or offset % param.stride(0)
+            or offset < 0
+            or (not param.is_meta and data.untyped_storage().data_ptr()
+                != param.untyped_storage().data_ptr())
+        ):  # fmt: skip
             raise AssertionError(f"{st.key}: not a row range of its weight")  # megatron cuts rows
         axis = st.prepend_axis_num
         chunks.append(
             RowChunk(
-                local_start=offset // row_bytes,
+                local_start=offset // param.stride(0),
                 rows=data.shape[0],
                 global_start=int(st.global_offset[axis]),
                 template=st.without_data(),
