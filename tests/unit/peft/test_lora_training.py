@@ -146,3 +146,40 @@ def test_convert_writes_the_adapter_and_the_merged_model(runs, base, tmp_path):
     # GatedDeltaNet's recurrence (PEFT's own merge_and_unload moves them as much).
     merged = hf_oracle.hf_logits(tmp_path / "merged", input_ids)
     assert (merged - peft_logits).abs().max().item() <= 1e-3
+
+
+def test_load_peft_trains_from_a_peft_adapter(base, tmp_path):
+    """--load-peft, a step at lr 0, convert --to-peft: the PEFT file comes back bitwise."""
+    from safetensors.torch import load_file
+
+    folder, _ = base
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    adapter, *_ = peft_oracle.make_adapter("qwen3_5_moe", folder, tmp_path / "adapter", ids)
+    train("--load-hf", str(folder), "--load-peft", str(adapter), *SHORT[:-2], "--lr", "0",
+          "--train-iters", "1", "--save", str(tmp_path / "run"))  # fmt: skip
+    assert cli("convert", "--load", str(tmp_path / "run"), "--to-peft", str(tmp_path / "out")) == 0
+    theirs = load_file(adapter / "adapter_model.safetensors")
+    ours = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lora-alpha", "8"], "add --lora-rank"),
+        (["--lora-rank", "4"], "pretrained base"),
+        (["--load-base", "x"], "frozen base of a LoRA run"),
+        (["--lora-rank", "4", "--load-peft", "p", "--load-hf", "h"], "drop --lora-rank"),
+        (["--lora-rank", "4", "--load-hf", "h", "--load-base", "b"], "choose one"),
+        (["--lora-rank", "0", "--load-hf", "h"], "--lora-rank must be"),
+        (["--lora-rank", "4", "--lora-dropout", "1.5", "--load-hf", "h"], "--lora-dropout"),
+    ],
+)
+def test_lora_flags_are_checked_first(argv, message):
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.lora import validate_lora_flags
+    from megatron_hybrid.training.settings import SettingsError
+
+    args = build_parser(load_commands()).parse_args(["train", *argv])
+    with pytest.raises(SettingsError, match=message):
+        validate_lora_flags(args)
