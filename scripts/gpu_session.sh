@@ -25,6 +25,13 @@
 #   lora         tests/functional/test_lora_gpu.py on one GPU (LoRA on TE linears, fused norm +
 #                linear and grouped-GEMM experts against the local backend's math; TE from
 #                /tmp/site as for te) and benchmarks/lora.py ($LORA_BENCH_ARGS)
+#   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
+#                kernels, Mamba's kernels where built and TE's attention where installed, and
+#                forward_logprobs (forward only: no Triton staging needed; one fla config each)
+#   gdn-gates    the [GE]{2} GatedDeltaNet gate-gradient check alone (fla bf16 and float32 vs the
+#                torch path, the principled bound; one GPU, /tmp/tsite's Triton, one fla config)
+#   logprobs     benchmarks/logprobs.py: forward_logprobs packed vs padded, one GPU
+#                ($LOGPROBS_ARGS)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -85,7 +92,8 @@ for part in "$@"; do
         -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      TRITON_F32_DEFAULT=ieee with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s \
+        -p no:cacheprovider -W ignore \
         tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
         2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
@@ -146,6 +154,23 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/lora.py --out "$OUT" ${LORA_BENCH_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/lora_bench.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    packing)
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_packing_gpu.py 2>&1 | quiet | tee "$OUT/packing.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    gdn-gates)
+      have_tsite || { status=1; continue; }
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 PYTHONPATH=$TSITE:$PYTHONPATH \
+        timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 -m pytest -q -s \
+        -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
+        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        2>&1 | quiet | tee "$OUT/gdn_gates.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    logprobs)
+      timeout "${LOGPROBS_TIMEOUT:-420}" python3 benchmarks/logprobs.py --out "$OUT" \
+        ${LOGPROBS_ARGS:-} 2>&1 | quiet | tee "$OUT/logprobs.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \

@@ -180,13 +180,14 @@ def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
 
 def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_hybrid.modules.attention import MLACoreAttention
+    from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
     from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 
     norm = local_norm_impl()
@@ -202,8 +203,10 @@ def _local_layers(opts: _SpecOptions) -> dict:
         for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
             if getattr(attention, name, None) is WrappedTorchNorm:
                 setattr(attention, name, norm)
-        if kwargs.get("multi_latent_attention"):
-            attention.core_attention = MLACoreAttention
+        # megatron-core's local DotProductAttention refuses packed (THD) batches and MLA's two
+        # head sizes; the package's local core attention takes both.
+        multi_latent = kwargs.get("multi_latent_attention")
+        attention.core_attention = MLACoreAttention if multi_latent else LocalCoreAttention
         return sub
 
     layers = _gpt_derived_layers(gpt_submodules, opts)
@@ -218,7 +221,7 @@ def _local_layers(opts: _SpecOptions) -> dict:
         # Without TE the input norm cannot be fused into in_proj, so it is a separate module.
         input_layernorm=norm,
         self_attention=ModuleSpec(
-            module=GatedDeltaNet,
+            module=HybridGatedDeltaNet,
             submodules=GatedDeltaNetSubmodules(
                 in_proj=ColumnParallelLinear,
                 out_norm=plain_gamma_norm(norm),
@@ -272,10 +275,13 @@ def _te_layers(opts: _SpecOptions) -> dict:
     layers["mamba_layer"] = _with_mamba_impl(mcore_spec.submodules.mamba_layer, opts.mamba_impl)
     # GatedDeltaNet's gated output norm is a plain gain in fla and transformers, also when the
     # model's other norms are zero-centred (Qwen3.5, Qwen3-Next).
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
+
     gdn = copy.deepcopy(mcore_spec.submodules.gdn_layer)
     gdn.submodules.self_attention.submodules.out_norm = plain_gamma_norm(
         gdn.submodules.self_attention.submodules.out_norm
     )
+    gdn.submodules.self_attention.module = HybridGatedDeltaNet  # float32 decay
     layers["gdn_layer"] = gdn
     layers["final_norm"] = TENorm
     layers["mtp_block_spec"] = _mtp_block_spec(TENorm, TEColumnParallelLinear)

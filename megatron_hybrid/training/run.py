@@ -19,7 +19,16 @@ import torch
 
 from megatron_hybrid.runtime import RuntimeBackend, select_backend
 
-__all__ = ["TrainingError", "TrainingSummary", "recorded_settings", "run_training"]
+__all__ = [
+    "TrainingError",
+    "TrainingSummary",
+    "build_chunks",
+    "check_resume_compatible",
+    "model_config",
+    "parallel_setup",
+    "recorded_settings",
+    "run_training",
+]
 
 
 class TrainingError(ValueError):
@@ -70,7 +79,7 @@ class TrainingSummary:
         return statistics.median(t / s for t, s in timed) if timed else 0.0
 
 
-def _check_resume_compatible(chunks, folder, args=None) -> None:
+def check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.utils import unwrap_model
 
@@ -180,12 +189,12 @@ def run_training(
     autotunes = backend.on_gpu and bool(parsed.layer_counts.get(GDN, 0))
     if autotunes:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    config = _model_config(args, source, backend)  # validate flags before any process group
+    config = model_config(args, source, backend)  # validate flags before any process group
     backend.activate()
     rank, world = init_world()
-    pg, global_batch, num_microbatches = _parallel_setup(args, config, world)
+    pg, global_batch, num_microbatches = parallel_setup(args, config, world)
     seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
-    chunks = _build_chunks(args, config, pg, parsed, source, seq_length, rank, lora)
+    chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank, lora=lora)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )
@@ -234,7 +243,7 @@ def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) 
     )
 
 
-def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
+def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
     conversion and the training flags."""
     from megatron_hybrid.training.config import hybrid_config_from_args
@@ -246,7 +255,7 @@ def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     return hybrid_config_from_args(args, **overrides)
 
 
-def _parallel_setup(args: argparse.Namespace, config, world: int):
+def parallel_setup(args: argparse.Namespace, config, world: int):
     """Process groups, the global batch and the number of micro-batches per step."""
     from megatron_hybrid.process_groups import initialize_model_parallel
 
@@ -313,7 +322,9 @@ def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend)
     return seq_length, builder
 
 
-def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int, lora) -> list:
+def build_chunks(
+    args, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
+) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any, with
     the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`)."""
     from megatron_hybrid.training.arguments import spec_backend
@@ -374,7 +385,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
 
         check_resumable(setup.lora, chunks, folder)
     else:
-        _check_resume_compatible(chunks, folder, args)
+        check_resume_compatible(chunks, folder, args)
     start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(setup.pg))
     resume.check_target(start, args.train_iters, folder)
     consumed = consumed_samples(folder)
@@ -437,8 +448,9 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
             optimizer,
             batches,
             setup.config,
-            seq_length=setup.seq_length,
-            micro_batch_size=mbs,
+            # A packed micro-batch is one [1, seq_length * mbs] row (the pipeline's P2P shape).
+            seq_length=setup.seq_length * (mbs if setup.builder.packed else 1),
+            micro_batch_size=1 if setup.builder.packed else mbs,
             pg_collection=setup.pg,
         )
         setup.backend.synchronize()
