@@ -72,6 +72,7 @@ class _SpecOptions:
     qk_l2_norm: bool
     normalization: str
     mamba_impl: str = "kernels"
+    local_impl: str = "reference"
 
 
 def _halves(gpt: TransformerLayerSubmodules) -> tuple[dict, dict]:
@@ -248,6 +249,10 @@ def _local_layers(opts: _SpecOptions) -> dict:
     )
     layers["final_norm"] = norm
     layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
+    if opts.local_impl == "fast":
+        from megatron_hybrid.modules.fast.specs import fast_layer_specs
+
+        layers = fast_layer_specs(layers)
     return layers
 
 
@@ -354,6 +359,7 @@ def hybrid_stack_spec(
     qk_l2_norm: bool | None = None,
     normalization: str | None = None,
     mamba_impl: str = "auto",
+    local_impl: str = "auto",
 ) -> ModuleSpec:
     """Spec of a :class:`~megatron_hybrid.HybridStack` whose layers mirror GPTModel's.
 
@@ -371,6 +377,12 @@ def hybrid_stack_spec(
             :class:`~megatron_hybrid.modules.mamba_torch.TorchMambaMixer`: same parameters and
             checkpoints, runs anywhere, slower) or ``"auto"`` (the kernels where they can run,
             else torch). ``metainfo["mamba_impl"]`` records the choice.
+        local_impl: for the ``"local"`` backend: ``"fast"`` (the fast TE-free GPU path of
+            :mod:`megatron_hybrid.modules.fast`: SDPA attention, grouped-GEMM experts, a
+            parallel-scan GatedDeltaNet torch path, a compiled torch Mamba2; same parameters and
+            checkpoints), ``"reference"`` (megatron-core's local modules as they are) or
+            ``"auto"`` (fast where CUDA is available). Other backends ignore it.
+            ``metainfo["local_impl"]`` records the choice.
 
     Returns:
         A ``ModuleSpec`` for ``HybridStack`` with :class:`HybridStackSubmodules`; its
@@ -378,8 +390,8 @@ def hybrid_stack_spec(
         config.
 
     Raises:
-        ValueError: unknown backend or ``mamba_impl``, or ``mamba_impl="kernels"`` where the
-            kernels cannot run.
+        ValueError: unknown backend, ``mamba_impl`` or ``local_impl``, or
+            ``mamba_impl="kernels"`` where the kernels cannot run.
         ImportError: backend ``"te"`` without TransformerEngine.
     """
     if backend not in BACKENDS:
@@ -393,14 +405,17 @@ def hybrid_stack_spec(
             return value
         return getattr(config, attr, default) if config is not None else default
 
+    from megatron_hybrid.modules.fast.selection import resolve_local_impl
     from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
 
+    resolve_local_impl(local_impl)  # validated for every backend; only "local" has two paths
     opts = _SpecOptions(
         moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
         qk_layernorm=bool(pick(qk_layernorm, "qk_layernorm", False)),
         qk_l2_norm=bool(pick(qk_l2_norm, "qk_l2_norm", False)),
         normalization=pick(normalization, "normalization", "LayerNorm"),
         mamba_impl=resolve_mamba_impl(mamba_impl),
+        local_impl=resolve_local_impl(local_impl) if backend == "local" else "reference",
     )
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 
