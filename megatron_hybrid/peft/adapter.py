@@ -31,7 +31,7 @@ import torch
 
 from megatron_hybrid.peft.linears import LinearInfo
 
-__all__ = ["LoRAAdapter"]
+__all__ = ["LoRAAdapter", "lora_grouped_linear", "lora_hook"]
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -182,6 +182,19 @@ class LoRAAdapter(torch.nn.Module):
             return y
         return (x @ a.t()) @ b.t()
 
+    def grouped_factors(self, i: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)`` of weight ``i`` as a grouped GEMM over experts uses them: the expert-TP
+        gradient reductions of :meth:`_project` included (expert linears see neither sequence
+        parallelism nor their own TP communication)."""
+        info = self.info
+        a, b = self.a(i), self.b_full(i)
+        if info.explicit_comm and info.tp_size > 1:
+            if info.mode == "column":
+                a = _AllReduceGrad.apply(a, info.tp_group)
+            else:
+                b = _AllReduceGrad.apply(b, info.tp_group)
+        return a, b
+
     def forward(self, x: torch.Tensor, m_splits=None) -> torch.Tensor:
         """``scale * B A x`` (per expert for grouped layers, ``m_splits`` tokens each)."""
         info = self.info
@@ -206,6 +219,42 @@ class LoRAAdapter(torch.nn.Module):
             super()._load_from_state_dict(
                 state_dict, prefix, local_metadata, strict, missing, *args
             )
+
+
+def lora_grouped_linear(experts: torch.nn.Module, original):
+    """``experts.grouped_linear`` with the experts' adapters added.
+
+    Grouped-GEMM experts (``modules/fast/experts.py``: ``GroupedGemmExperts``) compute every
+    local expert's linear in one ``torch._grouped_mm`` over the stacked weights, without calling
+    the expert linears, whose hooks then never run. This wrapper of that seam adds
+    ``scale * B_e A_e x`` for each expert's rows with two grouped GEMMs of its own (the same
+    ``offsets``).
+    """
+
+    def grouped_linear(name: str, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = original(name, tokens, offsets)
+        linears = [getattr(expert, name) for expert in experts.local_experts]
+        found = [getattr(linear, "lora", None) for linear in linears]
+        if any(a is None for a in found) or not found[0].enabled:
+            return out
+        adapter = found[0]
+        x = tokens
+        if adapter.dropout and adapter.training:
+            x = _dropout(x, adapter.dropout, sharded=False)
+        factors = [a.grouped_factors() for a in found]
+        a = torch.stack([f[0] for f in factors]).to(x.dtype)
+        b = torch.stack([f[1] for f in factors]).to(x.dtype)
+        # The grouped GEMM wants 16-byte strides: zero rows of A and columns of B pad the rank
+        # (their products are zero).
+        pad = -a.shape[1] % (16 // x.element_size())
+        if pad:
+            a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+            b = torch.nn.functional.pad(b, (0, pad))
+        h = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(h, b.transpose(1, 2), offs=offsets)
+        return out + adapter.scale * y.to(out.dtype)
+
+    return grouped_linear
 
 
 def lora_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output):

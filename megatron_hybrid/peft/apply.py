@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hybrid.hf.weights import LORA_DELTA, SHARDED_METADATA, build_plan, model_chunks
-from megatron_hybrid.peft.adapter import LoRAAdapter, lora_hook
+from megatron_hybrid.peft.adapter import LoRAAdapter, lora_grouped_linear, lora_hook
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
 from megatron_hybrid.peft.targets import Candidate, find_candidates, select_pieces
 
@@ -202,6 +202,12 @@ def apply_lora(model, config: LoRAConfig, *, conversion=None, group=None):
     for cand in candidates:
         _attach(cand, config)
     for chunk in chunks:
+        for module in chunk.modules():
+            # Experts that multiply their linears' weights in one grouped GEMM (the package's
+            # fast path) expose that seam: the adapters join it there.
+            original = getattr(module, "grouped_linear", None)
+            if callable(original) and hasattr(module, "local_experts"):
+                module.grouped_linear = lora_grouped_linear(module, original)
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None:
             embedding.register_forward_hook(_embedding_output_requires_grad)

@@ -249,3 +249,42 @@ def test_adapters_get_gradients_with_recompute(recompute, pg):
     loss.backward()
     grads = [p.grad for p in lora_parameters(model)]
     assert all(g is not None for g in grads) and all(g.abs().sum() > 0 for g in grads)
+
+
+def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch):
+    """The fast path's grouped-GEMM experts never call their expert linears: the adapters join
+    its grouped_linear seam and give the per-expert loop's logits and gradients."""
+    from megatron_hybrid.modules.fast import experts as fast_experts
+    from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
+
+    config = small_config("[*E]{2}", moe_ffn_hidden_size=32)
+    batch = model_inputs()
+    runs = {}
+    for path in ("grouped", "loop", "grouped_without_adapters"):
+        torch.manual_seed(0)
+        model = build_hybrid(config, "[*E]{2}", pg, local_impl="fast")
+        apply_lora(model, LoRAConfig(rank=2, alpha=4))
+        _randomise(model, std=0.5)
+        grouped = [m for m in model.modules() if isinstance(m, fast_experts.GroupedGemmExperts)]
+        assert grouped
+        with monkeypatch.context() as patch:
+            if path == "loop":  # the reference loop: each expert linear with its hook
+                patch.setattr(fast_experts, "grouped_gemm_reason", lambda *args: "forced")
+            elif path == "grouped_without_adapters":  # the seam unhooked: a silent drop
+                for module in grouped:
+                    del module.grouped_linear
+            loss = model(batch["input_ids"], batch["position_ids"], None,
+                         labels=batch["labels"]).sum()  # fmt: skip
+            loss.backward()
+        reasons = {m.fast_path_reason for m in grouped}
+        assert reasons == ({"forced"} if path == "loop" else {None}), reasons
+        grads = [None if p.grad is None else p.grad.clone() for p in lora_parameters(model)]
+        runs[path] = loss.item(), grads
+    (grouped_loss, grouped_grads), (loop_loss, loop_grads) = runs["grouped"], runs["loop"]
+    assert grouped_loss == pytest.approx(loop_loss, rel=1e-5)
+    assert sum(g is not None for g in grouped_grads) > len(grouped_grads) // 2
+    for a, b in zip(grouped_grads, loop_grads, strict=True):
+        assert (a is None) == (b is None)
+        assert a is None or ((a - b).norm() / b.norm()).item() <= 1e-4
+    # Control: without the seam the experts' adapters would be skipped, silently.
+    assert abs(runs["grouped_without_adapters"][0] - loop_loss) > 1e-3 * abs(loop_loss)
