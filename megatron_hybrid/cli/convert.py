@@ -321,6 +321,30 @@ def _is_lora_run(args: argparse.Namespace) -> bool:
     return adapters
 
 
+def _model_from_checkpoint(path, args, sizes):
+    """The model of a converted (or Hugging Face started) ``torch_dist`` checkpoint."""
+    from megatron_hybrid.hf.api import build_model
+    from megatron_hybrid.hf.dist import (
+        conversion_of_checkpoint,
+        hf_dtypes_of_checkpoint,
+        load_model_state,
+    )
+    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
+    from megatron_hybrid.runtime import select_backend
+
+    select_backend().activate()
+    init_world()
+    pg = initialize_model_parallel(
+        tp=sizes["tensor_model_parallel_size"],
+        pp=sizes["pipeline_model_parallel_size"],
+        ep=sizes["expert_model_parallel_size"],
+    )
+    model = build_model(conversion_of_checkpoint(path), pg, transformer_impl=args.transformer_impl)
+    load_model_state(model, path)
+    model.hf_source_dtypes = hf_dtypes_of_checkpoint(path)
+    return model
+
+
 def _lora_export(args: argparse.Namespace) -> int:
     """``--load RUN --to-peft OUT`` / ``--to-hf OUT --merge-lora``: the base the run recorded
     (or ``--base-hf``), its adapters, written as a PEFT folder or merged."""
@@ -340,20 +364,20 @@ def _lora_export(args: argparse.Namespace) -> int:
 
     folder = store.resolve_checkpoint_dir(args.load)
     record = store.read_record(folder, LORA_RECORD)
-    base = args.base_hf or record.get("base", {}).get("hf")
-    if base is None:
-        raise CommandError(
-            f"{folder} was trained on a torch_dist base ({record['base'].get('checkpoint')}); "
-            "give its Hugging Face folder with --base-hf HF_DIR"
-        )
-    check_base(record, base_fingerprint(hf_path=base), where=str(folder), base=base)
-    model = load_hf_model(
-        base,
+    trained = record.get("base", {})
+    sizes = dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
-        transformer_impl=args.transformer_impl,
     )
+    if args.base_hf or trained.get("hf"):
+        base = args.base_hf or trained["hf"]
+        check_base(record, base_fingerprint(hf_path=base), where=str(folder), base=base)
+        model = load_hf_model(base, transformer_impl=args.transformer_impl, **sizes)
+    else:  # a torch_dist base: read where the run recorded it
+        base = trained.get("checkpoint")
+        check_base(record, base_fingerprint(checkpoint=base), where=str(folder), base=base)
+        model = _model_from_checkpoint(base, args, sizes)
     apply_lora(model, config_of_record(record))
     load_adapter_state(model, store.read(folder, lora_sharded_state(model)))
     if args.to_peft:
