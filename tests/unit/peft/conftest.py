@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# The Hugging Face oracle lives next door (tests/unit/hf).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
+# The Hugging Face oracle lives next door (tests/unit/hf); appended, so that this folder's
+# conftest stays the one pytest imports for it.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "hf"))
 
 import hf_oracle  # noqa: E402
 import peft_oracle  # noqa: E402
