@@ -40,7 +40,6 @@ def input_ids() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def cases(tmp_path_factory, input_ids) -> dict[str, Case]:
     """``family -> Case`` for every family (every LoRA tensor random)."""
-    pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("peft")
     out = {}
     for family in peft_oracle.FAMILIES:
