@@ -28,8 +28,9 @@ So float32 GatedDeltaNet on an Ampere or Hopper GPU is IEEE float32 only with
 ``'ieee'`` before the solve kernel first compiles. :func:`solve_dot_precision` does the latter
 for a scope, without touching fla's own kernel: it swaps in a copy of the kernel that sees the
 requested constant, so fla's shipped kernel and the copy compile and run side by side in one
-process (changing the module constant after a compile instead makes Triton raise "Global
-variable SOLVE_TRIL_DOT_PRECISION has changed"). :func:`dot_precisions` reads the precisions a
+process (changing the module constant after a compile would make Triton 3.9's
+``JITFunction.run`` raise "Global variable SOLVE_TRIL_DOT_PRECISION has changed since we compiled
+this kernel" at the next launch). :func:`dot_precisions` reads the precisions a
 kernel's TTIR asks for (also on a machine without a GPU), which shows the switch reaching the
 compiled code.
 """

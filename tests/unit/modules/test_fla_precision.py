@@ -60,7 +60,15 @@ def test_switch_is_scoped_and_compiles_once():
         again = getattr(module, fla_precision.SOLVE_KERNEL)
     assert first is again and first is not shipped
     assert getattr(module, fla_precision.SOLVE_KERNEL) is shipped
-    assert fla_precision._innermost(first).fn.__globals__["SOLVE_TRIL_DOT_PRECISION"] == "ieee"
+    copy, own = fla_precision._innermost(first), fla_precision._innermost(shipped)
+    assert copy.fn.__globals__["SOLVE_TRIL_DOT_PRECISION"] == "ieee"
+    # The JIT's compile key hashes the constant: copies of another precision compile apart,
+    # a copy with fla's own precision has fla's key (same source, same constant).
+    with fla_precision.solve_dot_precision("tf32"):
+        tf32 = fla_precision._innermost(getattr(module, fla_precision.SOLVE_KERNEL))
+    assert tf32.cache_key != copy.cache_key
+    same = copy if fla_precision.shipped_solve_precision() == "ieee" else tf32
+    assert same.cache_key == own.cache_key
 
 
 def test_bad_precision_and_unknown_fla_are_named(monkeypatch):
