@@ -190,6 +190,17 @@ def build_model(shape, pattern: str, impl: str, config, pg):
     return Float16Module(config, model.to(device)), model
 
 
+def wrap_ddp(model, config, pg):
+    """``model`` in megatron's ``DistributedDataParallel`` as ``train`` wraps it: float32 gradient
+    buffers (each parameter's ``main_grad``), the distributed optimizer's layout on a GPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=CUDA
+    )
+    return DistributedDataParallel(config, ddp_config, model, pg_collection=pg)
+
+
 def synthetic_batches(shape, count: int) -> list[dict]:
     device = "cuda" if CUDA else "cpu"
     generator = torch.Generator().manual_seed(7)

@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
+    "gather_permutation_reason",
     "gdn_rule_choice",
     "grouped_gemm_reason",
     "host_values",
@@ -215,6 +216,24 @@ def sync_free_dispatch_reason(dispatcher) -> str | None:
         return "token dropping (moe_expert_capacity_factor): the output size is read on the host"
     if config.moe_router_padding_for_quantization:
         return "router padding for quantisation: the output size is read on the host"
+    return None
+
+
+def gather_permutation_reason(dispatcher) -> str | None:
+    """Why an all-to-all dispatcher must permute with megatron's ``permute`` / ``unpermute``
+    (an ``index_select`` whose gradient, and a ``scatter_add_``, accumulate with atomics), or
+    None where :mod:`~megatron_hybrid.modules.fast.permutation`'s gathers compute the same.
+
+    The gathers need exactly ``k`` rows per token: no token dropping, no router padding for
+    quantisation. TransformerEngine's fused permutation (``moe_permute_fusion``) stays.
+    """
+    config = dispatcher.config
+    if config.moe_permute_fusion:
+        return "moe_permute_fusion (TransformerEngine's fused permutation)"
+    if dispatcher.drop_and_pad or config.moe_expert_capacity_factor is not None:
+        return "token dropping (moe_expert_capacity_factor): tokens keep fewer than k rows"
+    if config.moe_router_padding_for_quantization:
+        return "router padding for quantisation: the routing map gains padding rows"
     return None
 
 
