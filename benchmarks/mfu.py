@@ -20,12 +20,16 @@ experts), ``gpt-te`` / ``gpt-local`` (GPTModel with the same layers; ``*`` and `
 TE runs are skipped where TransformerEngine is not importable. Every run uses the same
 settings: bf16, SwiGLU (the activation GatedDeltaNet needs, so the FLOPs match between
 patterns), megatron's fused weighted SwiGLU and native fused cross-entropy, alltoall dispatcher,
-no auxiliary loss, the plain schedule over ``--microbatches`` micro-batches.
+no auxiliary loss, the plain schedule over ``--microbatches`` micro-batches, and gradients as
+``train`` accumulates them: megatron's ``DistributedDataParallel`` with float32 ``main_grad``
+buffers in the distributed optimizer's layout (``--no-ddp``: plain autograd ``.grad``, results
+named ``..._autograd``).
 
 Shapes: ``issue`` (hidden 2048, 16 heads, 64 experts top-8 of hidden 512, sequence 4096, 4
 logical layers, 8 micro-batches: 32,768 tokens per step), ``large`` (hidden 4096, 32 heads, 64
 experts top-8 of hidden 1024, sequence 8192, 4 layers, 8 micro-batches), ``tiny`` (a CPU check).
-Writes ``mfu_<shape>_<device>.{json,md}`` into ``--out``; ``--quick`` takes fewer steps.
+Writes ``mfu_<shape>_<device>[_autograd].{json,md}`` into ``--out``; ``--quick`` takes fewer
+steps.
 """
 
 from __future__ import annotations
@@ -251,7 +255,14 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     pg = initialize_model_parallel(seed=1234)
     compiled_before = dict(COMPILE_SECONDS)
     model, inner = build_model(shape, pattern, impl, config, pg)
+    if args.ddp:
+        model = wrap_ddp(model, config, pg)
     batches = synthetic_batches(shape, shape.microbatches)
+
+    def zero_grads():
+        if args.ddp:
+            model.zero_grad_buffer()
+        model.zero_grad(set_to_none=True)
 
     def step():
         run_schedule([model], batches, config, seq_length=shape.seq, micro_batch_size=shape.mbs)
@@ -264,7 +275,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
         if index == warmup and CUDA:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        model.zero_grad(set_to_none=True)
+        zero_grads()
         _sync()
         began = time.perf_counter()
         step()
@@ -281,6 +292,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     result = {
         "pattern": pattern,
         "impl": impl,
+        "grads": "megatron DDP" if args.ddp else "autograd",
         "median_s": median,
         "steps_s": times,
         "first_step_s": first,
@@ -300,7 +312,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     if graphs is not None:
         result["cuda_graphs"] = graphs.summary().splitlines()
     if CUDA and not args.no_profile:
-        model.zero_grad(set_to_none=True)
+        zero_grads()
         summary, breakdown = profile(step)
         window = summary["window_ms"]
         matmul_ms = sum(breakdown["categories"].get(c, {}).get("ms", 0.0)
@@ -337,7 +349,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = meta["device"].replace(" ", "-")
-    stem = f"mfu_{shape_name}_{device}"
+    stem = f"mfu_{shape_name}_{device}" + ("" if args.ddp else "_autograd")
     targets = [(label, fn(results), bound, op) for label, fn, bound, op in TARGETS]
     checked = [dict(target=t, value=v, bound=b, met=_met(v, b, o)) for t, v, b, o in targets]
     (out / f"{stem}.json").write_text(
@@ -438,6 +450,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap each model in megatron's DistributedDataParallel as train "
+                        "does (float32 main_grad buffers; the distributed optimizer's layout on "
+                        "a GPU); --no-ddp: plain autograd .grad (results get an _autograd "
+                        "suffix)")  # fmt: skip
     parser.add_argument("--gdn-kernel", choices=("auto", "fla", "torch"), default="auto",
                         help="GatedDeltaNet: fla's Triton kernels, the torch path "
                         "(deterministic_mode; the fast path runs it as a parallel scan), or "
@@ -483,7 +500,9 @@ def main(argv: list[str] | None = None) -> None:
         setup=(f"hidden {shape.hidden}, {shape.heads} heads, {shape.experts} experts top-"
                f"{shape.topk} (hidden {shape.expert_hidden}), seq {shape.seq}, "
                f"{shape.layers} logical layers, {shape.microbatches} micro-batches of "
-               f"{shape.mbs}, vocab {shape.vocab}, bf16, SwiGLU"),
+               f"{shape.mbs}, vocab {shape.vocab}, bf16, SwiGLU, "
+               + ("megatron DDP (float32 main_grad)" if args.ddp else "plain autograd (.grad)")),
+        grads="megatron DDP" if args.ddp else "autograd",
         skipped=skipped,
     )  # fmt: skip
     results: dict = {}

@@ -31,6 +31,7 @@ __all__ = [
     "host_values",
     "is_causal_mask",
     "resolve_local_impl",
+    "rope_reason",
     "sdpa_reason",
     "sync_free_dispatch_reason",
 ]
@@ -93,6 +94,29 @@ def sdpa_reason(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
             f"a causal mask between {query.shape[0]} queries and {key.shape[0]} keys (SDPA "
             "aligns it top-left, megatron bottom-right)"
         )
+    return None
+
+
+def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) -> str | None:
+    """Why ``module`` (a :class:`~megatron_hybrid.modules.fast.attention.FastSelfAttention`)
+    must leave the rotary embedding to megatron's ``apply_rotary_pos_emb``, or None.
+
+    :func:`~megatron_hybrid.modules.fast.rope.apply_rope` computes megatron's unfused,
+    non-interleaved RoPE of padded batches in training; TransformerEngine's fused RoPE, the
+    interleaved variant, packed sequences (positions restart per sequence) and inference stay
+    with megatron.
+    """
+    config = module.config
+    if rotary_pos_emb is None:
+        return "no rotary embedding"
+    if config.apply_rope_fusion:
+        return "apply_rope_fusion (TransformerEngine's fused RoPE)"
+    if config.rotary_interleaved:
+        return "rotary_interleaved"
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        return "packed sequences (positions restart in every sequence)"
+    if inference_context is not None:
+        return "inference (megatron's key-value cache path)"
     return None
 
 
