@@ -53,7 +53,7 @@ NO_KERNEL = frozenset(
 #: ``main_grad`` the package's one Triton kernel instead).
 ONE_KERNEL = frozenset({"aten::_grouped_mm", "aten::_foreach_add_"})
 
-SHAPE = dict(layers=1, hidden=64, heads=4, experts=64, topk=8, expert_hidden=32, seq=64, mbs=1,
+SHAPE = dict(layers=1, hidden=64, heads=4, experts=64, topk=8, expert_hidden=32, seq=4096, mbs=1,
              microbatches=1, vocab=256, gdn_heads=2, gdn_head_dim=16, mamba_state=16,
              mamba_head_dim=16, mamba_groups=2, q_lora_rank=None, kv_lora_rank=32,
              qk_head_dim=16, qk_rope_dim=8, v_head_dim=16)  # fmt: skip

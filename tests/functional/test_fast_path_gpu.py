@@ -322,8 +322,14 @@ def test_grouped_experts_under_megatron_ddp(world, pg):
         counts = torch.randint(0, 60, (experts,), generator=gen)
         counts[::9] = 0
         rows = int(counts.sum())
-        batches.append((counts, torch.randn(rows, hidden, generator=gen),
-                        torch.rand(rows, generator=gen), torch.randn(rows, hidden, generator=gen)))
+        batches.append(
+            (
+                counts,
+                torch.randn(rows, hidden, generator=gen),
+                torch.rand(rows, generator=gen),
+                torch.randn(rows, hidden, generator=gen),
+            )
+        )
 
     def run(cls, dtype):
         torch.manual_seed(5)

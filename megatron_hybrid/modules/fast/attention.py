@@ -221,7 +221,7 @@ class FastSelfAttention(SelfAttention):
     _pending_rope = None
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
-        """megatron's ``SelfAttention.forward`` (keyword ``rotary_pos_emb``, as its layers pass it)."""
+        """megatron's ``SelfAttention.forward``; its layers pass ``rotary_pos_emb`` by keyword."""
         no_rope = self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]
         inference = kwargs.get("inference_context") or kwargs.get("inference_params")
         reason = rope_reason(
