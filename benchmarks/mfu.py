@@ -349,7 +349,8 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = meta["device"].replace(" ", "-")
-    stem = f"mfu_{shape_name}_{device}" + ("" if args.ddp else "_autograd")
+    stem = (f"mfu_{shape_name}_{device}" + ("" if args.ddp else "_autograd")
+            + ("_tf32" if args.tf32 else ""))  # fmt: skip
     targets = [(label, fn(results), bound, op) for label, fn, bound, op in TARGETS]
     checked = [dict(target=t, value=v, bound=b, met=_met(v, b, o)) for t, v, b, o in targets]
     (out / f"{stem}.json").write_text(
@@ -450,6 +451,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--tf32", action="store_true",
+                        help="let float32 matmuls use TF32 tensor cores (torch.backends.cuda."
+                        "matmul.allow_tf32): the GatedDeltaNet scan's and the torch Mamba path's "
+                        "float32 products; recorded in the results")  # fmt: skip
     parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap each model in megatron's DistributedDataParallel as train "
                         "does (float32 main_grad buffers; the distributed optimizer's layout on "
@@ -470,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.steps = 2, 4
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     te = te_available()
     runs = parse_runs(parser, args.runs, te)
     skipped = [f"{n}/{i}" for n, i in runs if i in ("te", "gpt-te") and not te]
@@ -501,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
                f"{shape.topk} (hidden {shape.expert_hidden}), seq {shape.seq}, "
                f"{shape.layers} logical layers, {shape.microbatches} micro-batches of "
                f"{shape.mbs}, vocab {shape.vocab}, bf16, SwiGLU, "
-               + ("megatron DDP (float32 main_grad)" if args.ddp else "plain autograd (.grad)")),
+               + ("megatron DDP (float32 main_grad)" if args.ddp else "plain autograd (.grad)")
+               + (", TF32 float32 matmuls" if args.tf32 else "")),
         grads="megatron DDP" if args.ddp else "autograd",
         skipped=skipped,
     )  # fmt: skip

@@ -36,7 +36,7 @@
 #                autograd (--no-ddp); $MFU_ARGS come last (e.g. --runs ... or --shape large)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
-#                /tmp/tsite's Triton (the triton part first)
+#                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -188,8 +188,9 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu-fla)
       have_tsite || { status=1; continue; }
-      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py \
-        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ${MFU_ARGS:-} 2>&1 \
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-600}" python3 benchmarks/mfu.py \
+        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ge/fast-graphs \
+        star_e/fast-graphs ${MFU_ARGS:-} 2>&1 \
         | quiet | tee "$OUT/mfu_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)

@@ -133,5 +133,10 @@ class FastMoELayer(MoELayer):
 
     @property
     def fast_path_reason(self) -> str | None:
-        """Why the dispatcher copies token counts to the host (None: it does not)."""
-        return getattr(self.token_dispatcher, "fast_path_reason", "not megatron's all-to-all")
+        """Why the dispatcher copies token counts to the host or permutes with megatron's atomic
+        adds (None: neither)."""
+        dispatcher = self.token_dispatcher
+        reasons = [getattr(dispatcher, name, "not megatron's all-to-all")
+                   for name in ("fast_path_reason", "permutation_reason")]  # fmt: skip
+        found = [r for r in dict.fromkeys(reasons) if r is not None]
+        return "; ".join(found) if found else None
