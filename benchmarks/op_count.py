@@ -66,6 +66,20 @@ def _ancestors(event):
         parent = parent.cpu_parent
 
 
+_SCALAR_CASTS = frozenset(("aten::to", "aten::_to_copy", "aten::copy_", "aten::fill_"))
+
+
+def _kernel_like(event) -> bool:
+    """An aten operator that would launch a kernel: not a view or allocation, and not a
+    copy of a Python scalar into a tensor (0-dimensional, made on the host; ``record_shapes``
+    gives the shapes, without them every copy counts)."""
+    if not event.name.startswith("aten::") or event.name in NO_KERNEL:
+        return False
+    shapes = getattr(event, "input_shapes", None)
+    scalar = event.name in _SCALAR_CASTS and shapes and not any(shapes)
+    return not scalar
+
+
 def kernel_ops(events) -> collections.Counter:
     """Aten operators of a profile that launch work, by name: the lowest ones of each call
     tree (an operator whose callees launch nothing counts once; one that calls launching
@@ -79,13 +93,12 @@ def kernel_ops(events) -> collections.Counter:
                 launches[key] = True
                 return True
             below = [launching(child) for child in event.cpu_children]
-            mine = event.name.startswith("aten::") and event.name not in NO_KERNEL
-            launches[key] = any(below) or mine
+            launches[key] = any(below) or _kernel_like(event)
         return launches[key]
 
     counts: collections.Counter = collections.Counter()
     for event in events:
-        if event.name.startswith("aten::") and event.name not in NO_KERNEL:
+        if _kernel_like(event):
             inside_one = any(p.name in ONE_KERNEL for p in _ancestors(event))
             if inside_one:
                 continue
@@ -120,7 +133,7 @@ def count_step(
         run_schedule([model], batches, config, seq_length=shape.seq, micro_batch_size=shape.mbs)
 
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
     return kernel_ops(prof.events())
 
