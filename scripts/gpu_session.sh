@@ -22,6 +22,9 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   lora         tests/functional/test_lora_gpu.py on one GPU (LoRA on TE linears, fused norm +
+#                linear and grouped-GEMM experts against the local backend's math; TE from
+#                /tmp/site as for te) and benchmarks/lora.py ($LORA_BENCH_ARGS)
 #   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
 #                kernels, Mamba's kernels where built and TE's attention where installed, and
 #                forward_logprobs (forward only: no Triton staging needed; one fla config each)
@@ -153,6 +156,13 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    lora)
+      NVIDIA_TF32_OVERRIDE=0 torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
+        -W ignore tests/functional/test_lora_gpu.py 2>&1 | quiet | tee "$OUT/lora.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/lora.py --out "$OUT" ${LORA_BENCH_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/lora_bench.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     packing)
       TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \
         torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \

@@ -123,6 +123,8 @@ class Family:
         to_hf_config: ``(HFConversion) -> dict``: a config.json transformers loads.
         text_prefixes: prefixes of the decoder names, tried in order (``model.``,
             ``model.language_model.``): the first that the checkpoint uses wins.
+        module_prefix: the prefix transformers' modules have in memory where it differs from
+            the on-disk one (Nemotron-H: ``model.`` for ``backbone.``); None: the same.
     """
 
     name: str
@@ -131,6 +133,13 @@ class Family:
     plan: Callable[..., None]
     to_hf_config: Callable[[HFConversion], dict]
     text_prefixes: tuple[str, ...] = ("model.",)
+    module_prefix: str | None = None
+
+    def module_name(self, name: str, hf_prefix: str) -> str:
+        """transformers' in-memory name of the on-disk tensor or module ``name``."""
+        if self.module_prefix is not None and name.startswith(hf_prefix):
+            return self.module_prefix + name[len(hf_prefix) :]
+        return name
 
 
 #: model_type -> Family.

@@ -11,6 +11,7 @@ holds more than the tensor being yielded and the checkpoint tensors it is cut fr
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,7 +21,13 @@ from megatron_hybrid.hf.config import HFConversion
 from megatron_hybrid.hf.io import HFCheckpoint, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
-__all__ = ["HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
+__all__ = ["LORA_DELTA", "HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
+
+#: Name of the attribute through which a parameter takes part in merged exports: a parameter
+#: that has it is exported by ``iter_hf_weights(merge_lora=True)`` as ``param + delta`` where
+#: ``delta = getattr(param, LORA_DELTA)()`` is the float32 low-rank update of this rank's shard,
+#: shaped like the parameter (``megatron_hybrid.peft`` sets it on every adapted weight).
+LORA_DELTA = "lora_delta"
 
 #: Sharded-state-dict metadata used for conversion: always the indexed (per-layer) key form,
 #: so that a key names one layer whatever the pattern.
@@ -235,6 +242,52 @@ def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece
     return conversion.dtype
 
 
+class _MergedPieces:
+    """This rank's pieces with their parameter's LoRA update added: ``W + delta`` in float32 per
+    shard, cast back to the piece's dtype (what ``iter_hf_weights(merge_lora=True)`` gathers).
+
+    A piece is a row range of one parameter (megatron's sharded tensors and factories cut
+    weights by rows); parameters may be views into one buffer (megatron's DDP), so the owner is
+    found by address, not by storage.
+    """
+
+    def __init__(self, local: dict, params) -> None:
+        self.local = local
+        owners = sorted(
+            (p.data_ptr(), p) for p in params if hasattr(p, LORA_DELTA) and p.numel() > 0
+        )
+        self.starts = [start for start, _ in owners]
+        self.owners = [p for _, p in owners]
+        self.count = len(owners)
+        self._last: tuple = (None, None)
+
+    def _owner(self, data: torch.Tensor):
+        i = bisect.bisect_right(self.starts, data.data_ptr()) - 1
+        if i < 0:
+            return None
+        owner = self.owners[i]
+        end = owner.data_ptr() + owner.numel() * owner.element_size()
+        return owner if data.data_ptr() < end else None
+
+    def __getitem__(self, k) -> torch.Tensor:
+        data = self.local[k]
+        owner = self._owner(data) if data.numel() else None
+        if owner is None:
+            return data
+        offset, row_size = data.data_ptr() - owner.data_ptr(), owner.stride(0) * data.element_size()
+        if (
+            data.shape[1:] != owner.shape[1:]
+            or data.stride() != owner.stride()
+            or offset % row_size
+        ):  # megatron's factories slice rows only
+            raise AssertionError(f"{k}: a piece that is not a row range of its parameter")
+        if self._last[0] is not owner:
+            self._last = (owner, getattr(owner, LORA_DELTA)())
+        row = offset // row_size
+        delta = self._last[1][row : row + data.shape[0]].to(data.device)
+        return (data.float() + delta).to(data.dtype)
+
+
 @dataclass
 class _ExportState:
     """What one model needs for every export: its pieces, the plan, cached index tensors."""
@@ -306,6 +359,7 @@ def iter_hf_weights(
     dtype: torch.dtype | None = None,
     group=None,
     device=None,
+    merge_lora: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
 
@@ -326,6 +380,10 @@ def iter_hf_weights(
         group: process group spanning all ranks that hold the model (default: the world).
         device: where tensors are assembled and yielded (default: the current CUDA device, or
             CPU without CUDA).
+        merge_lora: yield the weights with their LoRA adapters merged: ``W + (alpha / rank)
+            B A``, computed in float32 on each rank's shard before anything is gathered, then
+            cast to the usual dtype; same names, dtypes and order as without, and tensors
+            without an adapter bitwise the same. Raises if no weight has an adapter.
     """
     import torch.distributed as dist
 
@@ -343,6 +401,16 @@ def iter_hf_weights(
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = _export_state(chunks, conversion, group, world, rank)
     plan, key_shapes, pieces, local = state.plan, state.key_shapes, state.pieces, state.local
+    if merge_lora:
+        local = _MergedPieces(local, state.params)
+        adapted = torch.tensor([local.count], dtype=torch.float64, device=device)
+        if world:
+            dist.all_reduce(adapted, group=group)
+        if not adapted.item():
+            raise HFWeightsError(
+                "merge_lora=True, but no weight of the model has a LoRA adapter: apply one "
+                "first (megatron_hybrid.peft.apply_lora or load_peft_adapter)"
+            )
 
     def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
         shape = key_shapes[key][1:] if expert is not None else key_shapes[key]
