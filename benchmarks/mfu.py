@@ -20,12 +20,16 @@ experts), ``gpt-te`` / ``gpt-local`` (GPTModel with the same layers; ``*`` and `
 TE runs are skipped where TransformerEngine is not importable. Every run uses the same
 settings: bf16, SwiGLU (the activation GatedDeltaNet needs, so the FLOPs match between
 patterns), megatron's fused weighted SwiGLU and native fused cross-entropy, alltoall dispatcher,
-no auxiliary loss, the plain schedule over ``--microbatches`` micro-batches.
+no auxiliary loss, the plain schedule over ``--microbatches`` micro-batches, and gradients as
+``train`` accumulates them: megatron's ``DistributedDataParallel`` with float32 ``main_grad``
+buffers in the distributed optimizer's layout (``--no-ddp``: plain autograd ``.grad``, results
+named ``..._autograd``).
 
 Shapes: ``issue`` (hidden 2048, 16 heads, 64 experts top-8 of hidden 512, sequence 4096, 4
 logical layers, 8 micro-batches: 32,768 tokens per step), ``large`` (hidden 4096, 32 heads, 64
 experts top-8 of hidden 1024, sequence 8192, 4 layers, 8 micro-batches), ``tiny`` (a CPU check).
-Writes ``mfu_<shape>_<device>.{json,md}`` into ``--out``; ``--quick`` takes fewer steps.
+Writes ``mfu_<shape>_<device>[_autograd].{json,md}`` into ``--out``; ``--quick`` takes fewer
+steps.
 """
 
 from __future__ import annotations
@@ -190,6 +194,17 @@ def build_model(shape, pattern: str, impl: str, config, pg):
     return Float16Module(config, model.to(device)), model
 
 
+def wrap_ddp(model, config, pg):
+    """``model`` in megatron's ``DistributedDataParallel`` as ``train`` wraps it: float32 gradient
+    buffers (each parameter's ``main_grad``), the distributed optimizer's layout on a GPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=CUDA
+    )
+    return DistributedDataParallel(config, ddp_config, model, pg_collection=pg)
+
+
 def synthetic_batches(shape, count: int) -> list[dict]:
     device = "cuda" if CUDA else "cpu"
     generator = torch.Generator().manual_seed(7)
@@ -240,7 +255,14 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     pg = initialize_model_parallel(seed=1234)
     compiled_before = dict(COMPILE_SECONDS)
     model, inner = build_model(shape, pattern, impl, config, pg)
+    if args.ddp:
+        model = wrap_ddp(model, config, pg)
     batches = synthetic_batches(shape, shape.microbatches)
+
+    def zero_grads():
+        if args.ddp:
+            model.zero_grad_buffer()
+        model.zero_grad(set_to_none=True)
 
     def step():
         run_schedule([model], batches, config, seq_length=shape.seq, micro_batch_size=shape.mbs)
@@ -253,7 +275,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
         if index == warmup and CUDA:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        model.zero_grad(set_to_none=True)
+        zero_grads()
         _sync()
         began = time.perf_counter()
         step()
@@ -270,6 +292,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     result = {
         "pattern": pattern,
         "impl": impl,
+        "grads": "megatron DDP" if args.ddp else "autograd",
         "median_s": median,
         "steps_s": times,
         "first_step_s": first,
@@ -289,7 +312,7 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     if graphs is not None:
         result["cuda_graphs"] = graphs.summary().splitlines()
     if CUDA and not args.no_profile:
-        model.zero_grad(set_to_none=True)
+        zero_grads()
         summary, breakdown = profile(step)
         window = summary["window_ms"]
         matmul_ms = sum(breakdown["categories"].get(c, {}).get("ms", 0.0)
@@ -326,7 +349,8 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = meta["device"].replace(" ", "-")
-    stem = f"mfu_{shape_name}_{device}"
+    stem = (f"mfu_{shape_name}_{device}" + ("" if args.ddp else "_autograd")
+            + ("_tf32" if args.tf32 else ""))  # fmt: skip
     targets = [(label, fn(results), bound, op) for label, fn, bound, op in TARGETS]
     checked = [dict(target=t, value=v, bound=b, met=_met(v, b, o)) for t, v, b, o in targets]
     (out / f"{stem}.json").write_text(
@@ -427,6 +451,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--tf32", action="store_true",
+                        help="let float32 matmuls use TF32 tensor cores (torch.backends.cuda."
+                        "matmul.allow_tf32): the GatedDeltaNet scan's and the torch Mamba path's "
+                        "float32 products; recorded in the results")  # fmt: skip
+    parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap each model in megatron's DistributedDataParallel as train "
+                        "does (float32 main_grad buffers; the distributed optimizer's layout on "
+                        "a GPU); --no-ddp: plain autograd .grad (results get an _autograd "
+                        "suffix)")  # fmt: skip
     parser.add_argument("--gdn-kernel", choices=("auto", "fla", "torch"), default="auto",
                         help="GatedDeltaNet: fla's Triton kernels, the torch path "
                         "(deterministic_mode; the fast path runs it as a parallel scan), or "
@@ -442,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.steps = 2, 4
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
     te = te_available()
     runs = parse_runs(parser, args.runs, te)
     skipped = [f"{n}/{i}" for n, i in runs if i in ("te", "gpt-te") and not te]
@@ -472,7 +507,10 @@ def main(argv: list[str] | None = None) -> None:
         setup=(f"hidden {shape.hidden}, {shape.heads} heads, {shape.experts} experts top-"
                f"{shape.topk} (hidden {shape.expert_hidden}), seq {shape.seq}, "
                f"{shape.layers} logical layers, {shape.microbatches} micro-batches of "
-               f"{shape.mbs}, vocab {shape.vocab}, bf16, SwiGLU"),
+               f"{shape.mbs}, vocab {shape.vocab}, bf16, SwiGLU, "
+               + ("megatron DDP (float32 main_grad)" if args.ddp else "plain autograd (.grad)")
+               + (", TF32 float32 matmuls" if args.tf32 else "")),
+        grads="megatron DDP" if args.ddp else "autograd",
         skipped=skipped,
     )  # fmt: skip
     results: dict = {}

@@ -36,10 +36,11 @@
 #   mfu          the fast TE-free path: its numerics against the reference path
 #                (tests/functional/test_fast_path_gpu.py, one GPU), then benchmarks/mfu.py --quick at
 #                the shape (every pattern fast, [*E] reference, TE runs where TE is
-#                installed); $MFU_ARGS come last (e.g. --runs ... or --shape large)
+#                installed; megatron DDP as train uses) and [*E] fast once more with plain
+#                autograd (--no-ddp); $MFU_ARGS come last (e.g. --runs ... or --shape large)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
-#                /tmp/tsite's Triton (the triton part first)
+#                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -187,6 +188,9 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick \
         ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick --no-ddp \
+        --runs star_e/fast ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu_autograd.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu-large)
       timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py --out "$OUT" --quick --shape large \
@@ -195,8 +199,9 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu-fla)
       have_tsite || { status=1; continue; }
-      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py \
-        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ${MFU_ARGS:-} 2>&1 \
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-600}" python3 benchmarks/mfu.py \
+        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ge/fast-graphs \
+        star_e/fast-graphs ${MFU_ARGS:-} 2>&1 \
         | quiet | tee "$OUT/mfu_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)

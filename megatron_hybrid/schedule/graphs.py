@@ -30,7 +30,9 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
   and autograd may keep such a tensor as ``.grad`` (it steals gradients nobody else references),
   so the next replay would overwrite an accumulated gradient: a hook on each graphed parameter
   gives autograd a copy (megatron-core adds into ``main_grad`` inside the graph instead, which
-  needs megatron's DDP; this works with and without it);
+  needs megatron's DDP; this works with and without it). A parameter whose captured backward
+  added its gradient to ``main_grad`` (its flag is set again before the graphed backward runs)
+  hands DDP only a placeholder, which DDP's hook drops: it is not copied;
 * TransformerEngine linears with ``delay_wgrad_compute`` queue their weight gradient in Python,
   which a replay does not run: those pieces stay eager (megatron-core captures a separate wgrad
   graph instead).
@@ -45,6 +47,7 @@ an operation that capture forbids; the piece then stays eager for good).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -287,8 +290,11 @@ def _split(args: tuple, kwargs: dict):
     return tensors, rebuild, (signature, tuple(constants))
 
 
-def _fresh_grad(grad: Tensor) -> Tensor:
-    """A gradient in its own memory, never the graph's static buffer (see the module doc)."""
+def _fresh_grad(param: Tensor, grad: Tensor) -> Tensor:
+    """A gradient in its own memory, never the graph's static buffer (see the module doc); a
+    fused parameter's placeholder as it is."""
+    if getattr(param, "grad_added_to_main_grad", False):
+        return grad
     return grad.clone()
 
 
@@ -309,7 +315,11 @@ class GraphedForward:
         self.captures = self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.disabled: str | None = None
-        self.hooks = [p.register_hook(_fresh_grad) for p in module.parameters() if p.requires_grad]
+        self.hooks = [
+            p.register_hook(functools.partial(_fresh_grad, p))
+            for p in module.parameters()
+            if p.requires_grad
+        ]
 
     def _eager(self, reason: str, args, kwargs):
         self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1

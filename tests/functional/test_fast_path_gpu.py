@@ -291,3 +291,97 @@ def test_sdpa_attention(world, pg, case):
     assert fast.fast_path_reason is None
     for name, r, f, t in zip(names, ref_out, fast_out, truth, strict=True):
         assert rel_error(f, t) <= FACTOR * rel_error(r, t) + FLOOR, name
+
+
+def test_grouped_experts_under_megatron_ddp(world, pg):
+    """Weight gradients of 64 uneven experts over three micro-batches, accumulated as ``train``
+    does (megatron DDP, float32 main_grad in the distributed optimizer's reversed, padded
+    layout): one grouped add per linear (the Triton kernel) against SequentialMLP's per-expert
+    adds, both bf16, against float32 SequentialMLP."""
+    import contextlib
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast import grouped_add
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.testing.models import small_config
+
+    _, _, device = world
+    experts, hidden, ffn = 64, 256, 128
+    config = small_config("E", hidden_size=hidden, num_attention_heads=4,
+                          num_moe_experts=experts, moe_router_topk=8, moe_ffn_hidden_size=ffn,
+                          gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                          bias_activation_fusion=True)  # fmt: skip
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    gen = torch.Generator().manual_seed(4)
+    batches = []
+    for _ in range(3):
+        counts = torch.randint(0, 60, (experts,), generator=gen)
+        counts[::9] = 0
+        rows = int(counts.sum())
+        batches.append(
+            (
+                counts,
+                torch.randn(rows, hidden, generator=gen),
+                torch.rand(rows, generator=gen),
+                torch.randn(rows, hidden, generator=gen),
+            )
+        )
+
+    def run(cls, dtype):
+        torch.manual_seed(5)
+        module = cls(experts, config, submodules, pg_collection=pg).to(device, dtype)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=device.type == "cuda"
+        )
+        model = DistributedDataParallel(config, ddp_config, module, pg_collection=pg)
+        model.zero_grad_buffer()
+        for index, (counts, tokens, probs, grad_out) in enumerate(batches):
+            last = index == len(batches) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                out, _ = model(tokens.to(device, dtype), counts.to(device), probs.to(device, dtype))
+                out.backward(grad_out.to(device, dtype))
+        return module, {n: p.main_grad.float().clone() for n, p in module.named_parameters()}
+
+    with exact_float32():
+        _, truth = run(SequentialMLP, torch.float32)
+    _, ref = run(SequentialMLP, torch.bfloat16)
+    tables = len(grouped_add._OFFSETS)
+    module, fast = run(GroupedGemmExperts, torch.bfloat16)
+    assert module.fast_path_reason is None, module.fast_path_reason
+    if device.type == "cuda":  # float32 main_grad, bfloat16 gradients: the Triton kernel
+        assert grouped_add._kernel() is not None and len(grouped_add._OFFSETS) == tables + 2
+    assert all(p.grad is None and p.grad_added_to_main_grad for p in module.parameters())
+    name = "local_experts.3.linear_fc1.weight"
+    report("grouped experts under megatron DDP, 3 micro-batches, main_grad vs float32",
+           [("", "reference", "fast"),
+            (name, f"{rel_error(ref[name], truth[name]):.2e}",
+             f"{rel_error(fast[name], truth[name]):.2e}")])  # fmt: skip
+    for name, value in truth.items():
+        if value.abs().sum() == 0:
+            assert torch.count_nonzero(fast[name]) == 0, name
+            continue
+        assert rel_error(fast[name], value) <= PARAM_FACTOR * rel_error(ref[name], value) + FLOOR
+
+
+@pytest.mark.parametrize("dest_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_add_on_device(world, dest_dtype):
+    """``grouped_add_`` into destinations laid out as megatron DDP lays them out (reversed,
+    unevenly spaced) equals one add per destination; nothing else in the buffer changes."""
+    from megatron_hybrid.modules.fast.grouped_add import grouped_add_
+
+    _, _, device = world
+    gen = torch.Generator().manual_seed(1)
+    buffer = torch.randn(40_000, generator=gen).to(device, dest_dtype)
+    starts = [30_000, 25_000, 19_936, 10_000, 128]
+    dests = [buffer[s : s + 4096].view(64, 64) for s in starts]
+    source = torch.randn(len(starts), 64, 64, generator=gen).to(device, torch.bfloat16)
+    expected = buffer.clone()
+    for start, addend in zip(starts, source, strict=True):
+        piece = expected[start : start + 4096]
+        piece.copy_((piece.float() + addend.float().view(-1)).to(dest_dtype))
+    grouped_add_(dests, source, use_triton=device.type == "cuda")
+    assert torch.equal(buffer, expected)

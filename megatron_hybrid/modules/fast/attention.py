@@ -21,12 +21,25 @@ zero output.
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.attention import SelfAttention
 from torch.nn import functional
 
 from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
-from megatron_hybrid.modules.fast.selection import host_values, is_causal_mask, sdpa_reason
+from megatron_hybrid.modules.fast.rope import apply_rope
+from megatron_hybrid.modules.fast.selection import (
+    host_values,
+    is_causal_mask,
+    rope_reason,
+    sdpa_reason,
+)
 
-__all__ = ["SDPACoreAttention", "SDPAMLACoreAttention", "sdpa_attention", "sdpa_packed_attention"]
+__all__ = [
+    "FastSelfAttention",
+    "SDPACoreAttention",
+    "SDPAMLACoreAttention",
+    "sdpa_attention",
+    "sdpa_packed_attention",
+]
 
 # SDPA is a builtin without an introspectable signature; enable_gqa came in torch 2.5.
 _HAS_ENABLE_GQA = "enable_gqa" in (functional.scaled_dot_product_attention.__doc__ or "")
@@ -192,3 +205,49 @@ class SDPACoreAttention(_SDPAForward, LocalCoreAttention):
 class SDPAMLACoreAttention(_SDPAForward, MLACoreAttention):
     """The package's MLA core attention (``+``) computed through SDPA: query/key heads of
     ``qk_head_dim + qk_pos_emb_head_dim``, value heads of ``v_head_dim``."""
+
+
+class FastSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` with the rotary embedding of :func:`apply_rope`.
+
+    ``forward`` hands the rotary frequencies to :meth:`get_query_key_value_tensors`, which
+    rotates the query and key as soon as they exist (after the q/k norms, where megatron rotates
+    them too), and runs megatron's forward without them; where
+    :func:`~megatron_hybrid.modules.fast.selection.rope_reason` says otherwise, megatron's own
+    RoPE runs (``fast_path_reason``).
+    """
+
+    fast_path_reason: str | None = "not run"
+    _pending_rope = None
+
+    def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
+        """megatron's ``SelfAttention.forward``; its layers pass ``rotary_pos_emb`` by keyword."""
+        no_rope = self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]
+        inference = kwargs.get("inference_context") or kwargs.get("inference_params")
+        reason = rope_reason(
+            self, None if no_rope else rotary_pos_emb, kwargs.get("packed_seq_params"), inference
+        )
+        self.fast_path_reason = None if reason == "no rotary embedding" else reason
+        if reason is not None:
+            return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        self._pending_rope = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, *args, rotary_pos_emb=None, **kwargs)
+        finally:
+            self._pending_rope = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        """megatron's query, key and value (and gate), the query and key rotated if pending."""
+        out = super().get_query_key_value_tensors(*args, **kwargs)
+        pending, self._pending_rope = self._pending_rope, None
+        if pending is None:
+            return out
+        mscale = self._yarn_concentration_factor
+        query, key = out[0], out[1]
+        if pending[0] is not None:
+            query = apply_rope(query, pending[0], mscale)
+        if pending[1] is not None:
+            key = apply_rope(key, pending[1], mscale)
+        return (query, key, *out[2:])

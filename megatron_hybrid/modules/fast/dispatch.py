@@ -12,9 +12,12 @@ on the host, so the copy and the wait stay; they cost the same as in GPTModel.)
 :class:`SyncFreeAllToAllDispatcher` skips the copy, the wait and the identity sorts where
 :func:`~megatron_hybrid.modules.fast.selection.sync_free_dispatch_reason` says nothing needs
 them, and hands the experts their token counts on the device (``GroupedGemmExperts`` uses them
-there; ``SequentialMLP`` still reads them on the host). Its first permutation (megatron's
-argsort-based ``permute``) and the unpermutation are already loop-free and sync-free.
-:class:`FastMoELayer` is megatron's ``MoELayer`` with this dispatcher.
+there; ``SequentialMLP`` still reads them on the host). At any EP size it permutes the tokens
+before the all-to-all and unpermutes them after it with gathers
+(:mod:`~megatron_hybrid.modules.fast.permutation`) instead of megatron's atomic adds, where
+:func:`~megatron_hybrid.modules.fast.selection.gather_permutation_reason` allows it; the rows are
+in megatron's order either way. :class:`FastMoELayer` is megatron's ``MoELayer`` with this
+dispatcher.
 """
 
 from __future__ import annotations
@@ -22,17 +25,54 @@ from __future__ import annotations
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron_hybrid.modules.fast.selection import sync_free_dispatch_reason
+from megatron_hybrid.modules.fast.permutation import (
+    permutation_map,
+    permute_probs,
+    permute_tokens,
+    unpermute_tokens,
+)
+from megatron_hybrid.modules.fast.selection import (
+    gather_permutation_reason,
+    sync_free_dispatch_reason,
+)
 
 __all__ = ["FastMoELayer", "SyncFreeAllToAllDispatcher"]
 
 
 class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
-    """megatron's all-to-all dispatcher without its host copy where no rank exchanges tokens."""
+    """megatron's all-to-all dispatcher without its host copy where no rank exchanges tokens,
+    permuting with gathers.
+
+    ``fast_path_reason`` says why it copies token counts to the host (None: it does not),
+    ``permutation_reason`` why it permutes with megatron's ``permute`` (None: with gathers).
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fast_path_reason = sync_free_dispatch_reason(self)
+        self.permutation_reason = gather_permutation_reason(self)
+        self._permutation = None
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """Tokens and probabilities permuted for the all-to-all (megatron's contract)."""
+        if self.permutation_reason is not None:
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        # The steps of megatron's dispatch_preprocess without router padding (excluded by
+        # gather_permutation_reason), its permute replaced by gathers.
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+            "before_permutation_1", self.tokens_per_expert
+        )
+        self.hidden_shape_before_permute = hidden_states.shape
+        mapping = permutation_map(routing_map, self.config.moe_router_topk)
+        self._permutation = mapping
+        self.reversed_local_input_permutation_mapping = mapping.row_token
+        return permute_tokens(hidden_states, mapping), permute_probs(probs, mapping)
 
     def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert=None):
         if self.fast_path_reason is None:
@@ -52,6 +92,17 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
         if self.fast_path_reason is not None:
             return super().combine_preprocess(hidden_states)
         return hidden_states
+
+    def combine_postprocess(self, permutated_local_input_tokens):
+        """Each token's rows summed back into its place, plus the shared experts' output."""
+        if self.permutation_reason is not None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        mapping, self._permutation = self._permutation, None
+        output = unpermute_tokens(permutated_local_input_tokens, mapping)
+        output = output.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
 
 
 class FastMoELayer(MoELayer):
@@ -82,5 +133,10 @@ class FastMoELayer(MoELayer):
 
     @property
     def fast_path_reason(self) -> str | None:
-        """Why the dispatcher copies token counts to the host (None: it does not)."""
-        return getattr(self.token_dispatcher, "fast_path_reason", "not megatron's all-to-all")
+        """Why the dispatcher copies token counts to the host or permutes with megatron's atomic
+        adds (None: neither)."""
+        dispatcher = self.token_dispatcher
+        reasons = [getattr(dispatcher, name, "not megatron's all-to-all")
+                   for name in ("fast_path_reason", "permutation_reason")]  # fmt: skip
+        found = [r for r in dict.fromkeys(reasons) if r is not None]
+        return "; ".join(found) if found else None

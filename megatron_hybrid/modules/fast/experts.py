@@ -12,8 +12,11 @@ It *is* a ``SequentialMLP``: the same submodules (``local_experts.{e}.linear_fc1
 same parameters, state dict and sharded state dict (megatron's expert-axis keys, identical to
 ``TEGroupedMLP``'s), so checkpoints, the distributed optimizer, Hugging Face conversion and
 anything that walks the experts by name see no difference. Each forward stacks the local
-experts' weights (``[E, out, in]``, one copy kernel per linear) and the stack's backward hands
-every expert its own weight gradient.
+experts' weights (``[E, out, in]``, one copy kernel per linear, none where they already lie
+evenly spaced in one storage); the backward computes the input gradient and all experts' weight
+gradients with one grouped GEMM each and adds the weight gradients with one kernel per linear,
+into megatron DDP's ``main_grad`` or into one stacked ``.grad``
+(:mod:`~megatron_hybrid.modules.fast.grouped_linear`).
 
 The seam for adapters: every expert linear goes through :meth:`GroupedGemmExperts.grouped_linear`
 ``(name, tokens, offsets)``. A LoRA implementation that wraps ``local_experts.{e}.linear_fc1``
@@ -30,6 +33,7 @@ from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch.nn import functional
 
+from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
 from megatron_hybrid.modules.fast.selection import grouped_gemm_reason
 
 __all__ = ["GroupedGemmExperts", "expert_activation", "group_offsets"]
@@ -102,8 +106,8 @@ class GroupedGemmExperts(SequentialMLP):
         Returns:
             ``[rows, out]``. This is the seam adapters hook (see the module docstring).
         """
-        weight = torch.stack([getattr(e, name).weight for e in self.local_experts])
-        return torch._grouped_mm(tokens, weight.transpose(1, 2), offs=offsets)
+        weights = [getattr(e, name).weight for e in self.local_experts]
+        return grouped_linear(tokens, offsets, weights)
 
     def forward(
         self,

@@ -42,32 +42,125 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(chunk_size: int, key_dim: int, dtype: torch.dtype, device: torch.device):
+    """The mask above the diagonal of a chunk and the ``dk x dk`` identity, made once per
+    device (not inside a CUDA-graph capture, whose memory pool they would outlive)."""
+    key = (chunk_size, key_dim, dtype, device)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        above = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
+        found = (above, torch.eye(key_dim, dtype=dtype, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[key] = found
+    return found
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[chunks, groups, r, c]`` (contiguous chunk-major) as a batch of ``r x c`` matrices."""
+    return x.view(-1, x.shape[-2], x.shape[-1])
+
+
+class _Absorb(torch.autograd.Function):
+    """One scan level of the offsets: ``B'_i = B_i + M_i B_{i-s}`` for ``i >= s``, ``B_i`` before.
+
+    Written out (rather than as slices, a product and a concatenation) because autograd would
+    give each of the level's slices a zero-filled full-size gradient: here the backward is two
+    batched products and an in-place add on contiguous chunk-major blocks.
+    """
+
+    @staticmethod
+    def forward(ctx, m: torch.Tensor, b: torch.Tensor, step: int):
+        ctx.save_for_backward(m, b)
+        ctx.step = step
+        out = torch.empty_like(b)
+        out[:step].copy_(b[:step])
+        torch.baddbmm(_flat(b[step:]), _flat(m[step:]), _flat(b[:-step]), out=_flat(out[step:]))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        m, b = ctx.saved_tensors
+        step = ctx.step
+        grad = grad.contiguous()
+        grad_m = torch.empty_like(m)
+        grad_m[:step].zero_()
+        torch.bmm(_flat(grad[step:]), _flat(b[:-step]).transpose(1, 2), out=_flat(grad_m[step:]))
+        grad_b = grad.clone()
+        grad_b[:-step].add_(
+            torch.bmm(_flat(m[step:]).transpose(1, 2), _flat(grad[step:])).view_as(grad[step:])
+        )
+        return grad_m, grad_b, None
+
+
+class _Compose(torch.autograd.Function):
+    """One scan level of the maps: ``M'_i = M_i M_{i-s}`` for ``i >= s``, ``M_i`` before."""
+
+    @staticmethod
+    def forward(ctx, m: torch.Tensor, step: int):
+        ctx.save_for_backward(m)
+        ctx.step = step
+        out = torch.empty_like(m)
+        out[:step].copy_(m[:step])
+        torch.bmm(_flat(m[step:]), _flat(m[:-step]), out=_flat(out[step:]))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (m,) = ctx.saved_tensors
+        step = ctx.step
+        grad = grad.contiguous()
+        grad_m = torch.empty_like(m)
+        grad_m[:step].copy_(grad[:step])
+        torch.bmm(_flat(grad[step:]), _flat(m[:-step]).transpose(1, 2), out=_flat(grad_m[step:]))
+        grad_m[:-step].add_(
+            torch.bmm(_flat(m[step:]).transpose(1, 2), _flat(grad[step:])).view_as(grad[step:])
+        )
+        return grad_m, None
+
+
 def _scan_states(
     transition: torch.Tensor, offset: torch.Tensor, initial: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """States entering each chunk, and the state after the last, of ``S <- M_i S + B_i``.
 
+    The scan runs chunk-major (``[chunks, batch, ...]``): every level's shifted operands are
+    then contiguous blocks that its batched products read in place, and each level is one
+    autograd node (:class:`_Absorb`, :class:`_Compose`) with a backward of its own.
+
     Args:
         transition: ``M`` ``[..., n, dk, dk]``.
         offset: ``B`` ``[..., n, dk, dv]``.
         initial: ``S_0`` ``[..., dk, dv]`` or None (zero).
+
+    Returns:
+        ``(states [..., n, dk, dv] contiguous, final [..., dk, dv])``.
     """
-    chunks = transition.shape[-3]
+    batch_shape, chunks = transition.shape[:-3], transition.shape[-3]
+    key_dim, value_dim = offset.shape[-2], offset.shape[-1]
+    m = transition.movedim(-3, 0).reshape(chunks, -1, key_dim, key_dim).contiguous()
+    b = offset.movedim(-3, 0).reshape(chunks, -1, key_dim, value_dim).contiguous()
+    groups = m.shape[1]
     step = 1
     while step < chunks:
         # Element i absorbs element i - step: apply the earlier map first, then this one.
-        later_m, later_b = transition[..., step:, :, :], offset[..., step:, :, :]
-        offset = torch.cat(
-            [offset[..., :step, :, :], later_m @ offset[..., :-step, :, :] + later_b], dim=-3
-        )
+        b = _Absorb.apply(m, b, step)
         if 2 * step < chunks or initial is not None:
-            transition = torch.cat(
-                [transition[..., :step, :, :], later_m @ transition[..., :-step, :, :]], dim=-3
-            )
+            m = _Compose.apply(m, step)
         step *= 2
-    after = offset if initial is None else offset + transition @ initial.unsqueeze(-3)
-    first = torch.zeros_like(after[..., :1, :, :]) if initial is None else initial.unsqueeze(-3)
-    return torch.cat([first, after[..., :-1, :, :]], dim=-3), after[..., -1, :, :]
+    if initial is None:
+        after = b
+        first = torch.zeros_like(b[:1])
+    else:
+        first = initial.reshape(1, groups, key_dim, value_dim)
+        after = b + torch.matmul(m, first)
+    states = torch.cat([first, after[:-1]]).view(chunks, *batch_shape, key_dim, value_dim)
+    final = after[-1].view(*batch_shape, key_dim, value_dim)
+    return states.movedim(0, -3).contiguous(), final
 
 
 def scan_chunk_gated_delta_rule(
@@ -121,20 +214,19 @@ def scan_chunk_gated_delta_rule(
     beta, g = (x.reshape(batch, heads, chunks, chunk_size) for x in (beta, g))
 
     g = g.cumsum(-1)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    above, eye_k = _constants(chunk_size, key_dim, q.dtype, q.device)
     # decay[l, s] = exp(g_l - g_s) for s <= l; the masked entries never reach exp.
     diff = g.unsqueeze(-1) - g.unsqueeze(-2)
-    decay = torch.where(causal, diff, torch.full_like(diff, -torch.inf)).exp()
+    decay = diff.masked_fill(above, -torch.inf).exp()
     k_beta = k * beta.unsqueeze(-1)
-    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    system = eye + ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    # I + tril(., -1): the unit diagonal is implied by unitriangular=True.
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
     rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * g.exp().unsqueeze(-1)], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = solved.split([value_dim, key_dim], dim=-1)
 
     g_last = g[..., -1]
     k_decayed = (k * (g_last.unsqueeze(-1) - g).exp().unsqueeze(-1)).transpose(-1, -2)
-    eye_k = torch.eye(key_dim, dtype=q.dtype, device=q.device)
     transition = g_last.exp()[..., None, None] * eye_k - k_decayed @ w
     offset = k_decayed @ u
     initial = None if initial_state is None else initial_state.float()

@@ -25,11 +25,13 @@ import torch
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
+    "gather_permutation_reason",
     "gdn_rule_choice",
     "grouped_gemm_reason",
     "host_values",
     "is_causal_mask",
     "resolve_local_impl",
+    "rope_reason",
     "sdpa_reason",
     "sync_free_dispatch_reason",
 ]
@@ -92,6 +94,29 @@ def sdpa_reason(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
             f"a causal mask between {query.shape[0]} queries and {key.shape[0]} keys (SDPA "
             "aligns it top-left, megatron bottom-right)"
         )
+    return None
+
+
+def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) -> str | None:
+    """Why ``module`` (a :class:`~megatron_hybrid.modules.fast.attention.FastSelfAttention`)
+    must leave the rotary embedding to megatron's ``apply_rotary_pos_emb``, or None.
+
+    :func:`~megatron_hybrid.modules.fast.rope.apply_rope` computes megatron's unfused,
+    non-interleaved RoPE of padded batches in training; TransformerEngine's fused RoPE, the
+    interleaved variant, packed sequences (positions restart per sequence) and inference stay
+    with megatron.
+    """
+    config = module.config
+    if rotary_pos_emb is None:
+        return "no rotary embedding"
+    if config.apply_rope_fusion:
+        return "apply_rope_fusion (TransformerEngine's fused RoPE)"
+    if config.rotary_interleaved:
+        return "rotary_interleaved"
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        return "packed sequences (positions restart in every sequence)"
+    if inference_context is not None:
+        return "inference (megatron's key-value cache path)"
     return None
 
 
@@ -215,6 +240,24 @@ def sync_free_dispatch_reason(dispatcher) -> str | None:
         return "token dropping (moe_expert_capacity_factor): the output size is read on the host"
     if config.moe_router_padding_for_quantization:
         return "router padding for quantisation: the output size is read on the host"
+    return None
+
+
+def gather_permutation_reason(dispatcher) -> str | None:
+    """Why an all-to-all dispatcher must permute with megatron's ``permute`` / ``unpermute``
+    (an ``index_select`` whose gradient, and a ``scatter_add_``, accumulate with atomics), or
+    None where :mod:`~megatron_hybrid.modules.fast.permutation`'s gathers compute the same.
+
+    The gathers need exactly ``k`` rows per token: no token dropping, no router padding for
+    quantisation. TransformerEngine's fused permutation (``moe_permute_fusion``) stays.
+    """
+    config = dispatcher.config
+    if config.moe_permute_fusion:
+        return "moe_permute_fusion (TransformerEngine's fused permutation)"
+    if dispatcher.drop_and_pad or config.moe_expert_capacity_factor is not None:
+        return "token dropping (moe_expert_capacity_factor): tokens keep fewer than k rows"
+    if config.moe_router_padding_for_quantization:
+        return "router padding for quantisation: the routing map gains padding rows"
     return None
 
 

@@ -14,12 +14,17 @@ import dataclasses
 import functools
 from typing import Any
 
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
-from megatron_hybrid.modules.fast.attention import SDPACoreAttention, SDPAMLACoreAttention
+from megatron_hybrid.modules.fast.attention import (
+    FastSelfAttention,
+    SDPACoreAttention,
+    SDPAMLACoreAttention,
+)
 from megatron_hybrid.modules.fast.dispatch import FastMoELayer
 from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
 from megatron_hybrid.modules.fast.gdn import FastGatedDeltaNet
@@ -31,6 +36,7 @@ __all__ = ["FAST_CLASSES", "fast_layer_specs"]
 
 #: Reference class of the ``local`` backend -> its fast subclass.
 FAST_CLASSES: dict[type, type] = {
+    SelfAttention: FastSelfAttention,
     LocalCoreAttention: SDPACoreAttention,
     MLACoreAttention: SDPAMLACoreAttention,
     SequentialMLP: GroupedGemmExperts,

@@ -434,9 +434,13 @@ class StaticGradStandIn:
     """A stand-in that hands out parameter gradients in persistent buffers, as a replayed
     backward graph does (``torch.cuda.make_graphed_callables`` returns its static gradients)."""
 
+    def __init__(self):
+        self.buffers: list[torch.Tensor] = []
+
     def __call__(self, piece, sample_args):
         params = [p for p in piece.parameters() if p.requires_grad]
         static = [torch.zeros_like(p) for p in params]
+        self.buffers += static
         count = len(sample_args)
 
         class Static(torch.autograd.Function):
@@ -477,6 +481,28 @@ def test_accumulated_gradients_never_alias_a_graphs_static_buffer(pg):
         grads.append({n: p.grad for n, p in net.named_parameters()})
     differing = [n for n in grads[1] if not torch.equal(grads[0][n], grads[1][n])]
     assert not differing, f"accumulated gradients differ: {differing}"
+
+
+def test_fused_parameters_get_their_placeholder_without_a_copy(pg):
+    """A parameter whose captured backward added to ``main_grad`` hands DDP's hook a placeholder
+    (which it drops): no copy of it; the others' gradients are copies (negative control)."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*-]", pg)
+    stand_in = StaticGradStandIn()
+    enable_cuda_graphs(model, capture=stand_in)
+    mlp = model.decoder.layers[0].layers[1].mlp
+    fused, plain = list(mlp.parameters())[:2]
+    fused.grad_added_to_main_grad, plain.grad_added_to_main_grad = True, False
+    seen = {}
+    for name, param in (("fused", fused), ("plain", plain)):
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.__setitem__(name, p.grad.untyped_storage().data_ptr())
+        )
+    model.zero_grad(set_to_none=True)
+    model(**model_inputs()).float().mean().backward()
+    static = {t.untyped_storage().data_ptr() for t in stand_in.buffers}
+    assert seen["fused"] in static and seen["plain"] not in static
 
 
 def test_attention_dropout_keeps_attention_eager(pg):

@@ -1,0 +1,159 @@
+"""One expert linear of every local expert as grouped GEMMs, with one weight-gradient add.
+
+The experts keep ``SequentialMLP``'s parameters (one weight per expert and linear: their
+checkpoint keys, optimizer layout and LoRA targets are megatron's), so the grouped GEMM needs
+their weights stacked (``[E, out, in]``) and autograd would hand each expert its own slice of
+the stacked weight gradient. Through ``torch.stack``'s backward that is one gradient per expert
+and linear, which autograd then adds to the expert's ``.grad`` (or megatron's DDP hook to its
+``main_grad``) one kernel at a time: 64 experts, 2 linears, 4 layers and 8 micro-batches are
+4,096 small add kernels and their launches per step. :class:`GroupedLinearFunction` computes
+the input gradient and the stacked weight gradient with one grouped GEMM each and accumulates
+the weight gradient itself:
+
+* **megatron's DistributedDataParallel** (the parameters have ``main_grad``): into
+  ``main_grad``, as megatron-core 0.19.2's ``LinearWithGradAccumulationAndAsyncCommunication``
+  does with ``gradient_accumulation_fusion`` (``tensor_parallel/layers.py``): it sets
+  ``grad_added_to_main_grad`` and returns a placeholder gradient, so DDP's per-parameter hooks
+  still run (``overlap_grad_reduce`` counts them) and add nothing (``zero_out_wgrad``: zeros,
+  which they add). The add into the float32 ``main_grad`` of every expert is one kernel
+  (:func:`~megatron_hybrid.modules.fast.grouped_add.grouped_add_`);
+* **plain autograd**: the first micro-batch's stacked gradient becomes the experts' ``.grad``
+  (each a view of it); later micro-batches add into that stack with one kernel and hand the
+  same views back, so autograd's accumulator (and any hook on it) still sees every expert's
+  gradient, with nothing left to add. Gradients that are not such views (set elsewhere) get
+  autograd's own per-expert accumulation.
+
+Weights that require no gradient (frozen under LoRA) get no weight-gradient GEMM. Weights that
+already lie evenly spaced in one storage are multiplied in place, without the stacking copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_hybrid.modules.fast.grouped_add import grouped_add_, stacked_view
+
+__all__ = ["GroupedLinearFunction", "grouped_linear", "stack_weights"]
+
+
+def stack_weights(weights) -> torch.Tensor:
+    """The ``[E, out, in]`` stack of the expert weights, outside autograd: a view where
+    :func:`stacked_view` finds one, else one copy."""
+    detached = [w.detach() for w in weights]
+    view = stacked_view(detached)
+    return view if view is not None else torch.stack(detached)
+
+
+@functools.cache
+def _zeroes_empty_groups(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` may leave an empty group's weight gradient
+    unwritten: on Blackwell (compute capability 10.x) a group without rows has been seen to get
+    non-zero gradients (pytorch/pytorch issue 172439); Hopper writes zeros."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A zero gradient shaped like ``weight`` for megatron DDP's hooks (which drop it).
+
+    Each call returns a fresh tensor object over one cached buffer (as TransformerEngine's
+    ``get_dummy_wgrad`` reuses one), so autograd's accumulator adopts it without a copy."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    buffer = _PLACEHOLDERS.get(key)
+    if buffer is None:
+        buffer = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        _PLACEHOLDERS[key] = buffer
+    return buffer.detach()
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """``tokens[rows of e] @ W_e^T`` for every expert ``e``, gradients as the module doc says.
+
+    ``forward(ctx, tokens, offsets, *weights)``: ``tokens`` ``[rows, in]`` sorted by expert,
+    ``offsets`` ``[E]`` int32 end offsets of each expert's rows, ``weights`` the ``E`` expert
+    weights ``[out, in]``; returns ``[rows, out]``.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor):
+        stacked = stack_weights(weights)
+        out = torch._grouped_mm(tokens, stacked.transpose(1, 2), offs=offsets)
+        ctx.save_for_backward(tokens, offsets, stacked)
+        ctx.weights = weights
+        # As megatron's linear: main_grad is read at forward (a module may be called again,
+        # e.g. by an MTP depth, before this backward runs).
+        main_grads = [getattr(w, "main_grad", None) for w in weights]
+        fsdp = any(hasattr(w, "__fsdp_param__") for w in weights)
+        ctx.main_grads = None if fsdp or any(g is None for g in main_grads) else main_grads
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        tokens, offsets, stacked = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_tokens = None
+        if ctx.needs_input_grad[0]:
+            grad_tokens = torch._grouped_mm(grad_out, stacked, offs=offsets)
+        weights, wanted = ctx.weights, ctx.needs_input_grad[2:]
+        ctx.weights = None
+        if not any(wanted):
+            return (grad_tokens, None, *([None] * len(weights)))
+        # [E, out, in]: the contraction runs over each expert's rows.
+        grad_weight = torch._grouped_mm(grad_out.t(), tokens, offs=offsets)
+        if _zeroes_empty_groups(grad_weight.device):
+            counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+            grad_weight.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+        if ctx.main_grads is not None:
+            grads = _into_main_grads(weights, ctx.main_grads, grad_weight)
+        else:
+            grads = _into_grads(weights, grad_weight)
+        grads = [g if want else None for g, want in zip(grads, wanted, strict=True)]
+        return (grad_tokens, None, *grads)
+
+
+def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor) -> list:
+    """Add to megatron DDP's ``main_grad``; the gradients autograd should deliver."""
+    grouped_add_(main_grads, grad_weight)
+    grads = []
+    for weight in weights:
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            grads.append(None)  # as megatron's linear: no DDP hook to feed
+            continue
+        if getattr(weight, "zero_out_wgrad", False):
+            grads.append(torch.zeros_like(weight))
+        else:
+            grads.append(_placeholder(weight))
+        weight.grad_added_to_main_grad = True
+    return grads
+
+
+def _into_grads(weights, grad_weight: torch.Tensor) -> list:
+    """The gradients autograd should add to the weights' ``.grad`` (see the module doc)."""
+    existing = [w.grad for w in weights]
+    if all(g is None for g in existing) or _capturing(grad_weight):
+        # Under CUDA-graph capture (``schedule/graphs.py``) the backward runs through
+        # ``torch.autograd.grad`` and is replayed: no in-place use of ``.grad`` in the graph.
+        return list(grad_weight.unbind(0))
+    if any(g is None for g in existing) or existing[0].dtype != grad_weight.dtype:
+        return list(grad_weight.unbind(0))
+    view = stacked_view(existing)
+    if view is None or view.shape != grad_weight.shape:
+        return list(grad_weight.unbind(0))
+    view.add_(grad_weight)
+    for weight in weights:
+        weight.grad = None  # autograd's accumulator adopts the view it gets back
+    return list(view.unbind(0))
+
+
+def grouped_linear(tokens: torch.Tensor, offsets: torch.Tensor, weights) -> torch.Tensor:
+    """``[rows, out]``: each expert's rows of ``tokens`` times its weight (transposed)."""
+    return GroupedLinearFunction.apply(tokens, offsets, *weights)

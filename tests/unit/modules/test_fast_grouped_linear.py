@@ -1,0 +1,266 @@
+"""The grouped expert linear's gradients and their accumulation, against ``SequentialMLP`` (CPU).
+
+``GroupedLinearFunction`` computes every expert's weight gradient in one grouped GEMM and adds
+it itself: into one stacked ``.grad`` per linear under plain autograd, into megatron DDP's
+``main_grad`` (with ``grad_added_to_main_grad`` and a placeholder for DDP's hooks) otherwise.
+Over several micro-batches (an expert without tokens in some, one without tokens in all) the
+output, the input gradient and every accumulated weight gradient must equal megatron-core's
+``SequentialMLP`` under the same wrapper, without one add per expert. ``grouped_add_`` must add
+into destinations anywhere in memory (megatron DDP's reversed, padded buffers) in one kernel;
+its Triton kernel runs under Triton's CPU interpreter. Negative controls: a weight-gradient add
+into the wrong expert, a profile of the reference (one add per expert), layouts that no view
+covers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from megatron_hybrid.testing.overlap import rel_error
+
+HIDDEN, FFN, EXPERTS = 32, 16, 6
+# Tokens per expert in three micro-batches: expert 1 never gets one, expert 4 only once.
+COUNTS = ([3, 0, 5, 2, 0, 4], [1, 0, 2, 6, 3, 1], [4, 0, 1, 1, 0, 2])
+
+
+def _config():
+    from megatron_hybrid.testing.models import small_config
+
+    return small_config("E", hidden_size=HIDDEN, num_attention_heads=4, moe_ffn_hidden_size=FFN,
+                        num_moe_experts=EXPERTS, moe_router_topk=2, gated_linear_unit=True,
+                        activation_func=F.silu)  # fmt: skip
+
+
+def _experts(pg, cls, config, dtype):
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        model_parallel_cuda_manual_seed,
+    )
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    torch.manual_seed(5)
+    model_parallel_cuda_manual_seed(5)
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return cls(config.num_moe_experts, config, submodules, pg_collection=pg).to(dtype)
+
+
+def _micro_batch(module, counts, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    tokens = torch.randn(rows, HIDDEN, generator=gen).to(dtype).requires_grad_()
+    probs = torch.rand(rows, generator=gen).to(dtype)
+    out, _ = module(tokens, torch.tensor(counts), probs)
+    out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+    return out.detach(), tokens.grad
+
+
+def _wrap(module, config, pg, ddp: str | None):
+    if ddp is None:
+        return module
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=ddp == "distopt",
+        overlap_grad_reduce=ddp == "overlap",
+    )
+    wrapped = DistributedDataParallel(config, ddp_config, module, pg_collection=pg)
+    wrapped.zero_grad_buffer()
+    return wrapped
+
+
+def _train(pg, cls, dtype, ddp):
+    """Three micro-batches, as megatron's schedules run them; outputs, input and weight grads."""
+    import contextlib
+
+    config = _config()
+    module = _experts(pg, cls, config, dtype)
+    model = _wrap(module, config, pg, ddp)
+    outputs = []
+    for index, counts in enumerate(COUNTS):
+        last = index == len(COUNTS) - 1
+        sync = contextlib.nullcontext() if ddp is None or last else model.no_sync()
+        with sync:
+            outputs.append(_micro_batch(model, counts, seed=index, dtype=dtype))
+    if ddp is not None:
+        model.finish_grad_sync()
+    grads = {n: (p.main_grad if ddp else p.grad) for n, p in module.named_parameters()}
+    return module, outputs, grads
+
+
+DDP = [
+    pytest.param(None, id="autograd"),
+    pytest.param("ddp", id="ddp"),
+    pytest.param("distopt", id="ddp-distopt"),
+    pytest.param("overlap", id="ddp-overlap"),
+]
+
+
+@pytest.mark.parametrize("ddp", DDP)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)],
+                         ids=["fp32", "bf16"])  # fmt: skip
+def test_accumulated_gradients_equal_sequential_mlp(pg, ddp, dtype, tol):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.modules.fast.grouped_add import stacked_view
+
+    fast, fast_out, fast_grads = _train(pg, GroupedGemmExperts, dtype, ddp)
+    _, ref_out, ref_grads = _train(pg, SequentialMLP, dtype, ddp)
+    assert fast.fast_path_reason is None
+    for (out, dx), (ref, ref_dx) in zip(fast_out, ref_out, strict=True):
+        assert rel_error(out, ref) < tol and rel_error(dx, ref_dx) < tol
+    assert fast_grads.keys() == ref_grads.keys()
+    for name, grad in fast_grads.items():
+        if "experts.1." in name:  # no token in any micro-batch: exactly zero, as the reference
+            assert torch.count_nonzero(grad) == 0 and torch.count_nonzero(ref_grads[name]) == 0
+        else:
+            assert rel_error(grad, ref_grads[name]) < tol, name
+    linears = [[e.linear_fc1.weight for e in fast.local_experts],
+               [e.linear_fc2.weight for e in fast.local_experts]]  # fmt: skip
+    if ddp is None:
+        # Each linear's gradients are views of one stack: the next micro-batch adds once.
+        for weights in linears:
+            assert stacked_view([w.grad for w in weights]) is not None
+    else:
+        for weights in linears:
+            assert all(w.grad is None and w.grad_added_to_main_grad for w in weights)
+
+
+def _backward_adds(module, counts, dtype) -> int:
+    """``add_`` operators in the backward of one more micro-batch into existing gradients."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _micro_batch(module, counts, seed=9, dtype=dtype)
+    return sum(1 for e in prof.events() if e.name == "aten::add_")
+
+
+def test_one_weight_gradient_add_per_linear(pg):
+    """The second micro-batch adds its weight gradients with one kernel per linear; megatron's
+    SequentialMLP (negative control) adds one per expert and linear."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    counts = [2, 1, 3, 1, 2, 1]
+    adds = {}
+    for cls in (GroupedGemmExperts, SequentialMLP):
+        module = _experts(pg, cls, _config(), torch.float32)
+        _micro_batch(module, counts, seed=1, dtype=torch.float32)
+        adds[cls] = _backward_adds(module, counts, torch.float32)
+    assert adds[GroupedGemmExperts] <= 2
+    assert adds[SequentialMLP] >= 2 * EXPERTS
+
+
+def test_wrong_expert_accumulation_is_caught(pg, monkeypatch):
+    """Negative control: a weight-gradient add into the neighbouring expert's main_grad."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast import grouped_linear
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    right = grouped_linear.grouped_add_
+    monkeypatch.setattr(grouped_linear, "grouped_add_",
+                        lambda dests, src: right(dests[1:] + dests[:1], src))  # fmt: skip
+    _, _, fast = _train(pg, GroupedGemmExperts, torch.float32, "ddp")
+    _, _, ref = _train(pg, SequentialMLP, torch.float32, "ddp")
+    assert max(rel_error(fast[n], ref[n]) for n in ref if "experts.1." not in n) > 0.1
+
+
+def test_frozen_weights_get_no_weight_gradient_gemm(pg):
+    """Frozen expert weights (LoRA): the input gradient only, one grouped GEMM per linear."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    module = _experts(pg, GroupedGemmExperts, _config(), torch.float32)
+    module.requires_grad_(False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, dx = _micro_batch(module, COUNTS[0], seed=1, dtype=torch.float32)
+    grouped = [e for e in prof.events() if e.name == "aten::_grouped_mm"]
+    assert len(grouped) == 4  # forward fc1, fc2; backward: their input gradients
+    assert dx is not None and all(p.grad is None for p in module.parameters())
+
+
+def test_stacked_view_only_where_one_view_covers_the_tensors():
+    from megatron_hybrid.modules.fast.grouped_add import stacked_view
+
+    stack = torch.arange(60.0).view(3, 4, 5)
+    view = stacked_view(list(stack.unbind(0)))
+    assert view is not None and view.data_ptr() == stack.data_ptr() and torch.equal(view, stack)
+    spaced = torch.zeros(100)
+    parts = [spaced[i * 30 : i * 30 + 20].view(4, 5) for i in range(3)]
+    assert stacked_view(parts).stride() == (30, 5, 1)
+    # Negative controls: reversed order, uneven gaps, separate storages, overlap, a transpose.
+    assert stacked_view(parts[::-1]) is None
+    assert stacked_view([spaced[0:20].view(4, 5), spaced[30:50].view(4, 5),
+                         spaced[70:90].view(4, 5)]) is None  # fmt: skip
+    assert stacked_view([torch.zeros(4, 5) for _ in range(3)]) is None
+    assert stacked_view([spaced[i * 10 : i * 10 + 20].view(4, 5) for i in range(3)]) is None
+    assert stacked_view([p.t() for p in parts]) is None
+
+
+def _scattered(dtype=torch.float32):
+    """Destinations as megatron DDP places them: reversed, unevenly spaced, one buffer."""
+    buffer = torch.zeros(2000, dtype=dtype)
+    starts = [1500, 1200, 960, 600]  # a gap of 60 elements between two of them
+    dests = [buffer[s : s + 160].view(10, 16) for s in starts]
+    gen = torch.Generator().manual_seed(0)
+    for dest in dests:
+        dest.copy_(torch.randn(10, 16, generator=gen))
+    return buffer, starts, dests
+
+
+def test_grouped_add_anywhere_in_memory():
+    from megatron_hybrid.modules.fast.grouped_add import grouped_add_
+
+    buffer, starts, dests = _scattered()
+    before, outside = buffer.clone(), torch.ones_like(buffer, dtype=torch.bool)
+    for start in starts:
+        outside[start : start + 160] = False
+    source = torch.randn(4, 10, 16).to(torch.bfloat16)
+    grouped_add_(dests, source)
+    for dest, start, addend in zip(dests, starts, source, strict=True):
+        assert torch.equal(dest, before[start : start + 160].view(10, 16) + addend.float())
+    assert torch.equal(buffer[outside], before[outside])
+
+
+_UNDER_INTERPRETER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_fast_grouped_linear import _scattered
+from megatron_hybrid.modules.fast import grouped_add
+
+buffer, starts, dests = _scattered()
+before = buffer.clone()
+source = torch.randn(4, 10, 16).to(torch.bfloat16)
+grouped_add.grouped_add_(dests, source, use_triton=True)
+assert len(grouped_add._OFFSETS) == 1, "the Triton kernel did not run"
+expected = before.clone()
+for start, addend in zip(starts, source):
+    expected[start : start + 160] += addend.float().view(-1)
+assert torch.equal(buffer, expected), (buffer - expected).abs().max()
+print("triton grouped add ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_grouped_add_under_interpreter(tmp_path):
+    """The Triton kernel (the path CUDA takes for float32 main_grad), on Triton's CPU
+    interpreter: every destination gets its addend, nothing else changes."""
+    pytest.importorskip("triton.runtime.interpreter")
+    script = tmp_path / "grouped_add.py"
+    script.write_text(_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "triton grouped add ok" in done.stdout
