@@ -4,6 +4,12 @@
 that says ``release``): model weights only, under the package's checkpoint keys, plus the source
 ``config.json`` in the common state, so the checkpoint can be turned back into a Hugging Face
 folder, and ``train --load`` starts fine-tuning from it (iteration 0, fresh optimizer).
+
+What the source was beyond the model's weights travels in the iteration folder too, so the
+checkpoint stays self-contained: :data:`HF_RECORD_FILE` (the whole config.json with its
+``quantization_config``, each tensor's stored dtype, the name prefix) and
+:data:`HF_TENSORS_FILE` (the source's FP8 scales, and the tensors of parts the model does not
+compute, such as a multimodal checkpoint's vision tower, carried through untouched).
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
     "HF_RECORD_FILE",
+    "HF_TENSORS_FILE",
     "MODEL_ONLY_FORMAT",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
     "hf_record",
+    "hf_record_tensors",
     "read_hf_record",
+    "restore_hf_source",
     "write_hf_record",
     "load_model_state",
     "save_model_state",
@@ -42,6 +51,9 @@ MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
 #: holds: readable without touching the checkpoint's data files (which may be damaged), and
 #: covered by the integrity manifest.
 HF_RECORD_FILE = "hf_model.json"
+#: Tensors of the source that are no model weight: FP8 scales (``*_scale_inv``) and carried
+#: tensors (named in the record's ``carried``). Covered by the integrity manifest.
+HF_TENSORS_FILE = "hf_tensors.safetensors"
 
 
 def hf_record(model, conversion: HFConversion | None = None) -> dict:
@@ -52,16 +64,39 @@ def hf_record(model, conversion: HFConversion | None = None) -> dict:
         return {}
     dtypes = getattr(first, "hf_source_dtypes", None) or {}
     return {
-        "hf_config": conversion.hf_config,
+        # The whole config.json (a multimodal one with its vision_config), quantization_config
+        # included: export writes the source format again from it.
+        "hf_config": conversion.config_json,
+        "hf_prefix": conversion.hf_prefix,
         # Each tensor's dtype in the source folder, so that the export writes it back so.
         "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
         "hybrid_layer_pattern": conversion.pattern.pattern,
+        "carried": sorted(getattr(first, "hf_carried", None) or {}),
     }
 
 
-def write_hf_record(folder, record: dict, *, model_only: bool = False) -> None:
-    """Write :data:`HF_RECORD_FILE` (rank 0; nothing if ``record`` is empty)."""
+def hf_record_tensors(model) -> dict[str, torch.Tensor]:
+    """The tensors :data:`HF_TENSORS_FILE` holds for ``model``: its source FP8 scales and, on
+    global rank 0 (the writer), its carried tensors."""
+    first = model_chunks(model)[0]
+    return {
+        **(getattr(first, "hf_fp8_scales", None) or {}),
+        **(getattr(first, "hf_carried", None) or {}),
+    }
+
+
+def write_hf_record(folder, record: dict, *, model_only: bool = False, tensors=None) -> None:
+    """Write :data:`HF_RECORD_FILE`, and :data:`HF_TENSORS_FILE` when there are ``tensors``
+    (rank 0; nothing if ``record`` is empty)."""
     if record:
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file(
+                {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()},
+                Path(folder) / HF_TENSORS_FILE,
+                metadata={"format": "pt"},
+            )
         record = {**record, "model_only": model_only}
         (Path(folder) / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
@@ -91,7 +126,9 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
 
     root = Path(root)
     folder = root / iteration_folder_name("release")
-    if (folder.exists() or (root / TRACKER_FILE).exists()) and not overwrite:
+    taken = folder.exists() or (root / TRACKER_FILE).exists()
+    dist.barrier()  # every rank looks before rank 0 creates the folder
+    if taken and not overwrite:
         raise FileExistsError(
             f"{root} already holds a checkpoint; choose another --save folder or remove it"
         )
@@ -111,7 +148,12 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
     if dist.get_rank() == 0:
         from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
 
-        write_hf_record(folder, hf_record(model, conversion), model_only=True)
+        write_hf_record(
+            folder,
+            hf_record(model, conversion),
+            model_only=True,
+            tensors=hf_record_tensors(model),
+        )
         write_integrity_manifest(folder)
         tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text("release")
@@ -148,7 +190,46 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
     # The stored pattern says whether MTP layers were converted (HF configs declare them even
     # where the weights were dropped).
     mtp = None if pattern is None else "/" in pattern
-    return hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
+    conversion = hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
+    if hf_config is None and stored.get("hf_prefix"):
+        conversion.hf_prefix = stored["hf_prefix"]
+    return conversion
+
+
+def restore_hf_source(model, root) -> None:
+    """Give a model loaded from checkpoint ``root`` what it keeps of its Hugging Face source
+    (as ``load_hf_weights`` does): each tensor's stored dtype, the FP8 scales, and on global
+    rank 0 the carried tensors.
+
+    Raises:
+        ValueError: the record names tensors the checkpoint folder does not hold.
+    """
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    record = read_hf_record(root)
+    dtypes = {name: getattr(torch, d) for name, d in record.get("hf_dtypes", {}).items()}
+    carried_names = set(record.get("carried", ()))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    scales, carried = {}, {}
+    path = resolve_checkpoint_dir(root) / HF_TENSORS_FILE
+    if path.is_file():
+        with safe_open(path, "pt") as handle:
+            for name in handle.keys():
+                if name not in carried_names:
+                    scales[name] = handle.get_tensor(name)
+                elif rank0:
+                    carried[name] = handle.get_tensor(name)
+    missing = sorted(carried_names - set(carried)) if rank0 else []
+    if missing:
+        raise ValueError(
+            f"{root} records {len(missing)} carried tensors ({missing[0]}, ...) that its "
+            f"{HF_TENSORS_FILE} does not hold; the checkpoint is incomplete"
+        )
+    for chunk in model_chunks(model):
+        chunk.hf_source_dtypes = dtypes
+        chunk.hf_fp8_scales = scales
+        chunk.hf_carried = carried
 
 
 def load_model_state(model, root) -> None:

@@ -210,11 +210,12 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(folder))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        from megatron_hybrid.hf.dist import hf_record, write_hf_record
+        from megatron_hybrid.hf.dist import hf_record, hf_record_tensors, write_hf_record
 
         # A model started from Hugging Face weights: which one, so that the checkpoint resumes
-        # without model flags and exports with convert --to-hf.
-        write_hf_record(folder, hf_record(chunks))
+        # without model flags and exports with convert --to-hf (its FP8 format and carried
+        # tensors included).
+        write_hf_record(folder, hf_record(chunks), tensors=hf_record_tensors(chunks))
         write_integrity_manifest(folder)
         tmp = root / f".{TRACKER_FILE}.tmp"
         tmp.write_text(str(iteration))

@@ -69,7 +69,8 @@ class HFSource:
     Attributes:
         conversion: the model's conversion.
         hf_path: a Hugging Face folder to load the weights from (``--load-hf``), or None.
-        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint to load, or None.
+        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint to load, or the
+            ``train`` checkpoint a resumed run continues; None with ``hf_path``.
         resumed: the run resumes a ``train`` checkpoint of a model that started from Hugging
             Face weights (the checkpoint records the config; the resume loads the weights).
     """
@@ -115,7 +116,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
                 source = HFSource(conversion, checkpoint=args.load)
                 args.load = None  # weights only: an initialisation, not a resume
             else:
-                source = HFSource(conversion, resumed=True)
+                source = HFSource(conversion, checkpoint=args.load, resumed=True)
     if source is None:
         return None
     _write_architecture(args, source.conversion)
@@ -173,19 +174,17 @@ def model_kwargs(source: HFSource) -> dict:
 
 
 def load_initial_weights(source: HFSource, chunks) -> None:
-    """Copy the source's weights into the (wrapped) model chunks of this rank."""
+    """Copy the source's weights into the (wrapped) model chunks of this rank, with what the
+    model keeps of its Hugging Face source (stored dtypes, FP8 scales, carried tensors) for the
+    checkpoints it saves and the folders it exports."""
+    from megatron_hybrid.hf.dist import load_model_state, restore_hf_source
     from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
 
-    if source.resumed:
-        for chunk in model_chunks(chunks):  # the resume loads the weights
-            chunk.hf_conversion = source.conversion
-        return
     if source.hf_path is not None:
         load_hf_weights(chunks, source.hf_path, source.conversion)
-    else:
-        from megatron_hybrid.hf.dist import hf_dtypes_of_checkpoint, load_model_state
-
+        return
+    if not source.resumed:  # a resume loads the weights itself
         load_model_state(chunks, source.checkpoint)
-        for chunk in model_chunks(chunks):
-            chunk.hf_conversion = source.conversion
-            chunk.hf_source_dtypes = hf_dtypes_of_checkpoint(source.checkpoint)
+    restore_hf_source(chunks, source.checkpoint)
+    for chunk in model_chunks(chunks):
+        chunk.hf_conversion = source.conversion
