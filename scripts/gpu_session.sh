@@ -22,6 +22,9 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   hf-fp8       tests/functional/test_hf_fp8_gpu.py (the fused FP8 kernel vs its torch reference,
+#                the *_fp8 folders of hf_fixtures.py, a GPU-sized model through FP8 and back) and
+#                benchmarks/hf_export.py --quantize fp8
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -137,6 +140,14 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    hf-fp8)
+      NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_hf_fp8_gpu.py 2>&1 | quiet | tee "$OUT/hf_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/hf_export.py --quantize fp8 --out "$OUT" 2>&1 | quiet \
+        | tee "$OUT/hf_export_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \
         2>/dev/null || bash scripts/stage_mamba.sh --device 2>&1 | tail -20 | tee "$OUT/mamba_build.log"

@@ -402,6 +402,7 @@ def iter_hf_weights(
     specs = fp8_specs(plan, quantize, conversion, source_dtypes or {})
     quantizer = BucketQuantizer(parse_size(bucket_size)) if specs else None
     scales = getattr(chunks[0], "hf_fp8_scales", None) or {}
+    where = str(device)
 
     def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
         shape = key_shapes[key][1:] if expert is not None else key_shapes[key]
@@ -466,7 +467,7 @@ def iter_hf_weights(
         scale = scales.get(name + SCALE_SUFFIX) if spec.keep_source_scales else None
         if scale is None:
             return None
-        k = (name, str(device))
+        k = (name, where)
         if k not in state.device_scales:
             state.device_scales[k] = scale.to(device)
         return state.device_scales[k]
@@ -475,7 +476,7 @@ def iter_hf_weights(
     def make(name: str, quantized: bool = False) -> torch.Tensor:
         if name in plan.shared_copies:
             return produced.pop(plan.shared_copies[name]).clone()
-        view = state.views.get((name, str(device)))
+        view = state.views.get((name, where))
         if view is not None:  # a slice of a parameter, found on an earlier call
             tensor, piece_dtype = view
             return finish(name, tensor, piece_dtype, quantized)
@@ -500,7 +501,7 @@ def iter_hf_weights(
             else:
                 tensor, piece_dtype, is_view = found
                 if is_view:
-                    state.views[(name, str(device))] = (tensor, piece_dtype)
+                    state.views[(name, where)] = (tensor, piece_dtype)
         else:
             values = [rows_of(link) for link in links]
             piece_dtype = values[0][1]
