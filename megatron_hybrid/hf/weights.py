@@ -439,7 +439,9 @@ def iter_hf_weights(
             ):
                 data = local[(link.key, link.expert, offset)]
                 moved = data.to(device)
-                rows = moved[link.key_rows.start - start : link.key_rows.stop - start]
+                # detach(): a view kept across calls must not carry autograd's view record,
+                # which refuses any use in grad mode once an optimizer step changed the base.
+                rows = moved.detach()[link.key_rows.start - start : link.key_rows.stop - start]
                 return rows, piece.dtype, moved is data
         return None
 
@@ -472,14 +474,18 @@ def iter_hf_weights(
             state.device_scales[k] = scale.to(device)
         return state.device_scales[k]
 
-    @torch.no_grad()
     def make(name: str, quantized: bool = False) -> torch.Tensor:
+        view = state.views.get((name, where))
+        if view is not None:
+            # A slice of a parameter found on an earlier call (of the detached parameter: no
+            # grad-mode switch needed; most tensors of a sync come this way).
+            return finish(name, *view, quantized)
+        with torch.no_grad():
+            return build(name, quantized)
+
+    def build(name: str, quantized: bool) -> torch.Tensor:
         if name in plan.shared_copies:
             return produced.pop(plan.shared_copies[name]).clone()
-        view = state.views.get((name, where))
-        if view is not None:  # a slice of a parameter, found on an earlier call
-            tensor, piece_dtype = view
-            return finish(name, tensor, piece_dtype, quantized)
         links = plan.by_hf[name]
         needed = {(link.key, link.expert) for link in links}
         for stale in set(cache) - needed:

@@ -209,3 +209,24 @@ def test_multimodal_stray_tensor_is_refused_by_name(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "model.audio_tower.proj.weight" in err
     assert "not used by the model (1)" in err
+
+
+def test_stream_after_a_step_requantizes_only_what_changed(fp8_folders, pg):
+    """The RL loop: after an in-place update of one block of one weight, ``quantize="source"``
+    streams the new values (the stream's cached parameter slices see them), that block with the
+    recipe's new scale, and every other block and weight with its source bytes."""
+    folder = fp8_folders["qwen3_5_moe"][0]
+    disk = hf_oracle.read_tensors(folder)
+    model = load_hf_model(folder, params_dtype=torch.float32)
+    assert [n for n, t in iter_hf_weights(model) if not _same(t, disk[n])] == []
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    with torch.no_grad():
+        weight = dict(iter_hf_weights(model, quantize="none"))[name]  # a view of the parameter
+        weight[20, 30] = 1.5 * weight[16:32, 24:48].abs().max()  # block (1, 1): a new amax
+    after = dict(iter_hf_weights(model))
+    changed = [n for n, t in after.items() if not _same(t, disk[n])]
+    assert sorted(changed) == [name, name + "_scale_inv"]
+    q, s = fp8_oracle.quantize_blocks_loop(weight, (16, 24), torch.bfloat16)
+    assert _same(after[name], q) and _same(after[name + "_scale_inv"], s)
+    moved = (after[name + "_scale_inv"] != disk[name + "_scale_inv"]).nonzero().tolist()
+    assert moved == [[1, 1]]

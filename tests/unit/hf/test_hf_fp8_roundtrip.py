@@ -11,6 +11,7 @@ import hf_oracle
 import pytest
 import torch
 from test_hf_roundtrip import _convert
+from test_hf_train import SHORT, _cli_worker, train
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +87,25 @@ def test_multimodal_folder_round_trips_whole(tmp_path, input_ids):
     source_cls, source_logits = hf_oracle.vlm_logits(source, input_ids)
     assert cls == source_cls == "Qwen3_5MoeForConditionalGeneration"
     assert torch.equal(logits, source_logits)
+
+
+def test_trained_fp8_start_exports_fp8_again(fp8_folders, tmp_path):
+    """``train --load-hf FP8 --save RUN`` records the source format, so ``convert --load RUN
+    --to-hf`` writes FP8 (every weight the source had as FP8, with its scales) and the folder
+    reads back."""
+    from megatron_hybrid.hf import dry_run
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    source = fp8_folders["qwen3_5_moe"][0]
+    losses = train("--load-hf", str(source), "--train-iters", "2", *SHORT,
+                   "--save", str(tmp_path / "run"))  # fmt: skip
+    assert len(losses) == 2
+    argv = ["--load", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]
+    assert run_distributed(_cli_worker, 1, argv)[0] == 0
+    before, after = hf_oracle.read_tensors(source), hf_oracle.read_tensors(tmp_path / "out")
+    assert set(after) == set(before)
+    assert all(after[n].dtype == t.dtype for n, t in before.items())
+    moved = [n for n, t in before.items() if t.dtype == FP8 and not _same(after[n], t)]
+    assert moved  # trained: the weights changed, and were quantized again
+    conversion, report = dry_run(tmp_path / "out")
+    assert report.ok and conversion.quantization.block == (16, 24)
