@@ -21,8 +21,11 @@ setup(
     long_description=(_ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_hybrid", "megatron_hybrid.*"]),
+    # PEP 561: the package is typed.
+    package_data={"megatron_hybrid": ["py.typed"]},
     install_requires=[
         # Installed beforehand by scripts/setup.sh with --no-deps (its wheel claims >=3.12 only).
         "megatron-core==0.19.2",

@@ -20,8 +20,6 @@ from __future__ import annotations
 from megatron_hybrid.pattern import LAYER_TYPES, GptRole, ParsedPattern, parse_pattern
 
 __all__ = [
-    "GPT_ATTENTION_SYMBOLS",
-    "GPT_MLP_SYMBOLS",
     "gpt_equivalent_layers",
     "gpt_role_symbols",
     "is_gpt_equivalent_group",
@@ -30,14 +28,13 @@ __all__ = [
 
 
 def gpt_role_symbols(role: GptRole) -> frozenset[str]:
-    """The symbols of the layer types that play ``role`` in a GPT layer (registered ones too)."""
+    """The symbols of the layer types that play ``role`` in a GPT layer, read from the table
+    now (so registered types count).
+
+    >>> sorted(gpt_role_symbols(GptRole.ATTENTION)), sorted(gpt_role_symbols(GptRole.MLP))
+    (['*', '+', 'D'], ['-', 'E'])
+    """
     return frozenset(s for s, facts in LAYER_TYPES.items() if facts.gpt_role == role)
-
-
-#: The built-in GPT attention-half and MLP-half symbols when this module was imported; read
-#: :func:`gpt_role_symbols` to include layer types registered later.
-GPT_ATTENTION_SYMBOLS = gpt_role_symbols(GptRole.ATTENTION)
-GPT_MLP_SYMBOLS = gpt_role_symbols(GptRole.MLP)
 
 
 def _role(symbol: str) -> GptRole | None:

@@ -10,24 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, describe_read_error
+from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
+
 __all__ = [
-    "TRACKER_FILE",
     "CheckpointComparison",
+    "checkpoint_metadata",
+    "checkpoint_model_tensors",
     "compare_with_checkpoint",
-    "iteration_folder_name",
-    "resolve_checkpoint_dir",
     "sharded_tensor_shapes",
 ]
 
 # Checkpoint keys that belong to a language model's parameters; everything else in a training
 # checkpoint (optimizer state, RNG state, ...) is not compared.
 _MODEL_KEY_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-
-
-def iteration_folder_name(iteration: int | str) -> str:
-    """Megatron-LM's folder of one saved iteration (``iter_0000010``, or ``release``)."""
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
 @dataclass(frozen=True)
@@ -54,42 +50,6 @@ class CheckpointComparison:
     def loads(self) -> bool:
         """Whether every tensor would load."""
         return not (self.missing or self.unexpected or self.shape_mismatches)
-
-
-def resolve_checkpoint_dir(path: str | Path) -> Path:
-    """A dist-checkpoint folder from a Megatron save root or an iteration folder.
-
-    A save root resolves to the folder its tracker names or, without a tracker, to its newest
-    complete iteration folder; leftovers of interrupted saves (no ``metadata.json``) never count.
-
-    Raises:
-        FileNotFoundError: ``path`` is neither, or its tracker names no complete checkpoint.
-        CheckpointDamagedError: the tracker holds something other than an iteration.
-    """
-    from megatron_hybrid.checkpointing.integrity import (
-        complete_iterations,
-        is_complete,
-        read_tracker,
-    )
-
-    path = Path(path)
-    if is_complete(path):
-        return path
-    tracker = path / TRACKER_FILE
-    if tracker.is_file():
-        folder = path / iteration_folder_name(read_tracker(tracker))
-        if is_complete(folder):
-            return folder
-        raise FileNotFoundError(
-            f"{tracker} points to {folder}, which is not a torch_dist checkpoint"
-        )
-    complete = complete_iterations(path)
-    if complete:
-        return complete[max(complete)]
-    raise FileNotFoundError(
-        f"{path} is not a torch_dist checkpoint: expected a metadata.json in it, or a "
-        f"{TRACKER_FILE} naming an iteration folder"
-    )
 
 
 def sharded_tensor_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:
@@ -144,8 +104,6 @@ def compare_with_checkpoint(checkpoint_dir: str | Path, build_expected) -> Check
         build_expected: ``metadata -> {key: global shape}`` (e.g. a partial of
             :func:`megatron_hybrid.model.expected_checkpoint_tensors`).
     """
-    from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, describe_read_error
-
     folder = resolve_checkpoint_dir(checkpoint_dir)
     try:
         found = checkpoint_model_tensors(folder)

@@ -1,8 +1,4 @@
-"""Which iteration folders of a save root are checkpoints, and are their files intact?
-
-A ``torch_dist`` checkpoint is *complete* once megatron-core has written its ``metadata.json``
-(it writes that file last, after every rank's data). A folder without it is the leftover of a
-save that was killed: never a checkpoint.
+"""Are a checkpoint's files intact? The integrity manifest, written and verified.
 
 After a save, :func:`write_integrity_manifest` records the SHA-256 digest and size of every file
 of the folder in ``integrity.json``: megatron-core 0.19.2's manifest format
@@ -11,7 +7,8 @@ of the folder in ``integrity.json``: megatron-core 0.19.2's manifest format
 atomically so that a kill while writing it never leaves half a manifest.
 :func:`verify_checkpoint_files` checks a folder against it and names the first damaged file.
 
-No torch import: ``check-checkpoint`` and the training loop both use this module.
+The checkpoint store (``store.py``) writes the manifest after every save and names the file
+(:data:`INTEGRITY_FILE`) among the folder's others.
 """
 
 from __future__ import annotations
@@ -24,66 +21,19 @@ from pathlib import Path
 __all__ = [
     "INTEGRITY_FILE",
     "CheckpointDamagedError",
-    "complete_iterations",
-    "incomplete_iterations",
     "describe_read_error",
-    "is_complete",
-    "read_tracker",
     "verify_checkpoint_files",
     "write_integrity_manifest",
 ]
 
+#: The manifest's file name in a checkpoint folder.
 INTEGRITY_FILE = "integrity.json"
-_METADATA_FILE = "metadata.json"
 _ALGORITHM = "sha256"
 _CHUNK = 1 << 20
 
 
 class CheckpointDamagedError(ValueError):
     """A checkpoint file is missing, truncated or altered; the message names it."""
-
-
-def _iteration_folders(root: Path) -> dict[int, Path]:
-    if not root.is_dir():
-        return {}
-    return {
-        int(p.name[len("iter_") :]): p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith("iter_") and p.name[len("iter_") :].isdigit()
-    }
-
-
-def is_complete(folder: str | Path) -> bool:
-    """Whether megatron-core finished writing the dist checkpoint in ``folder``."""
-    return (Path(folder) / _METADATA_FILE).is_file()
-
-
-def complete_iterations(root: str | Path) -> dict[int, Path]:
-    """Iteration -> folder of every complete checkpoint under a save root."""
-    return {i: p for i, p in _iteration_folders(Path(root)).items() if is_complete(p)}
-
-
-def incomplete_iterations(root: str | Path) -> dict[int, Path]:
-    """Iteration -> folder of every leftover of an interrupted save under a save root."""
-    return {i: p for i, p in _iteration_folders(Path(root)).items() if not is_complete(p)}
-
-
-def read_tracker(tracker: str | Path) -> int | str:
-    """The iteration a ``latest_checkpointed_iteration.txt`` names (an int, or ``"release"``).
-
-    Raises:
-        CheckpointDamagedError: the file holds anything else.
-    """
-    text = Path(tracker).read_text(errors="replace").strip()
-    if text == "release":
-        return text
-    if not text.isdigit():
-        raise CheckpointDamagedError(
-            f"{tracker} is damaged: it holds {text[:40]!r}, not an iteration number; write the "
-            "iteration of a complete iter_* folder into it, or delete it to resume from the "
-            "newest complete one"
-        )
-    return int(text)
 
 
 def _digest(path: Path) -> str:

@@ -1,37 +1,25 @@
-"""Model settings a checkpoint records or implies, and mismatches named by their flag.
+"""Model settings a checkpoint implies, and mismatches named by their flag.
 
 ``check-checkpoint`` needs the pattern and the model-shape flags of the model to compare with.
-A checkpoint written by ``train`` records its pattern; the sizes follow from tensor shapes
-(``embedding.word_embeddings.weight`` is ``[vocab, hidden]``, a dense MLP's ``linear_fc2`` is
-``[hidden, ffn]`` and its ``linear_fc1`` twice as tall with SwiGLU).
+A checkpoint written by ``train`` records them all (the store's common record); for older and
+foreign checkpoints the sizes follow from tensor shapes (``embedding.word_embeddings.weight`` is
+``[vocab, hidden]``, a dense MLP's ``linear_fc2`` is ``[hidden, ffn]`` and its ``linear_fc1``
+twice as tall with SwiGLU, a router is ``[experts, hidden]``).
 :func:`settings_from_checkpoint` returns what it can tell; :func:`mismatched_flags` turns
 global-shape mismatches back into the flags that differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["mismatched_flags", "recorded_pattern", "settings_from_checkpoint"]
+__all__ = ["mismatched_flags", "settings_from_checkpoint"]
 
 # Suffix of a dense MLP's weights in megatron-core's keys (MoE experts have "experts." in them).
 _FC1, _FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
-
-
-def recorded_pattern(checkpoint_dir: Path) -> str | None:
-    """The pattern a ``train`` checkpoint was saved with, None if it records none."""
-    from megatron.core import dist_checkpointing
-
-    try:
-        common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
-    except Exception:  # noqa: BLE001 - foreign or partial checkpoints: the caller asks the user
-        return None
-    record = common.get("megatron_hybrid") if isinstance(common, Mapping) else None
-    pattern = record.get("hybrid_layer_pattern") if isinstance(record, Mapping) else None
-    return pattern if isinstance(pattern, str) and pattern else None
+_ROUTER = "mlp.router.weight"
 
 
 def settings_from_checkpoint(tensors: Mapping[str, Sequence[int]]) -> dict[str, Any]:
@@ -54,6 +42,9 @@ def settings_from_checkpoint(tensors: Mapping[str, Sequence[int]]) -> dict[str, 
         if fc1 is not None:
             found["swiglu"] = int(fc1[-2]) == 2 * int(fc2[-1])
         found["disable_bias_linear"] = dense_fc2[: -len("weight")] + "bias" not in tensors
+    router = next((k for k in sorted(tensors) if k.endswith(_ROUTER)), None)
+    if router is not None:
+        found["num_experts"] = int(tensors[router][-2])  # [experts, hidden], maybe stacked
     return found
 
 
@@ -84,7 +75,9 @@ def _suspects(key: str) -> tuple[str, ...]:
 
 
 def mismatched_flags(
-    mismatches: Sequence[tuple[str, Sequence[int], Sequence[int]]], args: Any
+    mismatches: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+    args: Any,
+    agreed: Collection[str] = (),
 ) -> list[str]:
     """``--flag MODEL does not match the checkpoint's CHECKPOINT`` for each identifiable flag.
 
@@ -94,8 +87,13 @@ def mismatched_flags(
     Args:
         mismatches: ``(key, model shape, checkpoint shape)`` triples.
         args: the flags the model was built from.
+        agreed: ``dest`` of flags known to equal the checkpoint's (its record says so): never
+            suspected, which matters where two flags have the same value.
     """
     values = {flag: getattr(args, dest, None) for flag, dest in _SHAPE_FLAGS}
+    for flag, dest in _SHAPE_FLAGS:
+        if dest in agreed:
+            values[flag] = None
     if values["--ffn-hidden-size"] is None and values["--hidden-size"]:
         values["--ffn-hidden-size"] = 4 * values["--hidden-size"]
     found: dict[str, set[int]] = {}

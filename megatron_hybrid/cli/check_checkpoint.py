@@ -2,9 +2,11 @@
 
 Verifies the checkpoint's files against its integrity manifest (SHA-256 per file), reads the
 checkpoint's metadata, builds the pattern's model on the meta device and prints missing,
-unexpected and shape-mismatched tensors. The pattern and the model sizes not given are read from
-the checkpoint (the pattern only from one 'train' saved). Exit code 0 if it would load, 1 if
-not, 2 on bad input, a damaged checkpoint or a model that cannot be built.
+unexpected and shape-mismatched tensors. Every model setting not given is read from the
+checkpoint: a 'train' checkpoint records them all (a model started from Hugging Face: its
+config), older ones their pattern, and tensor shapes imply the sizes. Settings given that differ
+from the record are named. Exit code 0 if it would load, 1 if not, 2 on bad input, a damaged
+checkpoint or a model that cannot be built.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ from megatron_hybrid.cli.main import Command, CommandError
 __all__ = ["COMMAND"]
 
 _SHOW = 20
+_FROM_CHECKPOINT = "read from the checkpoint"
+# Flags whose fallback here is not train's (no --seq-length to default to).
+_HELP = {"max_position_embeddings": "maximum sequence length of learned absolute positions "
+         "(default: 4096)"}  # fmt: skip
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from megatron_hybrid.training.arguments import MODEL_SHAPE_GROUPS, add_hybrid_args
+    from megatron_hybrid.training.arguments import (
+        MODEL_SHAPE_GROUPS,
+        add_hybrid_args,
+        model_setting_dests,
+    )
 
     parser.add_argument(
         "--load",
@@ -29,61 +39,77 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="checkpoint: a save root (with latest_checkpointed_iteration.txt) or an iteration "
         "folder",
     )
-    parser.usage = "%(prog)s --load DIR [--hybrid-layer-pattern PATTERN] [options]"
+    parser.usage = "%(prog)s --load DIR [model flags to compare] [options]"
     add_hybrid_args(parser, groups=MODEL_SHAPE_GROUPS)
-    # None = not given: read from the checkpoint (see checkpointing/settings.py).
-    parser.set_defaults(hybrid_layer_pattern=None, **dict.fromkeys(_INFERRED))
-    for option, text in _HELP.items():
-        parser._option_string_actions[option].help = text
+    dests = set(model_setting_dests())
+    for action in parser._actions:  # argparse keeps no public registry
+        if action.dest not in dests:
+            continue
+        default, text = action.default, _HELP.get(action.dest, action.help or "")
+        if "(default: " in text:
+            text = text.replace("(default: ", f"(default: {_FROM_CHECKPOINT}, else ")
+        elif default not in (None, False):
+            text += f" (default: {_FROM_CHECKPOINT}, else {default})"
+        else:
+            text += f" (default: {_FROM_CHECKPOINT})"
+        action.help = text.replace("%", "%%")
+    # None = not given: taken from the checkpoint (see _settings).
+    parser.set_defaults(**dict.fromkeys(dests))
 
 
-# Model-shape flags a checkpoint's tensors imply when they are not given.
-_INFERRED = (
-    "hidden_size", "vocab_size", "ffn_hidden_size", "swiglu", "disable_bias_linear",
-    "untie_embeddings_and_output_weights",
-)  # fmt: skip
-_HELP = {
-    "--hybrid-layer-pattern": "layer pattern (default: the one a 'train' checkpoint records)",
-    "--max-position-embeddings": "maximum sequence length of learned absolute positions "
-    "(default: 4096)",
-}
-for _option in ("--hidden-size", "--vocab-size", "--ffn-hidden-size"):
-    _HELP[_option] = f"{_option[2:].replace('-', ' ')} (default: read from the checkpoint)"
+def _flag_text(dest: str, value) -> str:
+    flag = "--" + dest.replace("_", "-")
+    if value is True:
+        return flag
+    if value is False:
+        return f"no {flag}"
+    if dest == "hybrid_layer_pattern":
+        return f"{flag}={value!r}"
+    return f"{flag} {value}"
 
 
-def _fill_from_checkpoint(args: argparse.Namespace) -> list[str]:
-    """Set the pattern and model-shape flags not given from the checkpoint; say which."""
-    from megatron_hybrid.checkpointing.inspect import (
-        checkpoint_model_tensors,
-        resolve_checkpoint_dir,
-    )
-    from megatron_hybrid.checkpointing.settings import recorded_pattern, settings_from_checkpoint
+def _settings(args: argparse.Namespace, folder):
+    """The model settings to compare with: those given, else the checkpoint's.
 
-    try:
-        folder = resolve_checkpoint_dir(args.load)
-    except FileNotFoundError as error:
-        raise CommandError(str(error)) from None
-    read = []
-    if not args.hybrid_layer_pattern:
-        args.hybrid_layer_pattern = recorded_pattern(folder)
-        if not args.hybrid_layer_pattern:
-            raise CommandError(
-                f"{folder} records no layer pattern (it was not saved by 'train'): pass "
-                "--hybrid-layer-pattern"
-            )
-        read.append(f"--hybrid-layer-pattern={args.hybrid_layer_pattern!r}")
-    implied = settings_from_checkpoint(checkpoint_model_tensors(folder))
-    for dest in _INFERRED:
-        if getattr(args, dest) is None and dest in implied:
-            setattr(args, dest, implied[dest])
-            value = implied[dest]
-            flag = "--" + dest.replace("_", "-")
-            if value is not False:
-                read.append(flag if value is True else f"{flag} {value}")
-    for dest in _INFERRED:  # neither given nor implied: the usual default
-        if getattr(args, dest) is None:
-            delattr(args, dest)
-    return read
+    Returns:
+        ``(args, read, differ, agreed)``: the completed flags, the settings read from the
+        checkpoint (those that are not the flags' defaults), the given ones its record
+        contradicts, and the ``dest`` of those that equal the checkpoint's.
+    """
+    from megatron_hybrid.checkpointing.inspect import checkpoint_model_tensors
+    from megatron_hybrid.checkpointing.settings import settings_from_checkpoint
+    from megatron_hybrid.checkpointing.store import common_record, read_common
+    from megatron_hybrid.training.arguments import model_setting_dests, with_defaults
+
+    dests = model_setting_dests()
+    defaults = vars(with_defaults(argparse.Namespace()))
+    given = {d: getattr(args, d) for d in dests if getattr(args, d) is not None}
+    record = common_record(read_common(folder))
+    recorded = record.get("model")
+    if not isinstance(recorded, dict):  # older or foreign checkpoints: the tensors' word
+        recorded = settings_from_checkpoint(checkpoint_model_tensors(folder))
+        if record.get("hybrid_layer_pattern"):
+            recorded["hybrid_layer_pattern"] = record["hybrid_layer_pattern"]
+    if "hybrid_layer_pattern" not in given and not recorded.get("hybrid_layer_pattern"):
+        raise CommandError(
+            f"{folder} records no layer pattern (it was not saved by 'train'): pass "
+            "--hybrid-layer-pattern"
+        )
+    values, read, differ = dict(given), [], []
+    for dest in dests:
+        if dest not in recorded:
+            continue
+        have = recorded[dest]
+        if dest not in given:
+            values[dest] = have
+            if have != defaults.get(dest):
+                read.append(_flag_text(dest, have))
+        elif have is not None and given[dest] != have:
+            differ.append(f"{_flag_text(dest, given[dest])} (the checkpoint's: "
+                          f"{_flag_text(dest, have)})")  # fmt: skip
+    agreed = {d for d in recorded if recorded[d] is not None and values.get(d) == recorded[d]}
+    kept = {k: v for k, v in vars(args).items() if k not in dests}
+    return with_defaults(argparse.Namespace(**kept, **values)), read, differ, agreed
 
 
 def _listing(title: str, entries: list[str]) -> list[str]:
@@ -95,16 +121,9 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_hybrid.checkpointing.inspect import (
-        compare_with_checkpoint,
-        resolve_checkpoint_dir,
-    )
+    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
     from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
-    from megatron_hybrid.checkpointing.settings import mismatched_flags
-    from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.training.arguments import with_defaults
-    from megatron_hybrid.training.config import hybrid_config_from_args
-    from megatron_hybrid.training.validation import validate_settings
+    from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
 
     try:
         # Files first: what is read from the checkpoint below must come from intact files.
@@ -112,19 +131,15 @@ def _run(args: argparse.Namespace) -> int:
         verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
-    read = _fill_from_checkpoint(args)
-    args = with_defaults(args)
-    validate_settings(args, scopes=("model",))
-    # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
-    unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
-    config = hybrid_config_from_args(
-        argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
-    )
-    from megatron_hybrid.model import expected_keys
+    from megatron_hybrid.hf.dist import read_hf_record
     from megatron_hybrid.runtime import select_backend
 
+    from_hf = read_hf_record(folder).get("hf_config") is not None
+    if from_hf and args.hybrid_layer_pattern is None:
+        build, args, read, differ, agreed = _hf_model(args, folder)
+    else:
+        build, args, read, differ, agreed = _flag_model(args, folder)
     select_backend().activate()  # the meta-device build calls megatron's CUDA-only functions
-    build = partial(_expected, expected_keys.expected_checkpoint_tensors, config, args)
     try:
         result = compare_with_checkpoint(folder, build)
     except FileNotFoundError as error:
@@ -140,7 +155,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"files:      {'match integrity.json' if verified else 'not verified (no manifest)'}")
     print(f"pattern:    {args.hybrid_layer_pattern}")
     if read:
-        print(f"read from the checkpoint: {' '.join(read)}")
+        print(f"{_FROM_CHECKPOINT}: {' '.join(read)}")
+    if differ:
+        print(f"given, unlike the checkpoint's record: {'; '.join(differ)}")
     if result.metadata:
         print(f"metadata:   {result.metadata}")
     print(f"matching tensors: {result.matched}")
@@ -158,12 +175,59 @@ def _run(args: argparse.Namespace) -> int:
             [f"{key}: {exp} vs {found}" for key, exp, found in result.shape_mismatches],
         )
     print("\n".join(lines))
-    flags = mismatched_flags(result.shape_mismatches, args)
+    from megatron_hybrid.checkpointing.settings import mismatched_flags
+
+    flags = mismatched_flags(result.shape_mismatches, args, agreed)
     if flags and not (result.missing or result.unexpected):
         print(f"NOT LOADABLE: {'; '.join(flags)}")
     else:
         print("NOT LOADABLE: fix the pattern or the model-shape flags (see above)")
     return 1
+
+
+def _flag_model(args: argparse.Namespace, folder):
+    """The model of the flags, completed from the checkpoint: ``(build, args, read, differ,
+    agreed)``."""
+    from megatron_hybrid.model import expected_keys
+    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.training.config import hybrid_config_from_args
+    from megatron_hybrid.training.validation import validate_settings
+
+    args, read, differ, agreed = _settings(args, folder)
+    validate_settings(args, scopes=("model",))
+    # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
+    unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
+    config = hybrid_config_from_args(
+        argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
+    )
+    build = partial(_expected, expected_keys.expected_checkpoint_tensors, config, args)
+    return build, args, read, differ, agreed
+
+
+def _hf_model(args: argparse.Namespace, folder):
+    """The model of the Hugging Face config the checkpoint records (train --load-hf,
+    convert --from-hf): ``(build, args, read, differ, agreed)``; model flags are refused."""
+    from megatron_hybrid.checkpointing.store import common_record, read_common
+    from megatron_hybrid.hf.api import expected_key_shapes
+    from megatron_hybrid.hf.dist import conversion_of_checkpoint
+    from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
+
+    conversion = conversion_of_checkpoint(folder)
+    ignored = [_flag_text(d, getattr(args, d)) for d in model_setting_dests()
+               if getattr(args, d) is not None and d != "transformer_impl"]  # fmt: skip
+    if ignored:
+        raise CommandError(
+            f"{folder} records the Hugging Face model it holds ({conversion.family}); its "
+            f"config sets the model: drop {', '.join(ignored)} (or pass "
+            "--hybrid-layer-pattern to compare with a model of flags instead)"
+        )
+    recorded = common_record(read_common(folder)).get("model") or {}
+    impl = args.transformer_impl or recorded.get("transformer_impl") or "local"
+    args = argparse.Namespace(**{**vars(args), "transformer_impl": impl,
+                                 "hybrid_layer_pattern": conversion.pattern.pattern})  # fmt: skip
+    build = partial(expected_key_shapes, conversion, spec_backend(args))
+    read = [f"the Hugging Face config ({conversion.family})"]
+    return (lambda metadata: build(metadata=metadata)), args, read, [], set()
 
 
 def _expected(build, config, args, metadata):

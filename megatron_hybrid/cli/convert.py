@@ -125,29 +125,36 @@ def _dtype(args):
     return None if args.dtype == "auto" else getattr(torch, args.dtype)
 
 
-def _progress(label: str, rank: int):
-    if rank != 0:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """A tqdm bar on stderr for ``(done, total)`` callbacks (rank 0 only), closed on every way
+    out so that an error message starts on a line of its own."""
 
-    bar = None
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled, self.bar = label, enabled, None
 
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=label, unit="tensor", file=sys.stderr, leave=False)
-        bar.update(done - bar.n)
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.label, unit="tensor", file=sys.stderr,
+                            leave=False)  # fmt: skip
+        self.bar.update(done - self.bar.n)
         if done == total:
-            bar.close()
+            self.close()
 
-    return update
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _check_conversion(args: argparse.Namespace):
-    """``(conversion or None, report)`` of ``--from-hf`` with the command's options."""
-    from megatron_hybrid.hf import dry_run
+    """``--from-hf`` opened, its config converted and its weights planned, once."""
+    from megatron_hybrid.hf.api import check_conversion
 
-    return dry_run(
+    return check_conversion(
         args.from_hf,
         backend="te" if args.transformer_impl == "transformer_engine" else "local",
         mtp=False if args.no_mtp else None,
@@ -156,7 +163,8 @@ def _check_conversion(args: argparse.Namespace):
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    conversion, report = _check_conversion(args)
+    check = _check_conversion(args)
+    conversion, report = check.conversion, check.report
     if conversion is not None:
         print(f"family {conversion.family} | pattern {conversion.pattern.pattern}")
         for note in conversion.notes:
@@ -173,32 +181,36 @@ def _from_hf(args: argparse.Namespace) -> int:
     from megatron_hybrid.hf import HFWeightsError, load_hf_model
     from megatron_hybrid.hf.dist import save_model_state
 
-    conversion, report = _check_conversion(args)
-    if not report.ok:
+    check = _check_conversion(args)
+    conversion = check.conversion
+    if not check.report.ok:
         raise CommandError(
             f"{args.from_hf} does not convert cleanly; nothing was written:\n"
-            + "\n".join(report.lines())
+            + "\n".join(check.report.lines())
         )
+    progress = _Progress("loading", _rank() == 0)
     try:
         model = load_hf_model(
-            args.from_hf,
+            check.source,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             transformer_impl=args.transformer_impl,
             params_dtype=_dtype(args),
-            mtp=False if args.no_mtp else None,
-            ignore_config_fields=args.ignore_hf_config_field,
-            progress=_progress("loading", _rank()),
+            progress=progress,
+            conversion=conversion,
+            plan=check.plan,
         )
     except HFWeightsError as error:
         raise CommandError(str(error)) from None
+    finally:
+        progress.close()
     try:
         folder = save_model_state(model, args.save, model.hf_conversion)
     except FileExistsError as error:
         raise CommandError(str(error)) from None
     if dist.get_rank() == 0:
-        for line in report.notes:
+        for line in check.report.notes:
             print(line)
         print(
             f"converted {args.from_hf} ({conversion.family}, {conversion.pattern.pattern}) "
@@ -278,15 +290,19 @@ def _to_hf(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     _check(args)
     if args.dry_run:
         return _dry_run(args)
-    code = _from_hf(args) if args.from_hf else _to_hf(args)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return code
+    started_world = not dist.is_initialized()
+    try:
+        return _from_hf(args) if args.from_hf else _to_hf(args)
+    finally:
+        # On every way out, refusals included: a process group left to the interpreter's exit
+        # can abort it instead of exiting with the command's code. A caller's world stays.
+        if started_world and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 COMMAND = Command(

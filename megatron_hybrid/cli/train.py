@@ -11,7 +11,7 @@ import argparse
 
 from megatron_hybrid.cli.main import Command, CommandError
 
-__all__ = ["COMMAND", "add_train_only_args"]
+__all__ = ["COMMAND", "add_train_only_args", "closing_line"]
 
 
 def add_train_only_args(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +59,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_hybrid.checkpointing.store import CheckpointExistsError
     from megatron_hybrid.runtime import select_backend
     from megatron_hybrid.training.arguments import PATTERN_REQUIRED
-    from megatron_hybrid.training.checkpoint import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
     if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
@@ -82,15 +82,32 @@ def _run(args: argparse.Namespace) -> int:
     rank = torch.distributed.get_rank()
     torch.distributed.destroy_process_group()
     if rank == 0:
-        losses = summary.losses
-        first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
-        saved = f" | saved {summary.saved}" if summary.saved else ""
-        print(
-            f"done: {len(losses)} steps ({summary.first_iteration}->{summary.last_iteration}) | "
-            f"loss {first:.4f} -> {last:.4f} | {summary.tokens_per_second:,.0f} tok/s{saved}",
-            flush=True,
-        )
+        print(closing_line(summary), flush=True)
     return 0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def closing_line(summary) -> str:
+    """``done: ...``: steps, loss, median step time and tokens/s after warm-up, the warm-up
+    apart (its kernel autotuning would otherwise swamp the throughput), the last save."""
+    losses = summary.losses
+    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
+    parts = [
+        f"done: {len(losses)} steps ({summary.first_iteration}->{summary.last_iteration})",
+        f"loss {first:.4f} -> {last:.4f}",
+    ]
+    median = summary.median_step_seconds
+    if median is not None:
+        parts.append(f"median step {_duration(median)}, {summary.tokens_per_second:,.0f} tok/s")
+    if summary.step_seconds:
+        after = "" if median is not None else ", no later step to time"
+        parts.append(f"warm-up {_duration(summary.warmup_seconds)}{after}")
+    if summary.saved:
+        parts.append(f"saved {summary.saved}")
+    return " | ".join(parts)
 
 
 COMMAND = Command(

@@ -8,21 +8,23 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_hybrid.hf.config import (
     HANDLED_FIELDS,
+    HFConfigError,
     HFConversion,
+    convert_config,
     dtype_name,
     family_named,
     hf_config_to_megatron,
-    translate,
 )
 from megatron_hybrid.hf.fp8 import SCALE_SUFFIX, DequantizingReader, recipe_config
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
-from megatron_hybrid.hf.plan import PlanReport, check_plan
+from megatron_hybrid.hf.plan import Plan, PlanReport, check_plan
 from megatron_hybrid.hf.weights import (
     HFWeightsError,
     build_plan,
@@ -33,8 +35,11 @@ from megatron_hybrid.hf.weights import (
 from megatron_hybrid.runtime import select_backend
 
 __all__ = [
+    "ConversionCheck",
+    "check_conversion",
     "conversion_for",
     "dry_run",
+    "expected_key_shapes",
     "load_hf_model",
     "save_hf_checkpoint",
 ]
@@ -75,7 +80,16 @@ def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) 
     return conversion
 
 
-def _expected_key_shapes(conversion: HFConversion, backend: str) -> dict:
+def expected_key_shapes(
+    conversion: HFConversion, backend: str = "local", metadata: dict | None = None
+) -> dict:
+    """Checkpoint key -> global shape of the conversion's model (built on the meta device).
+
+    Args:
+        conversion: the conversion.
+        backend: ``"local"`` or ``"te"`` (the key names differ).
+        metadata: sharded-state-dict metadata (default: the indexed form conversion uses).
+    """
     from megatron_hybrid.hf.weights import SHARDED_METADATA
     from megatron_hybrid.model import expected_checkpoint_tensors
 
@@ -90,40 +104,55 @@ def _expected_key_shapes(conversion: HFConversion, backend: str) -> dict:
         vocab_size=vocab,
         max_sequence_length=length,
         backend=backend,
-        metadata=dict(SHARDED_METADATA),
+        metadata=dict(SHARDED_METADATA if metadata is None else metadata),
         **kwargs,
     )
 
 
-def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_config_fields=()):
-    """Check a conversion before anything is copied.
+@dataclass
+class ConversionCheck:
+    """A Hugging Face folder opened, its config converted and its weights planned, once.
+
+    Attributes:
+        source: the open folder.
+        conversion: the conversion (None when the config is refused).
+        plan: the weight plan over the whole model (None when the config is refused).
+        report: what :func:`dry_run` reports (``report.ok``: nothing to fix).
+    """
+
+    source: HFCheckpoint
+    conversion: HFConversion | None
+    plan: Plan | None
+    report: PlanReport
+
+
+def check_conversion(
+    path, *, backend: str = "local", mtp: bool | None = None, ignore_config_fields=()
+) -> ConversionCheck:
+    """Open a folder, convert its config and plan its weights, before anything is copied.
 
     Builds the model the folder describes on the meta device (no memory) and lists unsupported
     config fields, model tensors without a source, Hugging Face tensors the model would not use
-    and shape mismatches. Its notes say how many block-scaled FP8 weights load dequantized and
+    and shape mismatches; its notes say how many block-scaled FP8 weights load dequantized and
     which tensors of declared parts (a multimodal checkpoint's vision tower) are carried
-    through untouched.
-
-    Returns:
-        ``(conversion or None, PlanReport)``; the conversion is None when the config is refused.
+    through untouched. Pass the result's ``source``, ``conversion`` and ``plan`` to
+    :func:`load_hf_model` to load without doing any of it again.
 
     Raises:
-        HFCheckpointError: the folder's FP8 tensors are inconsistent (a weight without its
-            scale, a scale of the wrong shape, ...).
+        HFCheckpointError, HFConfigError: the folder or its config is damaged (one message),
+            or its FP8 tensors are inconsistent (a weight without its scale, a scale of the
+            wrong shape, ...).
     """
-    from megatron_hybrid.hf.config import HFConfigError
-
-    source = HFCheckpoint(path)
+    source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     report = PlanReport()
     try:
         conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
     except HFConfigError:
-        conversion = translate(source.config, mtp=mtp, has_tensor=lambda n: n in source)
+        conversion = convert_config(source.config, mtp=mtp, has_tensor=lambda n: n in source)
         ignored = set(ignore_config_fields) - HANDLED_FIELDS
         report.unsupported_config = [(k, m) for k, m in conversion.unsupported if k not in ignored]
-        return None, report
-    key_shapes = _expected_key_shapes(conversion, backend)
-    plan, unresolved = build_plan(conversion, key_shapes)
+        return ConversionCheck(source, None, None, report)
+    plan, unresolved = build_plan(conversion, expected_key_shapes(conversion, backend))
     carried = carried_names(source, conversion)
     reader = DequantizingReader(source, conversion.quantization, skip=carried)
     info = {name: reader.info(name) for name in reader.names()}
@@ -134,7 +163,19 @@ def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_con
         checked.notes.append(f"{conversion.quantization.describe()}: {count} tensors dequantized")
     checked.carried = carried
     checked.notes += _carried_notes(conversion, carried)
-    return conversion, checked
+    return ConversionCheck(source, conversion, plan, checked)
+
+
+def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_config_fields=()):
+    """Check a conversion before anything is copied (:func:`check_conversion`'s verdict).
+
+    Returns:
+        ``(conversion or None, PlanReport)``; the conversion is None when the config is refused.
+    """
+    check = check_conversion(
+        path, backend=backend, mtp=mtp, ignore_config_fields=ignore_config_fields
+    )
+    return check.conversion, check.report
 
 
 def _carried_notes(conversion: HFConversion, carried) -> list[str]:
@@ -282,6 +323,8 @@ def load_hf_model(
     progress=None,
     config_overrides: dict | None = None,
     mamba_impl: str = "auto",
+    conversion: HFConversion | None = None,
+    plan: Plan | None = None,
 ):
     """Build the model a Hugging Face folder describes and load its weights strictly.
 
@@ -290,7 +333,8 @@ def load_hf_model(
     have the requested sizes.
 
     Args:
-        path: folder with config.json and safetensors (sharded with an index or not).
+        path: folder with config.json and safetensors (sharded with an index or not), or an
+            open ``HFCheckpoint``.
         tensor_model_parallel_size: TP size (expert TP follows it).
         pipeline_model_parallel_size: PP size; the pattern is split by physical layers.
         expert_model_parallel_size: EP size.
@@ -304,13 +348,17 @@ def load_hf_model(
         mamba_impl: how ``M`` layers compute (``hybrid_stack_spec``'s argument): ``"auto"``,
             ``"torch"`` (transformers' Mamba numerics exactly, see ``conversion.notes``) or
             ``"kernels"`` (megatron-core's ``MambaMixer``).
+        conversion, plan: a :func:`check_conversion` result's, so that the config is not
+            converted (``mtp`` and ``ignore_config_fields`` are then its) and the weights not
+            planned again.
 
     Returns:
         This rank's HybridModel (``model(input_ids, position_ids, None)`` gives logits
         ``[batch, seq, vocab]`` on the last pipeline stage), with ``hf_conversion`` attached.
     """
-    source = HFCheckpoint(path)
-    conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
+    source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    if conversion is None:
+        conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
     pg = _ensure_process_groups(
         tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
     )
@@ -324,7 +372,7 @@ def load_hf_model(
     )
     from megatron_hybrid.hf.weights import load_hf_weights
 
-    load_hf_weights(model, source, conversion, progress=progress)
+    load_hf_weights(model, source, conversion, progress=progress, plan=plan)
     for chunk in model_chunks(model):
         chunk.hf_source_path = str(source.path)
     return model

@@ -23,11 +23,11 @@ __all__ = [
     "Family",
     "HFConfigError",
     "HFConversion",
+    "convert_config",
     "family_for",
     "family_named",
     "hf_config_to_megatron",
     "register_family",
-    "translate",
 ]
 
 #: Fields no family maps because they do not change the forward math.
@@ -212,11 +212,30 @@ def text_config(hf_config: dict) -> dict:
     return dict(hf_config)
 
 
-def translate(hf_config: dict, *, mtp: bool | None = None, has_tensor=None) -> HFConversion:
-    """The conversion of a config.json dict with every problem listed in ``unsupported``
-    (nothing raised for unmappable fields; ``HFConfigError`` for an unknown family)."""
+def convert_config(
+    hf_config: dict,
+    *,
+    mtp: bool | None = None,
+    has_tensor: Callable[[str], bool] | None = None,
+) -> HFConversion:
+    """The family's translation of a config.json dict, its unsupported fields listed in
+    ``conversion.unsupported`` rather than refused (``dry_run`` reports them); a
+    ``quantization_config`` other than block-scaled FP8 is one of them.
+
+    Raises:
+        HFConfigError: the family is unknown, a required field is missing, or a field has a
+            value of the wrong kind (one message, naming it).
+    """
     family = family_for(hf_config)
-    conversion = family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
+    try:
+        conversion = family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
+    except HFConfigError as error:
+        raise HFConfigError(f"the {family.name} config cannot be converted: {error}") from None
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as error:
+        raise HFConfigError(
+            f"the {family.name} config has a field of the wrong kind or value "
+            f"({type(error).__name__}: {error}); is config.json complete and unedited?"
+        ) from None
     if isinstance(hf_config.get("text_config"), dict):
         conversion.source_config = hf_config
     try:
@@ -245,7 +264,7 @@ def hf_config_to_megatron(
         HFConfigError: the family is unknown or a field cannot be mapped (message names it).
     """
     family = family_for(hf_config)
-    conversion = translate(hf_config, mtp=mtp, has_tensor=has_tensor)
+    conversion = convert_config(hf_config, mtp=mtp, has_tensor=has_tensor)
     # A quantization the package cannot read would load wrong values: never ignorable.
     ignored = set(ignore_config_fields) - HANDLED_FIELDS
     conversion.unsupported = [(k, m) for k, m in conversion.unsupported if k not in ignored]
@@ -274,11 +293,16 @@ class ConfigReader:
         return self.config.get(name, default)
 
     def require(self, name: str, default: Any = None) -> Any:
-        """A field that must be present."""
+        """A field that must be present.
+
+        Raises:
+            HFConfigError: it is missing (nothing can be derived without it).
+        """
         self.used.add(name)
-        if self.config.get(name, default) is None:
-            self.unsupported.append((name, "is required"))
-        return self.config.get(name, default)
+        value = self.config.get(name, default)
+        if value is None:
+            raise HFConfigError(f"config.json has no {name!r}, which the model needs")
+        return value
 
     def expect(self, name: str, allowed: Iterable[Any], default: Any = None, why: str = "") -> Any:
         """A field that must take one of ``allowed`` values."""

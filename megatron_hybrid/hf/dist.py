@@ -1,63 +1,62 @@
-"""``torch_dist`` checkpoints of models converted from Hugging Face.
+"""``torch_dist`` checkpoints of models converted from Hugging Face, and their HF record.
 
 ``convert --from-hf`` writes Megatron-LM's *release* layout (``<root>/release/`` and a tracker
-that says ``release``): model weights only, under the package's checkpoint keys, plus the source
-``config.json`` in the common state, so the checkpoint can be turned back into a Hugging Face
-folder, and ``train --load`` starts fine-tuning from it (iteration 0, fresh optimizer).
+that says ``release``) through the checkpoint store: model weights only, under the package's
+checkpoint keys, plus the record of the source model (:data:`~megatron_hybrid.checkpointing.
+store.HF_RECORD_FILE`: its ``config.json``, per-tensor dtypes and pattern), so the checkpoint
+can be turned back into a Hugging Face folder, and ``train --load`` starts fine-tuning from it
+(iteration 0, fresh optimizer). ``train`` writes the same record into the checkpoints of a model
+that started from Hugging Face weights.
 
-What the source was beyond the model's weights travels in the iteration folder too, so the
-checkpoint stays self-contained: :data:`HF_RECORD_FILE` (the whole config.json with its
-``quantization_config``, each tensor's stored dtype, the name prefix) and
-:data:`HF_TENSORS_FILE` (the source's FP8 scales, and the tensors of parts the model does not
-compute, such as a multimodal checkpoint's vision tower, carried through untouched).
+What the source was beyond the model's weights travels in the checkpoint too, so that it stays
+self-contained and the export writes the source format again: the record holds the whole
+config.json (with its ``quantization_config`` and ``vision_config``), each tensor's stored dtype
+and the names' prefix, and the checkpoint's state holds, outside the model's keys
+(:func:`hf_source_state`), the source's FP8 scales (``hf_source.scales.<name>``) and the tensors
+of parts the model does not compute (``hf_source.carried.<name>``: a multimodal checkpoint's
+vision tower), which :func:`restore_hf_source` gives back to a model loaded from it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 
-from megatron_hybrid.checkpointing.inspect import (
-    TRACKER_FILE,
-    iteration_folder_name,
-    resolve_checkpoint_dir,
-)
+from megatron_hybrid.checkpointing import store
+from megatron_hybrid.checkpointing.sharded import model_sharded_state
+from megatron_hybrid.checkpointing.store import COMMON_RECORD, HF_RECORD_FILE, MODEL_ONLY_FORMAT
 from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
 from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
-    "HF_RECORD_FILE",
-    "HF_TENSORS_FILE",
-    "MODEL_ONLY_FORMAT",
+    "HF_SOURCE_KEY",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
     "hf_record",
-    "hf_record_tensors",
+    "hf_source_state",
     "read_hf_record",
     "restore_hf_source",
-    "write_hf_record",
     "load_model_state",
     "save_model_state",
 ]
 
-#: ``megatron_hybrid.format`` of a weights-only checkpoint.
-MODEL_ONLY_FORMAT = "megatron_hybrid/model-only/1"
-
-#: A small JSON file in the iteration folder that says which Hugging Face model a checkpoint
-#: holds: readable without touching the checkpoint's data files (which may be damaged), and
-#: covered by the integrity manifest.
-HF_RECORD_FILE = "hf_model.json"
-#: Tensors of the source that are no model weight: FP8 scales (``*_scale_inv``) and carried
-#: tensors (named in the record's ``carried``). Covered by the integrity manifest.
-HF_TENSORS_FILE = "hf_tensors.safetensors"
+#: Where a checkpoint's state holds the source's tensors that are no model weight (outside the
+#: model's key roots): FP8 scales and carried tensors.
+HF_SOURCE_KEY = "hf_source"
+_SCALES = f"{HF_SOURCE_KEY}.scales."
+_CARRIED = f"{HF_SOURCE_KEY}.carried."
 
 
-def hf_record(model, conversion: HFConversion | None = None) -> dict:
-    """What a checkpoint records about a model that came from Hugging Face ({} otherwise)."""
+def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool = False) -> dict:
+    """What a checkpoint records about a model that came from Hugging Face ({} otherwise).
+
+    Args:
+        model: the model (chunks).
+        conversion: its conversion (default: the one ``load_hf_model`` attached).
+        model_only: the checkpoint holds weights only (an initialisation, not a resume).
+    """
     first = model_chunks(model)[0]
     conversion = conversion or getattr(first, "hf_conversion", None)
     if conversion is None:
@@ -72,94 +71,61 @@ def hf_record(model, conversion: HFConversion | None = None) -> dict:
         "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
         "hybrid_layer_pattern": conversion.pattern.pattern,
         "carried": sorted(getattr(first, "hf_carried", None) or {}),
+        "model_only": model_only,
     }
 
 
-def hf_record_tensors(model) -> dict[str, torch.Tensor]:
-    """The tensors :data:`HF_TENSORS_FILE` holds for ``model``: its source FP8 scales and, on
-    global rank 0 (the writer), its carried tensors."""
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def hf_source_state(model) -> dict:
+    """The checkpoint entries of the source's tensors that are no model weight: the FP8 scales
+    (held by every rank; the first writes them) and the carried tensors (held by global rank
+    0), as ``ShardedTensor`` under keys outside the model's roots ({} when there are none)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     first = model_chunks(model)[0]
-    return {
-        **(getattr(first, "hf_fp8_scales", None) or {}),
-        **(getattr(first, "hf_carried", None) or {}),
-    }
-
-
-def write_hf_record(folder, record: dict, *, model_only: bool = False, tensors=None) -> None:
-    """Write :data:`HF_RECORD_FILE`, and :data:`HF_TENSORS_FILE` when there are ``tensors``
-    (rank 0; nothing if ``record`` is empty)."""
-    if record:
-        if tensors:
-            from safetensors.torch import save_file
-
-            save_file(
-                {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()},
-                Path(folder) / HF_TENSORS_FILE,
-                metadata={"format": "pt"},
+    rank = _rank()
+    entries = {}
+    for prefix, tensors, replica in (
+        (_SCALES, getattr(first, "hf_fp8_scales", None) or {}, rank),
+        (_CARRIED, getattr(first, "hf_carried", None) or {}, 0),
+    ):
+        for name, tensor in tensors.items():
+            data = tensor.detach().to("cpu").contiguous()
+            entries[prefix + name] = ShardedTensor.from_rank_offsets(
+                prefix + name, data, replica_id=replica
             )
-        record = {**record, "model_only": model_only}
-        (Path(folder) / HF_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return entries
 
 
 def read_hf_record(root) -> dict:
-    """The record of the checkpoint ``root`` resolves to ({} if it has none)."""
-    path = resolve_checkpoint_dir(root) / HF_RECORD_FILE
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
-
-
-def _model_state(model) -> dict:
-    from megatron_hybrid.checkpointing.sharded import model_sharded_state
-
-    return model_sharded_state(model_chunks(model))
+    """The HF record of the checkpoint ``root`` resolves to ({} if it has none)."""
+    return store.read_record(root, HF_RECORD_FILE) or {}
 
 
 def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool = False) -> Path:
     """Write the model's weights as a release ``torch_dist`` checkpoint; every rank calls it.
 
     Raises:
-        FileExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False.
+        CheckpointExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False
+            (a ``FileExistsError``).
+        NonFiniteCheckpointError: a weight is NaN or infinite (named; nothing is written).
     """
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    root = Path(root)
-    folder = root / iteration_folder_name("release")
-    taken = folder.exists() or (root / TRACKER_FILE).exists()
-    dist.barrier()  # every rank looks before rank 0 creates the folder
-    if taken and not overwrite:
-        raise FileExistsError(
-            f"{root} already holds a checkpoint; choose another --save folder or remove it"
-        )
-    if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     state = {
-        **_model_state(model),
+        **model_sharded_state(model_chunks(model)),
         "iteration": 0,
-        "megatron_hybrid": {
+        COMMON_RECORD: {
             "format": MODEL_ONLY_FORMAT,
             "hybrid_layer_pattern": conversion.pattern.pattern,
         },
+        HF_SOURCE_KEY: hf_source_state(model),
     }
-    dist_checkpointing.save(state, str(folder))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        from megatron_hybrid.checkpointing.integrity import write_integrity_manifest
-
-        write_hf_record(
-            folder,
-            hf_record(model, conversion),
-            model_only=True,
-            tensors=hf_record_tensors(model),
-        )
-        write_integrity_manifest(folder)
-        tmp = root / f".{TRACKER_FILE}.tmp"
-        tmp.write_text("release")
-        os.replace(tmp, root / TRACKER_FILE)
-    dist.barrier()
-    return folder
+    record = hf_record(model, conversion, model_only=True)
+    return store.write(root, store.RELEASE, state, {HF_RECORD_FILE: record}, overwrite=overwrite)
 
 
 def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
@@ -197,48 +163,52 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
 
 
 def restore_hf_source(model, root) -> None:
-    """Give a model loaded from checkpoint ``root`` what it keeps of its Hugging Face source
+    """Give a model loaded from the checkpoint ``root`` what it keeps of its Hugging Face source
     (as ``load_hf_weights`` does): each tensor's stored dtype, the FP8 scales, and on global
-    rank 0 the carried tensors.
+    rank 0 the carried tensors. Collective (every rank calls it).
 
     Raises:
-        ValueError: the record names tensors the checkpoint folder does not hold.
+        CheckpointDamagedError: the record names carried tensors the checkpoint does not hold.
     """
-    import torch.distributed as dist
-    from safetensors import safe_open
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     record = read_hf_record(root)
     dtypes = {name: getattr(torch, d) for name, d in record.get("hf_dtypes", {}).items()}
-    carried_names = set(record.get("carried", ()))
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    scales, carried = {}, {}
-    path = resolve_checkpoint_dir(root) / HF_TENSORS_FILE
-    if path.is_file():
-        with safe_open(path, "pt") as handle:
-            for name in handle.keys():
-                if name not in carried_names:
-                    scales[name] = handle.get_tensor(name)
-                elif rank0:
-                    carried[name] = handle.get_tensor(name)
-    missing = sorted(carried_names - set(carried)) if rank0 else []
+    folder = store.resolve_checkpoint_dir(root)
+    saved = {
+        key: meta
+        for key, meta in dist_checkpointing.load_tensors_metadata(str(folder)).items()
+        if key.startswith(HF_SOURCE_KEY + ".")
+    }
+    missing = sorted(set(record.get("carried", ())) - {k[len(_CARRIED) :] for k in saved})
     if missing:
-        raise ValueError(
-            f"{root} records {len(missing)} carried tensors ({missing[0]}, ...) that its "
-            f"{HF_TENSORS_FILE} does not hold; the checkpoint is incomplete"
+        raise store.CheckpointDamagedError(
+            f"{folder} records {len(missing)} carried tensors ({missing[0]}, ...) that it does "
+            "not hold; the checkpoint is incomplete"
         )
+    request = {
+        key: ShardedTensor.from_rank_offsets(
+            key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype)
+        )
+        for key, meta in saved.items()
+        if key.startswith(_SCALES) or _rank() == 0
+    }
+    loaded = store.read(folder, {HF_SOURCE_KEY: request}).get(HF_SOURCE_KEY, {}) if saved else {}
+    scales = {k[len(_SCALES) :]: t for k, t in loaded.items() if k.startswith(_SCALES)}
+    carried = {k[len(_CARRIED) :]: t for k, t in loaded.items() if k.startswith(_CARRIED)}
     for chunk in model_chunks(model):
         chunk.hf_source_dtypes = dtypes
         chunk.hf_fp8_scales = scales
         chunk.hf_carried = carried
 
 
-def load_model_state(model, root) -> None:
-    """Load a checkpoint's model weights (no optimizer state) into ``model``, strictly."""
-    from megatron.core import dist_checkpointing
+def load_model_state(model, root) -> Path:
+    """Load a checkpoint's model weights (no optimizer state) into ``model``, strictly.
 
-    folder = resolve_checkpoint_dir(root)
-    chunks = model_chunks(model)
-    state = dist_checkpointing.load(_model_state(model), str(folder))
-    with torch.no_grad():
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    Files are verified and non-finite values refused by name (the store's reader).
+
+    Returns:
+        The checkpoint folder that was read.
+    """
+    return store.read_model_state(root, model_chunks(model))

@@ -310,6 +310,10 @@ class DequantizingReader:
                 f"module ({pattern!r}) as unquantized"
             )
 
+    def file_of(self, name: str):
+        """The safetensors file that holds the tensor ``name``."""
+        return self.source.file_of(name)
+
     def names(self) -> list[str]:
         """Every tensor name except the FP8 scales, in the index's order."""
         return list(self._names)

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HFCheckpoint", "HFCheckpointError", "HFCheckpointWriter", "parse_size"]
+from megatron_hybrid.checkpointing.finite import tensor_is_finite
+
+__all__ = [
+    "HFCheckpoint",
+    "HFCheckpointError",
+    "HFCheckpointWriter",
+    "parse_size",
+    "require_finite",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,12 +42,11 @@ class HFCheckpoint:
             ``model.safetensors.index.json``.
 
     Raises:
-        HFCheckpointError: the folder, its config or its index is missing or malformed.
+        HFCheckpointError: the folder, its config, its index or a safetensors file's header is
+            missing or malformed (a truncated shard is found here, before any work).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not self.path.is_dir():
             raise HFCheckpointError(f"{self.path} is not a folder (expected a Hugging Face model)")
@@ -50,17 +57,22 @@ class HFCheckpoint:
             )
         try:
             self.config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise HFCheckpointError(f"{config_file} is not valid JSON: {error}") from None
+        if not isinstance(self.config, dict):
+            raise HFCheckpointError(f"{config_file} holds no JSON object")
+        self._handles: dict[str, object] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         index_file = self.path / INDEX_FILE
         if index_file.is_file():
             try:
                 weight_map = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as error:
+                if not isinstance(weight_map, dict):
+                    raise TypeError("not an object")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
                 raise HFCheckpointError(f"{index_file} has no valid weight_map: {error}") from None
         elif (self.path / SINGLE_FILE).is_file():
-            with safe_open(self.path / SINGLE_FILE, "pt") as handle:
-                weight_map = {name: SINGLE_FILE for name in handle.keys()}
+            weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
         else:
             raise HFCheckpointError(
                 f"{self.path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
@@ -70,19 +82,40 @@ class HFCheckpoint:
         if missing:
             raise HFCheckpointError(f"{index_file} names files that do not exist: {missing}")
         self.weight_map: dict[str, str] = dict(weight_map)
-        self._handles: dict[str, object] = {}
-        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # Every file's header now: a truncated or foreign file is named before any work starts.
+        for file in sorted(set(self.weight_map.values())):
+            held = set(self._open(file).keys())
+            absent = sorted(n for n, f in self.weight_map.items() if f == file and n not in held)
+            if absent:
+                raise HFCheckpointError(
+                    f"{index_file} places {len(absent)} tensor(s) in {self.path / file} that it "
+                    f"does not hold, e.g. {absent[0]!r}; the index and the files disagree"
+                )
+
+    def _open(self, file: str):
+        """The open safetensors file ``file`` (its header read and checked)."""
+        from safetensors import SafetensorError, safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(self.path / file, "pt")
+            except (SafetensorError, OSError) as error:
+                raise HFCheckpointError(
+                    f"{self.path / file} is damaged ({error}): it is not a complete safetensors "
+                    "file; download or copy it again"
+                ) from None
+        return self._handles[file]
 
     def _handle(self, name: str):
-        from safetensors import safe_open
-
         try:
             file = self.weight_map[name]
         except KeyError:
             raise HFCheckpointError(f"{self.path} has no tensor {name!r}") from None
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.path / file, "pt")
-        return self._handles[file]
+        return self._open(file)
+
+    def file_of(self, name: str) -> Path:
+        """The safetensors file that holds the tensor ``name``."""
+        return self.path / self.weight_map[name]
 
     def names(self) -> list[str]:
         """Every tensor name, in the index's order."""
@@ -97,6 +130,10 @@ class HFCheckpoint:
             sl = self._handle(name).get_slice(name)
             self._meta[name] = (sl.get_dtype(), tuple(sl.get_shape()))
         dtype, shape = self._meta[name]
+        if dtype not in _DTYPES:
+            raise HFCheckpointError(
+                f"{self.file_of(name)}: tensor {name} has dtype {dtype}, which is not read"
+            )
         return _DTYPES[dtype], shape
 
     def get(self, name: str) -> torch.Tensor:
@@ -110,6 +147,23 @@ class HFCheckpoint:
     def close(self) -> None:
         """Release the open files."""
         self._handles.clear()
+
+
+def require_finite(source: HFCheckpoint, name: str, values: torch.Tensor) -> torch.Tensor:
+    """``values`` read for the tensor ``name`` of ``source``, refused if any is NaN or infinite.
+
+    The read path calls it on what it hands to the model (after any dequantization), so a
+    non-finite source is refused by name and file before anything is written or trained.
+
+    Raises:
+        HFCheckpointError: naming the tensor and its file.
+    """
+    if not bool(tensor_is_finite(values)):
+        raise HFCheckpointError(
+            f"{source.file_of(name)}: tensor {name} has NaN or infinite values; the checkpoint "
+            "is refused (nothing was converted or trained); repair or re-download it"
+        )
+    return values
 
 
 _DTYPES = {

@@ -19,7 +19,7 @@ import torch
 from megatron_hybrid.hf.config import HFConversion
 from megatron_hybrid.hf.fp8 import FP8_DTYPE, SCALE_SUFFIX, DequantizingReader
 from megatron_hybrid.hf.fp8_stream import BucketQuantizer, FP8Spec, fp8_specs
-from megatron_hybrid.hf.io import HFCheckpoint, parse_size
+from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
 __all__ = [
@@ -93,10 +93,12 @@ def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple
 
 def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
     if isinstance(rows, slice):
-        return source.read(name, (rows, *rest))
-    low, high = min(rows), max(rows) + 1
-    span = source.read(name, (slice(low, high), *rest))
-    return span[torch.tensor([r - low for r in rows])]
+        values = source.read(name, (rows, *rest))
+    else:
+        low, high = min(rows), max(rows) + 1
+        span = source.read(name, (slice(low, high), *rest))
+        values = span[torch.tensor([r - low for r in rows])]
+    return require_finite(source, name, values)
 
 
 def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
@@ -144,7 +146,9 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def load_hf_weights(model, path, conversion: HFConversion | None = None, *, progress=None):
+def load_hf_weights(
+    model, path, conversion: HFConversion | None = None, *, progress=None, plan: Plan | None = None
+):
     """Load a Hugging Face checkpoint into ``model`` (its chunks on this rank), strictly.
 
     Each rank reads only the Hugging Face rows behind its own shards. Block-scaled FP8 weights
@@ -161,9 +165,12 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         conversion: the :class:`HFConversion` the model was built from (default: from the
             folder's config.json).
         progress: optional callable ``(done, total)`` called after each tensor.
+        plan: the conversion's weight plan over the whole model (``check_conversion`` made
+            it); default: planned here from this rank's keys.
 
     Raises:
         HFWeightsError: a model tensor has no source, or shapes do not fit.
+        HFCheckpointError: a value read is NaN or infinite (named with its file).
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
@@ -182,7 +189,8 @@ def load_hf_weights(model, path, conversion: HFConversion | None = None, *, prog
         for st in _leaves(sharded)
         if isinstance(st, ShardedTensor)
     }
-    plan, _ = build_plan(conversion, key_shapes)
+    if plan is None:
+        plan, _ = build_plan(conversion, key_shapes)
     info = {name: source.info(name) for name in plan.hf_shapes if name in source}
     for name, shape in plan.hf_shapes.items():
         if name in plan.shared_copies:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_hybrid.checkpointing.equivalence import GPT_ATTENTION_SYMBOLS, is_gpt_equivalent_group
-from megatron_hybrid.pattern import MLA, MOE, ParsedPattern, parse_pattern
+from megatron_hybrid.checkpointing.equivalence import gpt_role_symbols, is_gpt_equivalent_group
+from megatron_hybrid.pattern import MLA, MOE, GptRole, ParsedPattern, parse_pattern
 
 __all__ = ["NotGPTEquivalentError", "gpt_config_for_pattern", "gpt_decoder_spec_for_pattern"]
 
@@ -42,7 +42,7 @@ def _gpt_layers(pattern: str | ParsedPattern) -> ParsedPattern:
             f"pattern {parsed.pattern!r} mixes attention types {sorted(attention)}; GPTModel "
             "uses one attention type for all layers"
         )
-    assert attention <= GPT_ATTENTION_SYMBOLS
+    assert attention <= gpt_role_symbols(GptRole.ATTENTION)  # is_gpt_equivalent_group's rule
     return parsed
 
 

@@ -184,6 +184,18 @@ position=8)
         return self.canonical.replace(PIPE, "")
 
     @property
+    def flat(self) -> str:
+        """The canonical string with every group opened in place (``|`` and ``/`` kept): the
+        same physical layers in megatron-core's own grammar, which knows no groups.
+
+        >>> from megatron_hybrid.pattern import parse_pattern
+        >>> parse_pattern("[*-]{2}|[*E]{2}/*E").flat
+        '*-*-|*E*E/*E'
+        """
+        main = PIPE.join("".join(flatten_items(segment)) for segment in self.segments)
+        return main + (MTP_SEPARATOR + "".join(self.mtp_items)) * self.mtp_num_depths
+
+    @property
     def main_pattern(self) -> str:
         """Canonical main part (``""`` when empty)."""
         return self.canonical.split(MTP_SEPARATOR, 1)[0]

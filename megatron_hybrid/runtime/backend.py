@@ -50,6 +50,14 @@ class RuntimeBackend:
 
         return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else "cpu"
 
+    def device_name(self) -> str:
+        """What this rank computes on, for people: the GPU's name, or ``CPU``."""
+        if not self.on_gpu:
+            return "CPU"
+        import torch
+
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+
     def synchronize(self) -> None:
         """Wait for queued device work (timing); a no-op on the CPU."""
         if self.on_gpu:

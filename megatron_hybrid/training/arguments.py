@@ -24,8 +24,11 @@ __all__ = [
     "FLAG_GROUPS",
     "MODEL_SHAPE_GROUPS",
     "PATTERN_REQUIRED",
+    "RUNTIME_CHOICES",
     "Flag",
     "add_hybrid_args",
+    "dest_of",
+    "model_setting_dests",
     "required_pattern",
     "spec_backend",
     "vpp_size_from_pattern",
@@ -305,6 +308,32 @@ FLAGS: tuple[Flag, ...] = (
 FLAG_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT)
 MODEL_SHAPE_GROUPS = (_MODEL, _MOE)
 
+#: Flags of the model-shape groups that choose how to run, not what the model is: a checkpoint
+#: does not record them and ``check-checkpoint`` does not compare them.
+RUNTIME_CHOICES = frozenset(
+    {
+        "--mamba-impl",
+        "--moe-token-dispatcher-type",
+        "--moe-flex-dispatcher-backend",
+        "--moe-aux-loss-coeff",
+    }
+)
+
+
+def dest_of(option: str) -> str:
+    """argparse's ``dest`` of an option (``--hidden-size`` -> ``hidden_size``)."""
+    return option.lstrip("-").replace("-", "_")
+
+
+def model_setting_dests() -> tuple[str, ...]:
+    """The ``dest`` of every model setting, in ``--help`` order: the model-shape flags without
+    :data:`RUNTIME_CHOICES` (what a ``train`` checkpoint records)."""
+    return tuple(
+        dest_of(flag.option)
+        for flag in FLAGS
+        if flag.group in MODEL_SHAPE_GROUPS and flag.option not in RUNTIME_CHOICES
+    )
+
 
 def add_hybrid_args(
     parser: argparse.ArgumentParser, groups: tuple[str, ...] = FLAG_GROUPS
@@ -358,7 +387,7 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` completed with the defaults of flags a parser did not define."""
     values = {}
     for flag in FLAGS:
-        dest = flag.option.lstrip("-").replace("-", "_")
+        dest = dest_of(flag.option)
         values[dest] = flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
     values.update(vars(args))
     return argparse.Namespace(**values)

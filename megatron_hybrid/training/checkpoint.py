@@ -6,53 +6,36 @@ every rank's RNG state and the iteration; ``<root>/latest_checkpointed_iteration
 newest. Model tensors use the package's checkpoint keys, so a grouped pattern's checkpoint is a
 GPTModel checkpoint (``check-checkpoint`` reads either).
 
-Nothing is written over an existing iteration folder unless ``overwrite`` is set, nothing is
-saved from parameters that are not finite, and every save ends with an integrity manifest
-(``integrity.json``: SHA-256 of every file) written before the tracker names the folder.
+The folder itself is the checkpoint store's (``checkpointing/store.py``): it refuses NaN and
+infinite tensors by name, never writes over an existing iteration folder unless ``overwrite`` is
+set, and ends every save with an integrity manifest written before the tracker names the folder.
 """
 
 from __future__ import annotations
 
-import os
-import queue
 import random
-from pathlib import Path
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from megatron_hybrid.checkpointing.inspect import TRACKER_FILE, iteration_folder_name
+from megatron_hybrid.checkpointing import store
+from megatron_hybrid.checkpointing.store import (
+    COMMON_RECORD,
+    HF_RECORD_FILE,
+    PER_RANK_FORMAT,
+    TRAIN_FORMAT,
+    CheckpointExistsError,
+    NonFiniteCheckpointError,
+)
 
 __all__ = [
     "CheckpointExistsError",
     "NonFiniteCheckpointError",
     "consumed_samples",
-    "existing_iterations",
     "load_checkpoint",
     "save_checkpoint",
 ]
-
-_FORMAT = "megatron_hybrid/2"  # /1: per-rank CPU optimizer state
-
-
-class CheckpointExistsError(FileExistsError):
-    """The iteration folder already exists and overwriting was not asked for."""
-
-
-class NonFiniteCheckpointError(ValueError):
-    """A parameter is NaN or infinite: such a state is never saved."""
-
-
-def existing_iterations(root) -> list[int]:
-    """Iterations that already have a folder under ``root``."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(
-        int(p.name[len("iter_") :])
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith("iter_") and p.name[len("iter_") :].isdigit()
-    )
 
 
 def _unwrapped(chunks) -> list:
@@ -119,29 +102,6 @@ def _optimizer_state(optimizer, model_state, *, loading: bool, per_rank: bool = 
     return optimizer.sharded_state_dict(merged, is_loading=loading, metadata=metadata)
 
 
-def _parameters_finite(chunks, device) -> bool:
-    flags = [torch.isfinite(p).all() for chunk in _unwrapped(chunks) for p in chunk.parameters()]
-    finite = torch.stack(flags).all() if flags else torch.tensor(True)
-    bad = (~finite).float().reshape(1).to(device)
-    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    return not bool(bad.item())
-
-
-def _in_process_write_results() -> None:
-    """Keep megatron-core's synchronous save inside this process (no helper processes).
-
-    megatron-core 0.19.2's ``FileSystemWriterAsync`` (``dist_checkpointing/strategies/
-    filesystem_async.py``) hands write results over a queue that it creates on first use with a
-    ``spawn`` multiprocessing ``Manager``: a server process, plus spawn's resource tracker, that
-    outlive a killed trainer (re-parented to PID 1). A synchronous save writes with threads of
-    this process and reads the results back in it, so an in-process queue carries them.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(
     root,
     iteration: int,
@@ -152,76 +112,52 @@ def save_checkpoint(
     overwrite=False,
     consumed_samples: int | None = None,
     layout: dict | None = None,
+    model_settings: Mapping | None = None,
+    records: Mapping[str, Mapping] | None = None,
 ):
-    """Save a step's state under ``root``; return the iteration folder.
+    """Save a step's state under ``root`` through the checkpoint store; return the folder.
 
     Args:
+        pattern: the model's layer pattern (recorded).
         consumed_samples: training samples used so far (a resume continues from it).
         layout: parallel sizes (``tp``, ``pp``, ``ep``, ``dp``), recorded so that a resume can
             tell before training whether it may change them.
+        model_settings: the model's settings (flag dest -> value), recorded so that
+            ``check-checkpoint`` needs no flags.
+        records: further JSON records (file name -> object) for the folder; a model started
+            from Hugging Face weights gets its :data:`~megatron_hybrid.checkpointing.store.
+            HF_RECORD_FILE` without asking.
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
-        NonFiniteCheckpointError: a parameter is NaN or infinite (nothing is written).
+        NonFiniteCheckpointError: a tensor is NaN or infinite (named; nothing is written).
     """
-    from megatron.core import dist_checkpointing
+    from megatron_hybrid.hf.dist import HF_SOURCE_KEY, hf_record, hf_source_state
 
-    from megatron_hybrid.checkpointing.integrity import INTEGRITY_FILE, write_integrity_manifest
-
-    root = Path(root)
-    folder = root / iteration_folder_name(iteration)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    if not _parameters_finite(chunks, device):
-        raise NonFiniteCheckpointError(
-            f"not saving iteration {iteration} to {folder}: the model has NaN or infinite "
-            "parameters"
-        )
-    exists = torch.tensor([int(folder.exists())], device=device)
-    torch.distributed.all_reduce(exists)  # every rank must agree before anyone writes
-    if exists.item() and not overwrite:
-        raise CheckpointExistsError(
-            f"{folder} already exists; pass --overwrite-checkpoint to replace it or choose "
-            "another --save directory"
-        )
-    if torch.distributed.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        # Replacing a checkpoint: until the new one is complete, the folder must not look
-        # complete (or verified), so that a kill midway leaves a leftover, not a bad checkpoint.
-        for marker in ("metadata.json", INTEGRITY_FILE):
-            (folder / marker).unlink(missing_ok=True)
-    torch.distributed.barrier()
     model = _model_state(chunks, metadata=None)
+    record = {"format": TRAIN_FORMAT, "hybrid_layer_pattern": pattern}
+    if model_settings is not None:
+        record["model"] = dict(model_settings)
     state = {
         **model,
         "optimizer": _optimizer_state(optimizer, model, loading=False),
         "rng_state": _per_rank_object("rng_state", _rng_state()),
         "iteration": iteration,
-        "megatron_hybrid": {
-            "format": _FORMAT,
-            "hybrid_layer_pattern": pattern,
-        },
+        COMMON_RECORD: record,
+        "world_size": torch.distributed.get_world_size(),
     }
     if consumed_samples is not None:
         state["consumed_samples"] = consumed_samples
-    state["world_size"] = torch.distributed.get_world_size()
     if layout is not None:
         state["parallel_layout"] = dict(layout)
-    _in_process_write_results()
-    dist_checkpointing.save(state, str(folder))
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        from megatron_hybrid.hf.dist import hf_record, hf_record_tensors, write_hf_record
-
-        # A model started from Hugging Face weights: which one, so that the checkpoint resumes
-        # without model flags and exports with convert --to-hf (its FP8 format and carried
-        # tensors included).
-        write_hf_record(folder, hf_record(chunks), tensors=hf_record_tensors(chunks))
-        write_integrity_manifest(folder)
-        tmp = root / f".{TRACKER_FILE}.tmp"
-        tmp.write_text(str(iteration))
-        os.replace(tmp, root / TRACKER_FILE)  # atomic: a crash never leaves a half-written tracker
-    torch.distributed.barrier()
-    return folder
+    # A model started from Hugging Face weights: which one, so that the checkpoint resumes
+    # without model flags and exports with convert --to-hf (its FP8 scales and carried tensors
+    # travel in the state, outside the model's keys).
+    from_hf = hf_record(_unwrapped(chunks))
+    if from_hf:
+        state[HF_SOURCE_KEY] = hf_source_state(_unwrapped(chunks))
+    all_records = {**({HF_RECORD_FILE: from_hf} if from_hf else {}), **(records or {})}
+    return store.write(root, iteration, state, all_records, overwrite=overwrite)
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -283,21 +219,18 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
         LayoutChangeError: the checkpoint cannot be resumed on this layout (before any load).
         CheckpointDamagedError: a file cannot be read.
     """
-    from megatron.core import dist_checkpointing
-
-    from megatron_hybrid.checkpointing.inspect import resolve_checkpoint_dir
     from megatron_hybrid.training.loop import CPUOptimizer
     from megatron_hybrid.training.optimizer_state import (
-        PER_RANK_FORMAT,
+        LayoutChangeError,
         check_layout,
         load_cpu_optimizer_state,
     )
 
-    folder = resolve_checkpoint_dir(root)
-    common = dist_checkpointing.load_common_state_dict(str(folder))
+    folder = store.resolve_checkpoint_dir(root)
+    common = store.read_common(folder)
     cpu = isinstance(optimizer, CPUOptimizer)
     same_world = check_layout(common, folder, layout, cpu_optimizer=cpu)
-    per_rank = (common.get("megatron_hybrid") or {}).get("format") == PER_RANK_FORMAT
+    per_rank = store.common_record(common).get("format") == PER_RANK_FORMAT
     _materialize_optimizer_state(optimizer)
     model = _model_state(chunks, metadata=None)
     request = {**model, "optimizer": _optimizer_state(optimizer, model, loading=True,
@@ -305,25 +238,15 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
     if same_world:
         request["rng_state"] = _per_rank_object("rng_state", None)
     try:
-        state = dist_checkpointing.load(request, str(folder))
-    except BaseException as error:  # noqa: BLE001 - torch's CheckpointException is one
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
-            raise
-        from megatron_hybrid.checkpointing.integrity import (
-            CheckpointDamagedError,
-            describe_read_error,
-        )
-        from megatron_hybrid.training.optimizer_state import LayoutChangeError
-
+        state = store.read(folder, request)
+    except store.CheckpointDamagedError as error:
         if per_rank and cpu:
             raise LayoutChangeError(
                 f"{folder} holds the CPU optimizer state per rank ({PER_RANK_FORMAT}) and does "
-                f"not load here ({describe_read_error(error)}): resume it with the number of "
-                "processes and the parallel layout that wrote it"
+                f"not load here ({error}): resume it with the number of processes and the "
+                "parallel layout that wrote it"
             ) from None
-        raise CheckpointDamagedError(
-            f"cannot read the checkpoint {folder}: {describe_read_error(error)}"
-        ) from None
+        raise
     for i, chunk in enumerate(_unwrapped(chunks)):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     # fp32 models: the distributed optimizer's main params are views of the parameters.
@@ -340,7 +263,5 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
 
 def consumed_samples(folder) -> int | None:
     """Training samples a checkpoint's run had used (None: saved before this was recorded)."""
-    from megatron.core import dist_checkpointing
-
-    value = dist_checkpointing.load_common_state_dict(str(folder)).get("consumed_samples")
+    value = store.read_common(folder).get("consumed_samples")
     return None if value is None else int(value)

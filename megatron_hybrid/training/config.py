@@ -1,7 +1,10 @@
 """The ``TransformerConfig`` that the ``train`` and ``check-checkpoint`` flags describe.
 
 ``num_layers`` is the pattern's physical layer count, ``mtp_num_layers`` its MTP depth, and the
-virtual pipeline size follows from its ``|`` segments.
+virtual pipeline size follows from its ``|`` segments. What the flags must satisfy is checked by
+the rule table (``training/validation.py``), not here: :func:`hybrid_config_from_args` applies
+its ``model`` rules, and ``train`` all of them before anything is built. A model from Hugging
+Face takes the conversion's model fields and :func:`training_fields` of the flags.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from megatron_hybrid.training.arguments import (
     vpp_size_from_pattern,
     with_defaults,
 )
+from megatron_hybrid.training.validation import validate_settings
 
-__all__ = ["hybrid_config_from_args"]
+__all__ = ["hybrid_config_from_args", "training_fields"]
 
 
 def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
@@ -28,17 +32,16 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
         **overrides: config fields to set on top (e.g. CPU-friendly fusion switches).
 
     Raises:
-        ValueError: inconsistent flags, with what to change.
+        SettingsError: a model rule of the rule table fails (the flag and the fix named).
+        ValueError: the pattern's ``|`` segments do not fit the pipeline size.
     """
     import torch
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     args = with_defaults(args)
+    validate_settings(args, scopes=("model",))
     parsed = required_pattern(args)
     counts = parsed.layer_counts
-    _check_model_flags(args, parsed)
-    vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     kwargs: dict[str, Any] = dict(
         num_layers=parsed.physical_layer_count,
@@ -54,9 +57,29 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
         # megatron-core's SequentialMLP experts fail with biases (in-place add on a view).
         add_bias_linear=not args.disable_bias_linear and not counts.get(MOE, 0),
         qk_layernorm=args.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kwargs.update(_layer_type_fields(args, counts, ffn))
+    kwargs.update(training_fields(args, parsed))
+    kwargs.update(overrides)
+    return (MLATransformerConfig if counts.get(MLA, 0) else TransformerConfig)(**kwargs)
+
+
+def training_fields(args: argparse.Namespace, parsed: ParsedPattern) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields the training flags decide, whatever the model: parallel
+    layout (the virtual pipeline size from the pattern's ``|``), dtype, module implementation,
+    recompute, EP overlap and the MoE run-time choices."""
+    import torch
+
+    args = with_defaults(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp_size_from_pattern(
+            parsed, args.pipeline_model_parallel_size
+        ),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         context_parallel_size=args.context_parallel_size,
@@ -64,53 +87,16 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
         bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         transformer_impl=args.transformer_impl,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
     )
-    kwargs.update(_layer_type_fields(args, counts, ffn))
-    kwargs.update(overrides)
-    return (MLATransformerConfig if counts.get(MLA, 0) else TransformerConfig)(**kwargs)
-
-
-def _check_model_flags(args: argparse.Namespace, parsed: ParsedPattern) -> None:
-    """What the pattern's layer types need from the flags, checked before the config is built."""
-    counts = parsed.layer_counts
-    if counts.get(MOE, 0) and not args.num_experts:
-        raise ValueError(f"the pattern {parsed.pattern!r} has MoE ('E') layers; set --num-experts")
-    if counts.get(GDN, 0) and not args.swiglu:
-        raise ValueError(
-            "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
-            "add --swiglu"
-        )
-    if counts.get(MAMBA, 0):
-        _check_mamba_sizes(args)
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-
-
-def _check_mamba_sizes(args: argparse.Namespace) -> None:
-    """Mamba heads and groups must split evenly (megatron-core's MambaMixer asserts it)."""
-    d_inner = 2 * args.hidden_size  # MambaMixer's expand = 2
-    if args.mamba_num_heads is None and d_inner % args.mamba_head_dim:
-        raise ValueError(
-            f"Mamba ('M') layers have 2 x --hidden-size = {d_inner} channels, not a multiple of "
-            f"--mamba-head-dim {args.mamba_head_dim}; change --mamba-head-dim or set "
-            "--mamba-num-heads"
-        )
-    heads = args.mamba_num_heads or d_inner // args.mamba_head_dim
-    tp = args.tensor_model_parallel_size
-    if heads % args.mamba_num_groups or args.mamba_num_groups % tp:
-        raise ValueError(
-            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups "
-            f"{args.mamba_num_groups} groups over TP {tp}: groups must divide the heads and TP "
-            "must divide the groups; change --mamba-num-groups (or --mamba-num-heads)"
-        )
 
 
 def _layer_type_fields(args: argparse.Namespace, counts: dict[str, int], ffn: int) -> dict:
@@ -124,9 +110,6 @@ def _layer_type_fields(args: argparse.Namespace, counts: dict[str, int], ffn: in
             moe_ffn_hidden_size=args.moe_ffn_hidden_size or ffn,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_grouped_gemm=args.moe_grouped_gemm,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         )
     if counts.get(MAMBA, 0):
         kwargs.update(

@@ -1,15 +1,16 @@
 """What a run does after a step whose loss or gradient was NaN or infinite.
 
 ``train_step`` never applies such a step (it checks the loss and every gradient on every rank
-before the optimizer runs). ``--on-nonfinite stop`` (the default) then ends the run with one
-message and exit code 2, before anything else is saved; ``--on-nonfinite skip`` drops the step
-and goes on with the next batch, as Megatron-LM skips an iteration whose gradients overflowed.
-Either way no checkpoint holds a non-finite parameter (``save_checkpoint`` refuses one too).
+before the optimizer runs) and names the first NaN or infinite parameter or gradient it finds.
+``--on-nonfinite stop`` (the default) then ends the run with one message naming it and exit
+code 2, before anything else is saved; ``--on-nonfinite skip`` drops the step and goes on with
+the next batch, as Megatron-LM skips an iteration whose gradients overflowed. Either way no
+checkpoint holds a non-finite tensor (the checkpoint store refuses one by name too).
 """
 
 from __future__ import annotations
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteStepError", "check_step"]
+__all__ = ["NONFINITE_POLICIES", "NonFiniteStepError", "check_step", "describe"]
 
 #: Values of ``--on-nonfinite``.
 NONFINITE_POLICIES = ("stop", "skip")
@@ -40,7 +41,16 @@ def check_step(result, iteration: int, policy: str, last_saved: str | None) -> b
         return True
     where = f"; the newest checkpoint of this run is {last_saved}" if last_saved else ""
     raise NonFiniteStepError(
-        f"step {iteration}: loss {result.loss:.4g}, gradient norm {result.grad_norm:.4g} (NaN or "
-        f"infinite); stopped without applying or saving it{where}. Lower --lr, check the data "
-        "and the --load checkpoint, or pass --on-nonfinite skip to drop such steps"
+        f"step {iteration}: {describe(result)}; stopped without applying or saving it{where}. "
+        "Lower --lr, check the data and the --load checkpoint, or pass --on-nonfinite skip to "
+        "drop such steps"
+    )
+
+
+def describe(result) -> str:
+    """What was NaN or infinite in a step, first found first (for the run's messages)."""
+    what = result.nonfinite or "the loss or a gradient"
+    return (
+        f"{what} is NaN or infinite (loss {result.loss:.4g}, gradient norm "
+        f"{result.grad_norm:.4g})"
     )

@@ -2,44 +2,24 @@
 a Hugging Face config, the training settings from the flags.
 
 The architecture (pattern, sizes, norms, router, RoPE, MLA/GatedDeltaNet/Mamba details) is the
-conversion's; what the flags say about it is replaced by the conversion's values before the
-settings are validated, so a message about, say, ``--num-experts`` names the model's real
-value. Parallel layout, dtype, recompute, overlap and optimizer settings come from the flags.
+conversion's. :attr:`HFSource.settings` states it in flag terms once; the run validates those
+values (so a message about, say, ``--num-experts`` names the model's real value), reads them and
+records them, without touching the parsed flags. The ``TransformerConfig`` is built once, from
+the conversion and :func:`~megatron_hybrid.training.config.training_fields` of the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 from megatron_hybrid.hf.config import HFConversion
+from megatron_hybrid.training.config import training_fields
 
 __all__ = ["HFSource", "hf_source", "hf_training_config"]
 
-#: TransformerConfig fields that training flags decide (everything else: the conversion).
-TRAINING_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "context_parallel_size",
-    "sequence_parallel",
-    "bf16",
-    "params_dtype",
-    "pipeline_dtype",
-    "transformer_impl",
-    "recompute_granularity",
-    "recompute_method",
-    "recompute_num_layers",
-    "overlap_moe_expert_parallel_comm",
-    "delay_wgrad_compute",
-    "moe_aux_loss_coeff",
-    "moe_token_dispatcher_type",
-    "moe_flex_dispatcher_backend",
-)
-
-# Flag dest -> the conversion's TransformerConfig field (or a function of the conversion).
+# Flag dest -> the conversion's TransformerConfig field.
 _SHAPE_FLAGS = {
     "hidden_size": "hidden_size",
     "num_attention_heads": "num_attention_heads",
@@ -69,8 +49,9 @@ class HFSource:
     Attributes:
         conversion: the model's conversion.
         hf_path: a Hugging Face folder to load the weights from (``--load-hf``), or None.
-        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint to load, or the
-            ``train`` checkpoint a resumed run continues; None with ``hf_path``.
+        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint (the run then
+            initialises from it instead of resuming ``--load``), or the ``train`` checkpoint a
+            resumed run continues; None with ``hf_path``.
         resumed: the run resumes a ``train`` checkpoint of a model that started from Hugging
             Face weights (the checkpoint records the config; the resume loads the weights).
     """
@@ -80,15 +61,39 @@ class HFSource:
     checkpoint: str | None = None
     resumed: bool = False
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The conversion's architecture as flag values (``dest`` -> value)."""
+        c, m = self.conversion.config_kwargs, self.conversion.model_kwargs
+        settings: dict[str, Any] = {"hybrid_layer_pattern": self.conversion.pattern.pattern}
+        settings.update({dest: c[field] for dest, field in _SHAPE_FLAGS.items() if field in c})
+        settings.update(
+            vocab_size=m["vocab_size"],
+            max_position_embeddings=m["max_sequence_length"],
+            position_embedding_type=m["position_embedding_type"],
+            untie_embeddings_and_output_weights=not m["share_embeddings_and_output_weights"],
+            normalization=c.get("normalization", "LayerNorm"),
+            swiglu=bool(c.get("gated_linear_unit", False)),
+            disable_bias_linear=not c.get("add_bias_linear", True),
+            qk_layernorm=bool(c.get("qk_layernorm", False)),
+        )
+        return settings
+
+    def applied_to(self, args: argparse.Namespace) -> argparse.Namespace:
+        """A new namespace: ``args`` with the model settings replaced by the conversion's."""
+        return argparse.Namespace(**{**vars(args), **self.settings})
+
 
 def hf_source(args: argparse.Namespace) -> HFSource | None:
-    """The Hugging Face source of a ``train`` run, with its architecture written into ``args``.
+    """The Hugging Face source of a ``train`` run (``args`` is only read).
 
     ``--load-hf HF_DIR``, or ``--load CKPT`` where CKPT is a weights-only checkpoint written by
-    ``convert --from-hf`` (it is then an initialisation, not a resume: ``args.load`` is cleared).
+    ``convert --from-hf`` (an initialisation, not a resume: :attr:`HFSource.checkpoint`), or a
+    ``train`` checkpoint of a model that started from Hugging Face weights.
 
     Raises:
-        ValueError: both ``--load-hf`` and ``--load`` are given, or the config is refused.
+        ValueError: both ``--load-hf`` and ``--load`` are given, ``--moe-grouped-gemm`` (whose
+            expert keys the conversion does not map), or the config is refused.
     """
     from megatron_hybrid.hf.api import conversion_for
 
@@ -114,12 +119,13 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
             conversion = conversion_of_checkpoint(args.load)
             if recorded.get("model_only"):
                 source = HFSource(conversion, checkpoint=args.load)
-                args.load = None  # weights only: an initialisation, not a resume
             else:
                 source = HFSource(conversion, checkpoint=args.load, resumed=True)
-    if source is None:
-        return None
-    _write_architecture(args, source.conversion)
+    if source is not None and getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(
+            "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
+            "conversion does not map; leave it off with --load-hf"
+        )
     return source
 
 
@@ -134,30 +140,10 @@ def _recorded(load: str) -> dict:
         return {}
 
 
-def _write_architecture(args: argparse.Namespace, conversion: HFConversion) -> None:
-    c = conversion.config_kwargs
-    m = conversion.model_kwargs
-    args.hybrid_layer_pattern = conversion.pattern.pattern
-    for dest, field in _SHAPE_FLAGS.items():
-        if hasattr(args, dest) and field in c:
-            setattr(args, dest, c[field])
-    args.vocab_size = m["vocab_size"]
-    args.position_embedding_type = m["position_embedding_type"]
-    args.untie_embeddings_and_output_weights = not m["share_embeddings_and_output_weights"]
-    args.normalization = c.get("normalization", args.normalization)
-    args.swiglu = bool(c.get("gated_linear_unit", False))
-    args.disable_bias_linear = not c.get("add_bias_linear", True)
-    if getattr(args, "moe_grouped_gemm", False):
-        raise ValueError(
-            "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
-            "conversion does not map; leave it off with --load-hf"
-        )
-
-
-def hf_training_config(source: HFSource, flag_config, **overrides):
-    """The conversion's TransformerConfig with the training fields of ``flag_config``."""
-    training = {field: getattr(flag_config, field) for field in TRAINING_FIELDS}
-    return source.conversion.transformer_config(**training, **overrides)
+def hf_training_config(source: HFSource, args: argparse.Namespace, **overrides):
+    """The conversion's TransformerConfig with :func:`training_fields` of the flags."""
+    fields = training_fields(args, source.conversion.pattern)
+    return source.conversion.transformer_config(**fields, **overrides)
 
 
 def model_kwargs(source: HFSource) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_any_rank
 from megatron_hybrid.pattern import ParsedPattern
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "all_finite",
     "build_model_chunks",
     "build_optimizer",
+    "first_nonfinite_parameter",
     "train_step",
 ]
 
@@ -178,13 +180,16 @@ class StepResult:
     """What one step reports (the same on every rank).
 
     ``finite`` is False when the loss or a gradient was NaN or infinite on some rank; the
-    optimizer was then not stepped (the parameters are those before the step).
+    optimizer was then not stepped (the parameters are those before the step), and
+    ``nonfinite`` says what was found first (``parameter NAME (rank R)``, ``gradient of NAME
+    (rank R)``, ``the loss`` or ``the gradient norm``).
     """
 
     loss: float
     grad_norm: float
     tokens: int
     finite: bool = True
+    nonfinite: str | None = None
 
 
 def all_finite(tensors, pg_collection) -> bool:
@@ -201,6 +206,24 @@ def all_finite(tensors, pg_collection) -> bool:
     for group in (pg_collection.mp, pg_collection.dp_cp):
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=group)
     return not bool(bad.item())
+
+
+def first_nonfinite_parameter(chunks) -> str | None:
+    """The first NaN or infinite parameter, else gradient, on any rank (collective, world).
+
+    Parameters come first: a non-finite weight makes every gradient behind it non-finite, and
+    the weight is what to name. Returns ``"parameter NAME (rank R)"``, ``"gradient of NAME
+    (rank R)"`` or None; NAME is the parameter's module path in the unwrapped model.
+    """
+    from megatron.core.utils import unwrap_model
+
+    named = [(n, p) for chunk in unwrap_model(list(chunks)) for n, p in chunk.named_parameters()]
+    local = first_nonfinite((f"parameter {n}", p.detach()) for n, p in named)
+    if local is None:
+        grads = ((n, getattr(p, "main_grad", None)) for n, p in named)
+        local = first_nonfinite((f"gradient of {n}", g) for n, g in grads if g is not None)
+    found = nonfinite_on_any_rank(local)
+    return None if found is None else f"{found[0]} (rank {found[1]})"
 
 
 def _configure_hooks(chunks, config, pg_collection) -> None:
@@ -253,11 +276,13 @@ def train_step(
     # Checked before the update: a NaN or infinite gradient never reaches the parameters.
     grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
     finite = all_finite([totals, *grads], pg_collection)
+    nonfinite = None
     if finite:
         step = optimizer.step()
         grad_norm = step if isinstance(step, float) else float(step[1])
     else:
         grad_norm = float("nan")
+        nonfinite = first_nonfinite_parameter(chunks) or "the loss"
     # Real tokens of this rank's micro-batches, summed over data-parallel ranks.
     tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
     token_count = torch.tensor([tokens], dtype=torch.float64, device=device)
@@ -267,4 +292,5 @@ def train_step(
         grad_norm=grad_norm,
         tokens=int(token_count.item()),
         finite=finite and math.isfinite(grad_norm),
+        nonfinite=nonfinite or (None if math.isfinite(grad_norm) else "the gradient norm"),
     )

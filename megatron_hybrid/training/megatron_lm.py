@@ -57,7 +57,7 @@ def flatten_for_megatron(pattern: str | ParsedPattern) -> str:
     >>> flatten_for_megatron("[*-]{2}|[*E]{2}/*E")
     '*-*-|*E*E/*E'
     """
-    return parse_pattern(pattern).canonical.replace("[", "").replace("]", "")
+    return parse_pattern(pattern).flat
 
 
 def parse_and_validate_args(extra_args_provider=None, args_defaults=None):

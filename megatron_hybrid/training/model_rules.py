@@ -116,6 +116,27 @@ def _gdn_kernels(s: Settings) -> str | None:
     return None
 
 
+def _mamba_sizes(s: Settings) -> str | None:
+    """Mamba heads and groups must split evenly (megatron-core's ``MambaMixer`` asserts it)."""
+    if not s.has(MAMBA):
+        return None
+    d_inner = 2 * s.hidden_size  # MambaMixer's expand = 2
+    if s.mamba_num_heads is None and d_inner % s.mamba_head_dim:
+        return (
+            f"Mamba ('M') layers have 2 x --hidden-size = {d_inner} channels, not a multiple of "
+            f"--mamba-head-dim {s.mamba_head_dim}; change --mamba-head-dim or set "
+            "--mamba-num-heads"
+        )
+    heads = s.mamba_num_heads or d_inner // s.mamba_head_dim
+    if heads % s.mamba_num_groups or s.mamba_num_groups % s.tp:
+        return (
+            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups {s.mamba_num_groups} "
+            f"groups over TP {s.tp}: groups must divide the heads and TP must divide the "
+            "groups; change --mamba-num-groups (or --mamba-num-heads)"
+        )
+    return None
+
+
 def _mamba(s: Settings) -> str | None:
     if not s.has(MAMBA) or getattr(s.args, "mamba_impl", "auto") != "kernels":
         return None  # 'auto' falls back to the torch Mamba2 path where the kernels cannot run
@@ -176,6 +197,7 @@ MODEL_RULES: tuple[Rule, ...] = (
     rule("model", "--qk-pos-emb-head-dim", _mla_rope),
     rule("model", "--max-position-embeddings --seq-length", _learned_positions),
     rule("model", "--swiglu", _gdn),
+    rule("model", "--mamba-head-dim --mamba-num-groups --mamba-num-heads", _mamba_sizes),
     rule("model", "--hybrid-layer-pattern", _dsa),
 )
 

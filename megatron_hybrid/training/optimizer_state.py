@@ -9,8 +9,9 @@ store theirs (``dist_checkpointing/optimizer.py``: ``make_sharded_optimizer_tens
 PP, EP and DP. The step, equal for every parameter, is part of the common state; learning rate
 and weight decay come from the flags of the run that loads.
 
-Checkpoints of format ``megatron_hybrid/1`` hold one pickled AdamW state per rank instead; they
-load only into the layout that wrote them (``load_checkpoint`` says so when they do not).
+Checkpoints of the older per-rank format (``checkpointing.store.PER_RANK_FORMAT``) hold one
+pickled AdamW state per rank instead; they load only into the layout that wrote them
+(``load_checkpoint`` says so when they do not).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "PER_RANK_FORMAT",
     "LayoutChangeError",
     "check_layout",
     "cpu_optimizer_sharded_state",
@@ -26,8 +26,6 @@ __all__ = [
 ]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-#: Format of checkpoints whose CPU optimizer and RNG state are per-rank objects.
-PER_RANK_FORMAT = "megatron_hybrid/1"
 
 
 class LayoutChangeError(ValueError):

@@ -3,9 +3,10 @@
 Restarting the same command after a crash must work without a human: a save that was killed
 leaves an iteration folder without ``metadata.json`` (megatron-core writes it last), which is not
 a checkpoint. :func:`prepare_resume` moves such leftovers of ``--save`` into its ``incomplete/``
-folder (kept for inspection, out of the way of the next save), resumes from the newest complete
-checkpoint of ``--load``, verifies its files against the integrity manifest, and starts from
-scratch when ``--load`` holds no complete checkpoint yet, as Megatron-LM does.
+folder (kept for inspection, out of the way of the next save), resumes from the checkpoint the
+store resolves ``--load`` to (``checkpointing.store.resolve_load``), verifies its files against
+the integrity manifest, and starts from scratch when ``--load`` holds no complete checkpoint
+yet, as Megatron-LM does.
 
 Rank 0 looks at the file system and decides; every rank gets the same decision.
 """
@@ -13,41 +14,24 @@ Rank 0 looks at the file system and decides; every rank gets the same decision.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_hybrid.checkpointing.inspect import TRACKER_FILE, iteration_folder_name
-from megatron_hybrid.checkpointing.integrity import (
-    CheckpointDamagedError,
-    complete_iterations,
+from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, verify_checkpoint_files
+from megatron_hybrid.checkpointing.store import (
+    INCOMPLETE_DIR,
+    LoadTarget,
     incomplete_iterations,
-    is_complete,
-    read_tracker,
-    verify_checkpoint_files,
+    resolve_load,
 )
 
 __all__ = [
-    "INCOMPLETE_DIR",
-    "ResumePoint",
     "check_target",
     "layout_of",
-    "find_resume_folder",
     "prepare_resume",
     "set_aside_incomplete",
 ]
-
-#: Folder of a save root that receives the leftovers of interrupted saves.
-INCOMPLETE_DIR = "incomplete"
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint folder to load (None: start from scratch) and what rank 0 should say."""
-
-    folder: Path | None
-    notes: tuple[str, ...] = ()
 
 
 def set_aside_incomplete(root: str | Path) -> list[tuple[Path, Path]]:
@@ -69,84 +53,25 @@ def set_aside_incomplete(root: str | Path) -> list[tuple[Path, Path]]:
     return moved
 
 
-def _holds_only_leftovers(path: Path) -> bool:
-    """Whether a directory is missing, or holds nothing but interrupted saves."""
-    if not path.exists():
-        return True
-    if not path.is_dir():
-        return False
-    leftovers = set(incomplete_iterations(path).values())
-    return all(p in leftovers or p.name == INCOMPLETE_DIR for p in path.iterdir())
-
-
-def find_resume_folder(load: str | Path) -> ResumePoint:
-    """The newest complete checkpoint of ``--load`` (a save root or an iteration folder).
-
-    The tracker names the checkpoint, except when a complete folder is newer (the tracker is
-    written after the folder, so a crash between the two leaves it one save behind) or when the
-    folder it names is not complete (a crash while a save replaced it): then the newest complete
-    folder is taken.
-
-    Raises:
-        FileNotFoundError: ``load`` is not a checkpoint, or its tracker names a missing one.
-        CheckpointDamagedError: the tracker is damaged.
-    """
-    path = Path(load)
-    if is_complete(path):
-        return ResumePoint(path)
-    complete = complete_iterations(path)
-    tracker = path / TRACKER_FILE
-    if tracker.is_file():
-        named = read_tracker(tracker)
-        newest = max(complete) if complete else None
-        if named != "release" and newest is not None and newest > named:
-            note = (
-                f"{tracker} names iteration {named}, but {complete[newest]} is a complete, newer "
-                "checkpoint (the run stopped before updating the tracker): resuming from it"
-            )
-            return ResumePoint(complete[newest], (note,))
-        folder = path / iteration_folder_name(named)
-        if is_complete(folder):
-            return ResumePoint(folder)
-        if newest is not None:  # e.g. a kill while --overwrite-checkpoint replaced that folder
-            note = (
-                f"{tracker} names {folder}, which is not a complete checkpoint: resuming from "
-                f"the newest complete one, {complete[newest]}"
-            )
-            return ResumePoint(complete[newest], (note,))
-        raise FileNotFoundError(
-            f"{tracker} names {folder}, which is not a complete torch_dist checkpoint, and no "
-            "iteration folder is complete; restore the checkpoint or delete the tracker to "
-            "start from scratch"
-        )
-    if complete:
-        return ResumePoint(complete[max(complete)])
-    if _holds_only_leftovers(path):
-        leftovers = sorted(incomplete_iterations(path))
-        why = f" (only interrupted saves: iterations {leftovers})" if leftovers else ""
-        return ResumePoint(None, (f"--load {path} holds no checkpoint yet{why}: starting from "
-                                  "scratch",))  # fmt: skip
-    raise FileNotFoundError(
-        f"--load {path} is not a torch_dist checkpoint: expected a metadata.json in it, a "
-        f"{TRACKER_FILE}, or iter_* folders"
-    )
-
-
-def _decide(load, save) -> ResumePoint:
+def _decide(load, save) -> LoadTarget:
     notes = []
     if save:
         for old, new in set_aside_incomplete(save):
             notes.append(f"{old} is the leftover of an interrupted save, not a checkpoint: "
                          f"moved to {new}")  # fmt: skip
     if not load:
-        return ResumePoint(None, tuple(notes))
-    point = find_resume_folder(load)
-    if point.folder is not None and not verify_checkpoint_files(point.folder):
-        notes.append(f"{point.folder} has no integrity manifest: its files are not verified")
-    return ResumePoint(point.folder, (*notes, *point.notes))
+        return LoadTarget(None, tuple(notes))
+    target = resolve_load(load)
+    if target.folder is None:
+        # Nothing saved yet (or only interrupted saves): a first run, as Megatron-LM starts.
+        return LoadTarget(None, (*notes, *(f"--load {n}: starting from scratch"
+                                           for n in target.notes)))  # fmt: skip
+    if not verify_checkpoint_files(target.folder):
+        notes.append(f"{target.folder} has no integrity manifest: its files are not verified")
+    return LoadTarget(target.folder, (*notes, *target.notes))
 
 
-def prepare_resume(load: str | None, save: str | None) -> ResumePoint:
+def prepare_resume(load: str | None, save: str | None) -> LoadTarget:
     """Set aside interrupted saves, pick and verify the checkpoint to load (collective).
 
     Raises:

@@ -1,39 +1,73 @@
 """The small pretraining loop behind ``python -m megatron_hybrid train``.
 
 One process on CPU by default (megatron-core's CUDA-only calls emulated, gloo), or one process
-per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 shows a progress
-line per step (loss, gradient norm, tokens/s) and a one-line summary at the end.
+per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 names the device
+and layout when training starts, shows a progress line per step (loss, gradient norm, tokens/s)
+and a one-line summary at the end, whose throughput leaves out the warm-up step.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hybrid.runtime import RuntimeBackend, select_backend
 
-__all__ = ["TrainingError", "TrainingSummary", "run_training"]
+__all__ = ["TrainingError", "TrainingSummary", "recorded_settings", "run_training"]
 
 
 class TrainingError(ValueError):
     """A setting or input that prevents training; printed as one message (exit code 2)."""
 
 
+#: Steps at the start of a run that pay for one-time work (kernel autotuning and compilation,
+#: lazy allocations, the first collectives) and are timed apart from the rest.
+WARMUP_STEPS = 1
+
+
 @dataclass(frozen=True)
 class TrainingSummary:
-    """What a run did, returned by :func:`run_training`."""
+    """What a run did, returned by :func:`run_training`.
+
+    Attributes:
+        first_iteration, last_iteration: the iterations the run went from and to.
+        losses, grad_norms: per applied step (skipped non-finite steps left out).
+        saved: the last checkpoint folder written, if any.
+        step_seconds, step_tokens: wall time and real tokens of each applied step.
+    """
 
     first_iteration: int
     last_iteration: int
     losses: list[float]
     grad_norms: list[float]
-    tokens_per_second: float
     saved: str | None
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def warmup_seconds(self) -> float:
+        """Wall time of the first :data:`WARMUP_STEPS` applied steps."""
+        return sum(self.step_seconds[:WARMUP_STEPS])
+
+    @property
+    def median_step_seconds(self) -> float | None:
+        """Median time of the steps after warm-up (None: the run had none)."""
+        timed = self.step_seconds[WARMUP_STEPS:]
+        return statistics.median(timed) if timed else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Median tokens/s of the steps after warm-up (the warm-up's own rate if none came
+        after it; 0 without steps)."""
+        pairs = list(zip(self.step_tokens, self.step_seconds, strict=True))
+        timed = pairs[WARMUP_STEPS:] or pairs
+        return statistics.median(t / s for t, s in timed) if timed else 0.0
 
 
 def _check_resume_compatible(chunks, folder, args=None) -> None:
@@ -95,9 +129,14 @@ class _Progress:
 
 @dataclass(frozen=True)
 class _Setup:
-    """What the training loop needs, built by :func:`run_training` before the first step."""
+    """What the training loop needs, built by :func:`run_training` before the first step.
+
+    ``args`` are the effective settings: the flags, with a Hugging Face source's architecture in
+    place of the model flags; ``load`` what to resume (None for a weights-only start).
+    """
 
     args: argparse.Namespace
+    load: str | None
     backend: RuntimeBackend
     config: object
     pg: object
@@ -126,7 +165,9 @@ def run_training(
     from megatron_hybrid.training.validation import validate_settings
 
     source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
-    validate_settings(args)  # every flag, before any process group or model exists
+    if source is not None:
+        args = source.applied_to(args)  # the conversion's settings, validated and read below
+    validate_settings(args)  # every setting, before any process group or model exists
     parsed = parse_pattern(args.hybrid_layer_pattern)
     backend = backend or select_backend()
     # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
@@ -145,6 +186,7 @@ def run_training(
     )
     setup = _Setup(
         args=args,
+        load=None if source is not None and source.checkpoint else args.load,
         backend=backend,
         config=config,
         pg=pg,
@@ -157,20 +199,40 @@ def run_training(
     )
     start, consumed = _resume(setup, chunks, optimizer)
     _refuse_overwrite(args, start)
+    if rank == 0:
+        print(_start_line(setup, world, start), flush=True)
     return _train(setup, chunks, optimizer, start, consumed)
 
 
+def _start_line(setup: _Setup, world: int, start: int) -> str:
+    """``training PATTERN on DEVICE | layout | iterations``: what runs where, said once."""
+    import torch
+
+    from megatron_hybrid.training import resume
+
+    args = setup.args
+    comm = torch.distributed.get_backend()
+    if setup.backend.on_gpu:
+        where = f"{world} x {setup.backend.device_name()} ({comm})"
+    else:
+        where = f"CPU ({world} process{'es' if world > 1 else ''}, {comm})"
+    layout = " ".join(f"{k.upper()}{v}" for k, v in resume.layout_of(setup.pg).items())
+    return (
+        f"training {args.hybrid_layer_pattern} on {where} | {layout} | iterations "
+        f"{start}->{args.train_iters}"
+    )
+
+
 def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
-    """The TransformerConfig of the flags (and of the Hugging Face source, if any)."""
+    """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
+    conversion and the training flags."""
     from megatron_hybrid.training.config import hybrid_config_from_args
+    from megatron_hybrid.training.hf_source import hf_training_config
 
     overrides = backend.config_overrides()
-    config = hybrid_config_from_args(args, **overrides)
     if source is not None:
-        from megatron_hybrid.training.hf_source import hf_training_config
-
-        config = hf_training_config(source, config, **overrides)
-    return config
+        return hf_training_config(source, args, **overrides)
+    return hybrid_config_from_args(args, **overrides)
 
 
 def _parallel_setup(args: argparse.Namespace, config, world: int):
@@ -258,11 +320,7 @@ def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) 
         backend=spec_backend(args),
         stack_spec=stack_spec,
         vocab_size=args.vocab_size,
-        max_sequence_length=(
-            source.conversion.model_kwargs["max_sequence_length"]
-            if source is not None
-            else args.max_position_embeddings or seq_length
-        ),
+        max_sequence_length=args.max_position_embeddings or seq_length,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
@@ -288,7 +346,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
 
     args = setup.args
     try:
-        point = resume.prepare_resume(args.load, args.save)
+        point = resume.prepare_resume(setup.load, args.save)
     except FileNotFoundError as error:
         raise TrainingError(str(error)) from None
     for note in point.notes if setup.rank == 0 else ():
@@ -306,18 +364,28 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     return start, consumed
 
 
+def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
+    """The model settings a checkpoint records (``model_setting_dests``), as this run used
+    them: ``--max-position-embeddings`` defaults to the sequence length here."""
+    from megatron_hybrid.training.arguments import model_setting_dests
+
+    settings = {dest: getattr(args, dest, None) for dest in model_setting_dests()}
+    settings["max_position_embeddings"] = args.max_position_embeddings or seq_length
+    return settings
+
+
 def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
     """Refuse before training, not after hours of it, if a save would replace a checkpoint."""
     if not args.save or args.overwrite_checkpoint:
         return
-    from megatron_hybrid.training.checkpoint import existing_iterations
+    from megatron_hybrid.checkpointing.store import iteration_folders
 
     planned = {args.train_iters} | (
         set(range(args.save_interval, args.train_iters + 1, args.save_interval))
         if args.save_interval
         else set()
     )
-    clash = sorted(i for i in existing_iterations(args.save) if i in planned and i > start)
+    clash = sorted(i for i in iteration_folders(args.save) if i in planned and i > start)
     if clash:
         raise TrainingError(
             f"--save {args.save} already holds iteration(s) {clash} that this run would "
@@ -329,14 +397,14 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
     """The steps from ``start`` to ``--train-iters``, with periodic and final saves."""
     from megatron_hybrid.training import resume
     from megatron_hybrid.training.checkpoint import save_checkpoint
-    from megatron_hybrid.training.guard import check_step
+    from megatron_hybrid.training.guard import check_step, describe
     from megatron_hybrid.training.loop import train_step
 
     args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
     dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)
     losses, norms, saved = [], [], None
-    tokens_total, time_total = 0, 0.0
+    seconds, tokens = [], []
     for iteration in range(start, args.train_iters):
         base = consumed + dp_rank * setup.num_microbatches * mbs
         batches = [
@@ -358,11 +426,10 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
         consumed += setup.global_batch
         if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
-                print(
-                    f"step {iteration + 1}: NaN or infinite loss or gradient: skipped", flush=True
-                )
+                print(f"step {iteration + 1}: {describe(result)}: skipped", flush=True)
         else:
-            tokens_total, time_total = tokens_total + result.tokens, time_total + elapsed
+            seconds.append(elapsed)
+            tokens.append(result.tokens)
             losses.append(result.loss)
             norms.append(result.grad_norm)
             progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
@@ -382,6 +449,7 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
                     chunks,
                     optimizer,
                     pattern=args.hybrid_layer_pattern,
+                    model_settings=recorded_settings(args, setup.seq_length),
                     overwrite=args.overwrite_checkpoint,
                     consumed_samples=consumed,
                     layout=resume.layout_of(setup.pg),
@@ -395,6 +463,7 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
         last_iteration=args.train_iters,
         losses=losses,
         grad_norms=norms,
-        tokens_per_second=tokens_total / time_total if time_total else 0.0,
         saved=saved,
+        step_seconds=seconds,
+        step_tokens=tokens,
     )

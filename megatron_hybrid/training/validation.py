@@ -20,7 +20,7 @@ import argparse
 import os
 
 from megatron_hybrid.training import capabilities
-from megatron_hybrid.training.arguments import PATTERN_REQUIRED, with_defaults
+from megatron_hybrid.training.arguments import PATTERN_REQUIRED, dest_of, with_defaults
 from megatron_hybrid.training.model_rules import DEVICE_RULES, MODEL_RULES
 from megatron_hybrid.training.parallel_rules import PARALLEL_RULES, TRAIN_RULES
 from megatron_hybrid.training.settings import SCOPES, Rule, Settings, SettingsError, rule
@@ -35,15 +35,11 @@ __all__ = [
 ]
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
 def _at_least(scope: str, flag: str, minimum: float, why: str) -> Rule:
     """``flag`` must be >= ``minimum`` when set (None means: use the default)."""
 
     def problem(s: Settings) -> str | None:
-        value = getattr(s.args, _dest(flag), None)
+        value = getattr(s.args, dest_of(flag), None)
         if value is None or value >= minimum:
             return None
         return f"{flag} {value} must be >= {minimum}{why}"

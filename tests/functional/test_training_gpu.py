@@ -46,7 +46,8 @@ def _require_megatron_training() -> None:
         pytest.skip("megatron.training 0.19.2 imports typing.override: needs Python >= 3.12")
 
 
-def _torchrun(args, env=None) -> str:
+def _torchrun(args, env=None, expect: int | None = 0) -> str:
+    """Run torchrun; ``expect`` is its exit code (None: any failure)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(_gpus()),
                *args]  # fmt: skip
     result = subprocess.run(
@@ -54,7 +55,8 @@ def _torchrun(args, env=None) -> str:
         timeout=240, check=False,
     )  # fmt: skip
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    ok = result.returncode != 0 if expect is None else result.returncode == expect
+    assert ok, output[-6000:]
     return output
 
 
@@ -85,10 +87,12 @@ def test_megatron_lm_pretrain_with_and_without_overlap():
     assert overlap == pytest.approx(plain, rel=5e-2)
 
 
-def _train(*extra) -> list[float]:
+def _train(*extra, output: list | None = None) -> list[float]:
     ep = str(_ep())
     out = _torchrun(["-m", "megatron_hybrid", "train", *MODEL, "--expert-model-parallel-size", ep,
                      "--global-batch-size", str(4 * _gpus()), *extra])  # fmt: skip
+    if output is not None:
+        output.append(out)
     return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", out)]
 
 
@@ -107,11 +111,37 @@ def test_train_command_with_and_without_overlap():
 
 
 def test_train_command_resume_equals_uninterrupted(tmp_path):
-    straight = _train("--train-iters", "12")
+    output: list[str] = []
+    straight = _train("--train-iters", "12", output=output)
+    # The start-up line names the GPUs, the closing line times the steps after warm-up.
+    name = torch.cuda.get_device_name()
+    assert f"on {_gpus()} x {name} (nccl) |" in output[0], output[0][-3000:]
+    assert re.search(r"\| median step [0-9.]+ m?s, [0-9,]+ tok/s \| warm-up ", output[0])
     first = _train("--train-iters", "6", "--save", str(tmp_path))
+    # The checkpoint (distributed optimizer, NCCL) records its settings: no flag needed.
+    check = subprocess.run(
+        [sys.executable, "-m", "megatron_hybrid", "check-checkpoint", "--load", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert check.returncode == 0 and "OK:" in check.stdout, check.stdout + check.stderr
     resumed = _train("--train-iters", "12", "--load", str(tmp_path))
     print("\nuninterrupted:", straight, "\nfirst half:", first, "\nresumed:", resumed)
     assert first == pytest.approx(straight[:6], rel=1e-6)
     # GPU kernels (atomics in the distributed optimizer's reduce-scatter) are not bitwise
     # reproducible run to run; the resumed curve must follow the uninterrupted one closely.
     assert resumed == pytest.approx(straight[6:], rel=2e-3)
+
+
+def test_nonfinite_step_is_named_on_gpus(tmp_path):
+    """A step whose values blow up stops the run (exit 2) naming the first non-finite
+    parameter or gradient; the NaN flags and names cross ranks over NCCL, and nothing
+    non-finite is saved."""
+    out = _torchrun(["-m", "megatron_hybrid", "train", *MODEL, "--expert-model-parallel-size",
+                     str(_ep()), "--global-batch-size", str(4 * _gpus()), "--lr", "1e6",
+                     "--train-iters", "12", "--save", str(tmp_path), "--save-interval", "1"],
+                    expect=None)  # fmt: skip
+    # torchrun reports the failed worker; the worker's own message is the package's: the guard
+    # (a non-finite gradient) or the store (a step left a parameter infinite before its save).
+    assert re.search(r"error: (step \d+: (parameter|gradient of) [\w.]+ \(rank \d+\) is NaN or "
+                     r"infinite|not saving \S+: [\w.]+ has NaN or infinite values \(rank \d+\))",
+                     out), out[-4000:]  # fmt: skip

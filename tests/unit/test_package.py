@@ -58,3 +58,30 @@ def test_modules_hybrid_model_is_a_deprecated_alias():
     assert alias is HybridModel
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         modules.NoSuchName  # noqa: B018 - the attribute access is the test
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_license_and_py_typed(tmp_path):
+    """What ``pip wheel .`` builds is publishable as it stands: Apache-2.0 text, PEP 561 marker."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    # A copy of the tree: the build leaves build/ and *.egg-info where it runs.
+    skip = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__")
+    source = shutil.copytree(Path(__file__).resolve().parents[2], tmp_path / "src", ignore=skip)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path / "wheel")],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "wheel").glob("megatron_hybrid-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        text = archive.read(license_file).decode()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+    assert "megatron_hybrid/py.typed" in names
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the whole text, not a stub
+    assert b"License: Apache-2.0" in metadata or b"License-Expression: Apache-2.0" in metadata

@@ -30,8 +30,10 @@ def test_stacked_gpt_keys_and_tied_output():
         "decoder.layers.mlp.linear_fc1.weight": (2, 64, 16),  # leading layer dimension
         "decoder.layers.mlp.linear_fc2.weight": (2, 16, 64),
         "decoder.layers.mlp.linear_fc2.bias": (2, 16),
+        "decoder.layers.mlp.router.weight": (2, 6, 16),
     }
     found = settings_from_checkpoint(tensors)
+    assert found["num_experts"] == 6
     assert (found["ffn_hidden_size"], found["swiglu"], found["disable_bias_linear"]) == (
         64, False, False,
     )  # fmt: skip

@@ -75,3 +75,9 @@ def fp8_pp_folders(tmp_path_factory, pp_folders) -> dict[str, tuple]:
         also_unquantized=("model.layers.0.self_attn.o_proj",),
     )
     return {"deepseek_v3": (folder, None, None)}
+
+
+@pytest.fixture(scope="session")
+def vlm_folder(tmp_path_factory):
+    """A tiny multimodal Qwen3.5-MoE folder (vision tower under ``model.visual.``)."""
+    return hf_oracle.make_vlm_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("vlm") / "vlm")

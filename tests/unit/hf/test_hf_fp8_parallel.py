@@ -2,7 +2,8 @@
 dequantized weights (each rank dequantizing only its own blocks, TP cuts inside 16 x 24
 blocks), the folder streamed back bitwise, and FP8 -> torch_dist -> FP8 bitwise (DeepSeek-V3,
 whose folder also keeps a linear the release quantizes unquantized; Qwen3.5-MoE's round trip
-runs through the command line in test_hf_fp8_roundtrip)."""
+runs through the command line in test_hf_fp8_roundtrip). At EP2 a multimodal folder goes
+through torch_dist too: its vision tower, held by rank 0 only, comes back bitwise."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _worker(rank, world_size, folders, input_ids, layout, root):
+def _round_trip(folder, root, layout):
+    """FP8 (or multimodal) -> torch_dist -> HF on this layout: the folder written on rank 0."""
     from pathlib import Path
 
-    from megatron_hybrid.hf import iter_hf_weights, load_hf_model, save_hf_checkpoint
+    from megatron_hybrid.hf import load_hf_model, save_hf_checkpoint
     from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
@@ -41,6 +43,33 @@ def _worker(rank, world_size, folders, input_ids, layout, root):
         save_model_state,
     )
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+
+    reset_megatron_state()
+    model = load_hf_model(folder, params_dtype=torch.float32, **LAYOUTS[layout])
+    ckpt = Path(root) / f"{layout}_{Path(folder).name}"
+    save_model_state(model, ckpt, model.hf_conversion)
+    reset_megatron_state()
+    conversion = conversion_of_checkpoint(ckpt)
+    sizes = LAYOUTS[layout]
+    pg = initialize_model_parallel(
+        tp=sizes.get("tensor_model_parallel_size", 1),
+        pp=sizes.get("pipeline_model_parallel_size", 1),
+        ep=sizes.get("expert_model_parallel_size", 1),
+    )
+    fresh = build_model(conversion, pg, params_dtype=torch.float32)
+    load_model_state(fresh, ckpt)
+    restore_hf_source(fresh, ckpt)
+    out = save_hf_checkpoint(fresh, Path(root) / f"{ckpt.name}_out", conversion=conversion)
+    if out is None:
+        return None
+    disk, written = hf_oracle.read_tensors(folder), hf_oracle.read_tensors(out)
+    wrong = sorted(n for n in disk if n not in written or not _same(written[n], disk[n]))
+    return wrong + sorted(set(written) - set(disk))
+
+
+def _worker(rank, world_size, folders, input_ids, layout, root, vlm):
+    from megatron_hybrid.hf import iter_hf_weights, load_hf_model
+    from megatron_hybrid.process_groups import reset_megatron_state
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
@@ -63,30 +92,11 @@ def _worker(rank, world_size, folders, input_ids, layout, root):
             stream_extra=sorted(set(streamed) - set(disk)),
             disk_wrong=None,
         )
-        if family != "deepseek_v3":
-            continue
-        # FP8 -> torch_dist -> FP8: save, load into a fresh model of the same layout, export.
-        ckpt = Path(root) / f"{layout}_{family}"
-        save_model_state(model, ckpt, model.hf_conversion)
-        reset_megatron_state()
-        conversion = conversion_of_checkpoint(ckpt)
-        sizes = LAYOUTS[layout]
-        pg = initialize_model_parallel(
-            tp=sizes.get("tensor_model_parallel_size", 1),
-            pp=sizes.get("pipeline_model_parallel_size", 1),
-            ep=sizes.get("expert_model_parallel_size", 1),
-        )
-        fresh = build_model(conversion, pg, params_dtype=torch.float32)
-        load_model_state(fresh, ckpt)
-        restore_hf_source(fresh, ckpt)
-        out = save_hf_checkpoint(
-            fresh, Path(root) / f"{layout}_{family}_out", conversion=conversion
-        )
-        if out is not None:
-            written = hf_oracle.read_tensors(out)
-            results[family]["disk_wrong"] = sorted(
-                n for n in disk if n not in written or not _same(written[n], disk[n])
-            ) + sorted(set(written) - set(disk))
+        if family == "deepseek_v3":
+            results[family]["disk_wrong"] = _round_trip(folder, root, layout)
+    if vlm is not None:  # carried tensors live on rank 0 only: saved and restored so
+        results["vlm"] = dict(diff=None, stream_wrong=[], stream_extra=[])
+        results["vlm"]["disk_wrong"] = _round_trip(vlm, root, layout)
     reset_megatron_state()
     return results
 
@@ -97,7 +107,10 @@ def test_fp8_layout_matches_transformers_and_round_trips_bitwise(
 ):
     # PP2 is about the stage split (DeepSeek-V3 with 4 layers); its logits are TP1's.
     folders = request.getfixturevalue("fp8_pp_folders" if layout == "pp2" else "fp8_folders")
-    per_rank = run_distributed(_worker, 2, folders, input_ids, layout, str(tmp_path), timeout=900)
+    vlm = str(request.getfixturevalue("vlm_folder")) if layout == "ep2" else None
+    per_rank = run_distributed(
+        _worker, 2, folders, input_ids, layout, str(tmp_path), vlm, timeout=900
+    )
     for rank, results in enumerate(per_rank):
         for family, result in results.items():
             where = f"{layout} rank {rank} {family}"
@@ -105,8 +118,10 @@ def test_fp8_layout_matches_transformers_and_round_trips_bitwise(
             if result["diff"] is not None:
                 diff, bound = result["diff"]
                 assert diff <= bound, (where, diff, bound)
-            if rank == 0 and family == "deepseek_v3":
+            if rank == 0 and family in ("deepseek_v3", "vlm"):
                 assert result["disk_wrong"] == [], where
+    if vlm is not None:
+        assert per_rank[0]["vlm"]["disk_wrong"] == []
     if layout != "pp2":
         for family in folders:
             assert all(r[family]["diff"] is not None for r in per_rank), family

@@ -38,6 +38,11 @@ def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
 
     argv = ["--from-hf", str(source), "--save", str(tmp_path / "ckpt")]
     assert run_distributed(_cli_worker, 1, argv)[0] == 0
+    # Both record the Hugging Face model: check-checkpoint needs no flags for either.
+    from megatron_hybrid.cli.main import main
+
+    for folder in ("run", "ckpt"):
+        assert main(["check-checkpoint", "--load", str(tmp_path / folder)]) == 0, folder
     from_ckpt = train("--load", str(tmp_path / "ckpt"), "--train-iters", "4", *SHORT)
     assert from_ckpt == from_hf  # the same initial weights, the same steps
 

@@ -108,3 +108,40 @@ def test_grouping_does_not_change_math(model_parallel):
     assert [g for g in a[2].values()] and all(
         torch.equal(x, y) for x, y in zip(a[2].values(), b[2].values(), strict=True)
     )
+
+
+@pytest.fixture
+def gpt_attention_type():
+    """A registered layer type that plays GPT's attention half (symbol 'A')."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_hybrid.modules import LayerRuntime, register_layer_type, unregister_layer_type
+    from megatron_hybrid.pattern import LAYER_TYPES, GptRole
+
+    facts = dataclasses.replace(LAYER_TYPES["*"], symbol="A", name="my attention")
+    assert facts.gpt_role == GptRole.ATTENTION
+    runtime = LayerRuntime(
+        symbol="A",
+        spec_field="my_attention_layer",
+        build=lambda spec, args: None,
+        forward=lambda layer, hidden_states, inputs: hidden_states,
+        run_pre_dispatch=lambda layer, hidden_states, node: hidden_states,
+        default_spec=lambda backend: ModuleSpec(module=torch.nn.Identity),
+    )
+    register_layer_type(facts, runtime)
+    yield "A"
+    unregister_layer_type("A")
+
+
+def test_a_registered_gpt_attention_type_is_gpt_equivalent(gpt_attention_type):
+    """The GPT-role symbols are read from the layer-type table when asked, not frozen at import
+    (a frozen set made gpt_config_for_pattern trip its own assertion on such a type)."""
+    from megatron_hybrid.checkpointing.equivalence import gpt_equivalent_layers
+    from megatron_hybrid.model.gpt_interop import gpt_config_for_pattern
+
+    pattern = f"[{gpt_attention_type}-]{{2}}"
+    assert gpt_equivalent_layers(pattern)
+    config = gpt_config_for_pattern(small_config("[*-]{2}"), pattern)
+    assert config.num_layers == 2

@@ -162,3 +162,21 @@ def test_flatten_matches_canonical():
     p = parse_pattern("(M[*E]-){3}")
     assert "".join(flatten_items(p.items)) == p.canonical.replace("[", "").replace("]", "")
     assert isinstance(p, ParsedPattern)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "flat"),
+    [
+        ("[*-]{2}|[*E]{2}/*E", "*-*-|*E*E/*E"),
+        ("(M[*E]-){2}", "M*E-M*E-"),
+        ("M*-", "M*-"),
+        ("[GE]{2}/*E/*E", "GEGE/*E/*E"),
+    ],
+    ids=["pipes-and-mtp", "runs", "no-groups", "two-mtp-depths"],
+)
+def test_flat_form_opens_groups_and_keeps_the_layers(pattern, flat):
+    p = parse_pattern(pattern)
+    assert p.flat == flat
+    q = parse_pattern(p.flat)  # megatron-core's grammar: no groups, the same layers
+    assert not q.has_groups and q.physical_layer_count == p.physical_layer_count
+    assert q.num_segments == p.num_segments and q.mtp_num_depths == p.mtp_num_depths

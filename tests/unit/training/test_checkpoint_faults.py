@@ -163,8 +163,10 @@ def test_nonfinite_step_stops_the_run_and_is_never_saved(tmp_path):
                      "--save-interval", "2")  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    match = re.search(r"error: step (\d+): loss (\S+), gradient norm (\S+) \(NaN or infinite\); "
-                      r"stopped without applying or saving it", result.stderr)  # fmt: skip
+    # The message names the first non-finite parameter or gradient, not only the loss.
+    match = re.search(r"error: step (\d+): (parameter|gradient of) [\w.]+ \(rank 0\) is NaN "
+                      r"or infinite \(loss \S+, gradient norm \S+\); stopped without applying or "
+                      r"saving it", result.stderr)  # fmt: skip
     assert match, result.stderr
     step = int(match.group(1))
     lines = step_lines(result.stdout)
@@ -181,7 +183,7 @@ def test_nonfinite_steps_can_be_skipped(tmp_path):
     result = run_cli("train", *TINY, "--lr", "1e5", "--train-iters", "8", "--save", str(root),
                      "--on-nonfinite", "skip")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    skipped = re.findall(r"step (\d+): NaN or infinite loss or gradient: skipped", result.stdout)
+    skipped = re.findall(r"step (\d+): \S.* is NaN or infinite \(.*\): skipped", result.stdout)
     assert skipped and "8" in skipped
     applied = step_lines(result.stdout)
     assert sorted(applied) + [int(s) for s in skipped] == sorted(range(1, 9))

@@ -1,4 +1,5 @@
-"""Which folder a resume takes, what is set aside, and the integrity manifest (no training)."""
+"""Which folder a ``--load`` resolves to, what a resume sets aside, and the integrity manifest
+(no training)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from megatron_hybrid.checkpointing.integrity import (
     verify_checkpoint_files,
     write_integrity_manifest,
 )
-from megatron_hybrid.training.resume import check_target, find_resume_folder, set_aside_incomplete
+from megatron_hybrid.checkpointing.store import resolve_load
+from megatron_hybrid.training.resume import check_target, set_aside_incomplete
 
 
 def make_root(root: Path, complete=(), incomplete=(), tracker: str | None = None) -> Path:
@@ -39,14 +41,14 @@ def make_root(root: Path, complete=(), incomplete=(), tracker: str | None = None
         pytest.param((5,), (10,), None, 5, None, id="no_tracker_newest_complete"),
         pytest.param((), (10,), None, None, "(only interrupted saves: iterations [10])",
                      id="only_leftovers_start_from_scratch"),
-        pytest.param((), (), None, None, "holds no checkpoint yet: starting", id="empty"),
+        pytest.param((), (), None, None, "ckpt holds no checkpoint yet", id="empty"),
         pytest.param((5,), (10,), "10", 5, "which is not a complete checkpoint: resuming from",
                      id="tracker_on_leftover"),
     ],
 )  # fmt: skip
 def test_resume_folder(tmp_path, complete, incomplete, tracker, expected, note):
     root = make_root(tmp_path / "ckpt", complete, incomplete, tracker)
-    point = find_resume_folder(root)
+    point = resolve_load(root)
     assert point.folder == (None if expected is None else root / f"iter_{expected:07d}")
     if note is None:
         assert point.notes == ()
@@ -56,7 +58,7 @@ def test_resume_folder(tmp_path, complete, incomplete, tracker, expected, note):
 
 
 def test_missing_load_directory_starts_from_scratch(tmp_path):
-    assert find_resume_folder(tmp_path / "nothing").folder is None
+    assert resolve_load(tmp_path / "nothing").folder is None
 
 
 @pytest.mark.parametrize(
@@ -75,7 +77,7 @@ def test_resume_folder_errors(tmp_path, setup, error, match):
     root = tmp_path / "ckpt"
     setup(root)
     with pytest.raises(error, match=match):
-        find_resume_folder(root)
+        resolve_load(root)
 
 
 def test_set_aside_keeps_every_leftover(tmp_path):

@@ -209,8 +209,9 @@ def test_config_from_partial_namespace():
         pytest.param(["--hybrid-layer-pattern", "[*-]|[*-]"],
                      r"2 '\|'-separated segments but there is no pipeline parallelism",
                      id="pipes_without_pp"),
+        # A parallel rule: train's validate_settings names it; a bare config, megatron-core.
         pytest.param(["--hybrid-layer-pattern", "[*-]{2}", "--sequence-parallel"],
-                     r"--sequence-parallel needs --tensor-model-parallel-size > 1",
+                     r"Cannot use sequence parallelism without tensor parallelism",
                      id="sequence_parallel_with_tp1"),
         pytest.param([], r"--hybrid-layer-pattern is required", id="no_pattern"),
         pytest.param(["--hybrid-layer-pattern", "M-", "--mamba-head-dim", "24"],

@@ -156,8 +156,12 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     if overwrite:
         assert (folder / "metadata.json").read_text() != "{}" and tracker.read_text() == "1"
-        assert f"saved {folder}" in result.stdout.splitlines()[-1]
-        assert result.stdout.splitlines()[-1].startswith("done: 1 steps (0->1) | loss ")
+        lines = result.stdout.splitlines()
+        # The start-up line names the device and layout; the closing line the warm-up apart.
+        start = "training [*E]{2} on CPU (1 process, gloo) | TP1 PP1 EP1 CP1 ETP1 DP1 | iterations"
+        assert f"{start} 0->1" in lines
+        assert f"saved {folder}" in lines[-1] and "no later step to time" in lines[-1]
+        assert lines[-1].startswith("done: 1 steps (0->1) | loss ")
     else:
         # Refused at start-up, before any step runs.
         message = "already holds iteration(s) [1] that this run would write"

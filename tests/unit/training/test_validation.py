@@ -459,6 +459,32 @@ def test_model_scope_skips_train_and_parallel_rules():
     )
 
 
+@pytest.mark.parametrize(
+    ("argv", "scopes", "match"),
+    [
+        pytest.param(["--hybrid-layer-pattern", "M-", "--mamba-head-dim", "24"], ("model",),
+                     r"2 x --hidden-size = 128 channels, not a multiple of --mamba-head-dim 24",
+                     id="mamba-head-dim"),
+        pytest.param(["--hybrid-layer-pattern", "M-", "--mamba-num-groups", "3"], ("model",),
+                     r"8 heads in --mamba-num-groups 3 groups over TP 1", id="mamba-groups"),
+        pytest.param(["--hybrid-layer-pattern", "[*E]{2}"], ("model",),
+                     r"has MoE \('E'\) layers; set --num-experts", id="moe-without-experts"),
+        pytest.param(["--hybrid-layer-pattern", "[G-]{2}"], ("model",),
+                     r"must be SiLU: add --swiglu", id="gdn-without-swiglu"),
+        pytest.param(["--hybrid-layer-pattern", "[*-]{2}", "--sequence-parallel"], ("parallel",),
+                     r"--sequence-parallel needs --tensor-model-parallel-size > 1",
+                     id="sequence-parallel-tp1"),
+    ],
+)  # fmt: skip
+def test_the_config_builders_rules_live_in_the_table(argv, scopes, match):
+    """The rules the config builder used to re-raise are the table's: validate_settings (and
+    check-checkpoint's model scope) sees them, with the same message."""
+    from megatron_hybrid.training.validation import SettingsError
+
+    with pytest.raises(SettingsError, match=match):
+        _validate(argv, scopes=scopes)
+
+
 def test_mamba_runs_without_kernels_and_the_gate_is_one_function(monkeypatch):
     """'M' takes the torch Mamba2 path without kernels; asking for the kernels is decided by
     mamba_kernels_usable alone."""
