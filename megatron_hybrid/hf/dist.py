@@ -65,8 +65,8 @@ def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool
     return {
         # The whole config.json (a multimodal one with its vision_config), quantization_config
         # included: export writes the source format again from it.
-        "hf_config": conversion.config_json,
-        "hf_prefix": conversion.hf_prefix,
+        "hf_config": getattr(conversion, "config_json", conversion.hf_config),
+        "hf_prefix": getattr(conversion, "hf_prefix", None),
         # Each tensor's dtype in the source folder, so that the export writes it back so.
         "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
         "hybrid_layer_pattern": conversion.pattern.pattern,
@@ -187,9 +187,10 @@ def restore_hf_source(model, root) -> None:
             f"{folder} records {len(missing)} carried tensors ({missing[0]}, ...) that it does "
             "not hold; the checkpoint is incomplete"
         )
+    # Every rank reads the scales (as replicas: one main replica per tensor), rank 0 the rest.
     request = {
         key: ShardedTensor.from_rank_offsets(
-            key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype)
+            key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype), replica_id=_rank()
         )
         for key, meta in saved.items()
         if key.startswith(_SCALES) or _rank() == 0

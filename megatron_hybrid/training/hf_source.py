@@ -49,17 +49,19 @@ class HFSource:
     Attributes:
         conversion: the model's conversion.
         hf_path: a Hugging Face folder to load the weights from (``--load-hf``), or None.
-        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint (the run then
-            initialises from it instead of resuming ``--load``), or the ``train`` checkpoint a
-            resumed run continues; None with ``hf_path``.
+        checkpoint: a converted (weights-only) ``torch_dist`` checkpoint to load, or None; the
+            run then initialises from it instead of resuming ``--load``.
         resumed: the run resumes a ``train`` checkpoint of a model that started from Hugging
             Face weights (the checkpoint records the config; the resume loads the weights).
+        recorded_in: the checkpoint whose record of the Hugging Face source (stored dtypes,
+            FP8 scales, carried tensors) the model takes on (a resumed run's ``--load``).
     """
 
     conversion: HFConversion
     hf_path: str | None = None
     checkpoint: str | None = None
     resumed: bool = False
+    recorded_in: str | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
             if recorded.get("model_only"):
                 source = HFSource(conversion, checkpoint=args.load)
             else:
-                source = HFSource(conversion, checkpoint=args.load, resumed=True)
+                source = HFSource(conversion, resumed=True, recorded_in=args.load)
     if source is not None and getattr(args, "moe_grouped_gemm", False):
         raise ValueError(
             "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
@@ -171,6 +173,6 @@ def load_initial_weights(source: HFSource, chunks) -> None:
         return
     if not source.resumed:  # a resume loads the weights itself
         load_model_state(chunks, source.checkpoint)
-    restore_hf_source(chunks, source.checkpoint)
+    restore_hf_source(chunks, source.checkpoint or source.recorded_in)
     for chunk in model_chunks(chunks):
         chunk.hf_conversion = source.conversion
