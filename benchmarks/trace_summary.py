@@ -37,7 +37,15 @@ import json
 import statistics
 from collections.abc import Iterable
 
-__all__ = ["interval_union", "intersection_length", "load_trace_events", "summarize_trace"]
+__all__ = [
+    "KERNEL_CATEGORIES",
+    "interval_union",
+    "intersection_length",
+    "kernel_breakdown",
+    "kernel_category",
+    "load_trace_events",
+    "summarize_trace",
+]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cuEventSynchronize",
@@ -151,6 +159,75 @@ def summarize_trace(events: list[dict], window_name: str = "mh_step") -> dict:
         "cpu_launch_median_us": statistics.median(e["dur"] for e in launches) if launches else 0.0,
         "driver_launches": sum(1 for e in launches if e["name"] in _DRIVER_LAUNCHES),
     }
+
+
+#: (category, lower-case name fragments), tried in order; a kernel that matches none and is not
+#: a C++ kernel (no ``void`` / ``::`` in its name) is a Triton kernel (inductor's ``triton_*``,
+#: fla's), else ``other``.
+KERNEL_CATEGORIES = (
+    ("nccl", ("nccl",)),
+    ("memory", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "groupmm", "grouped_mm")),
+    ("triton", ("triton_",)),
+    ("reduction", ("reduce", "softmax", "norm", "cross_entropy", "cumsum", "scan")),
+    ("memory", ("copy", "cat", "index", "scatter", "gather", "sort", "radix")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The category of a GPU kernel name (:data:`KERNEL_CATEGORIES`).
+
+    >>> kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+    'gemm'
+    >>> kernel_category("void at::native::vectorized_elementwise_kernel<4, ...>")
+    'elementwise'
+    >>> kernel_category("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
+    'triton'
+    """
+    lower = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(fragment in lower for fragment in fragments):
+            return category
+    if "::" not in name and not lower.startswith("void"):
+        return "triton"
+    return "other"
+
+
+def kernel_breakdown(events: list[dict], window_name: str = "mh_step", top: int = 15) -> dict:
+    """Where the GPU time of one profiled step goes, kernel by kernel (times in ms).
+
+    Returns ``{"categories": {category: {"ms", "count"}}, "kernels": [{"name", "category",
+    "ms", "count", "mean_us"}, ...]}`` for the GPU events (kernels, copies, memsets) that start
+    in the step window, the ``top`` kernels by summed time first, names cut to 120 characters.
+    """
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in complete if e.get("cat") in _GPU_CATEGORIES]
+    marks = [e for e in complete if e.get("name") == window_name]
+    if marks:
+        window = (min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks))
+    elif gpu:
+        window = (min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu))
+    else:
+        return {"categories": {}, "kernels": []}
+    per_name: dict[str, list[float]] = {}
+    for e in gpu:
+        if window[0] <= e["ts"] < window[1]:
+            per_name.setdefault(e.get("name", "?"), []).append(e["dur"])
+    categories: dict[str, dict] = {}
+    kernels = []
+    for name, durations in per_name.items():
+        category = kernel_category(name)
+        total = sum(durations)
+        entry = categories.setdefault(category, {"ms": 0.0, "count": 0})
+        entry["ms"] += total * 1e-3
+        entry["count"] += len(durations)
+        kernels.append({"name": name[:120], "category": category, "ms": total * 1e-3,
+                        "count": len(durations), "mean_us": total / len(durations)})  # fmt: skip
+    kernels.sort(key=lambda k: -k["ms"])
+    ordered = dict(sorted(categories.items(), key=lambda kv: -kv[1]["ms"]))
+    return {"categories": ordered, "kernels": kernels[:top]}
 
 
 def load_trace_events(path: str) -> list[dict]:

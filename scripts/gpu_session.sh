@@ -25,6 +25,20 @@
 #   hf-fp8       tests/functional/test_hf_fp8_gpu.py (the fused FP8 kernel vs its torch reference,
 #                the *_fp8 folders of hf_fixtures.py, a GPU-sized model through FP8 and back) and
 #                benchmarks/hf_export.py --quantize fp8
+#   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
+#                kernels, Mamba's kernels where built and TE's attention where installed, and
+#                forward_logprobs (forward only: no Triton staging needed; one fla config each)
+#   gdn-gates    the [GE]{2} GatedDeltaNet gate-gradient check alone (fla bf16 and float32 vs the
+#                torch path, the principled bound; one GPU, /tmp/tsite's Triton, one fla config)
+#   logprobs     benchmarks/logprobs.py: forward_logprobs packed vs padded, one GPU
+#                ($LOGPROBS_ARGS)
+#   mfu          the fast TE-free path: its numerics against the reference path
+#                (tests/functional/test_fast_path_gpu.py, one GPU), then benchmarks/mfu.py --quick at
+#                the shape (every pattern fast, [*E] reference, TE runs where TE is
+#                installed); $MFU_ARGS come last (e.g. --runs ... or --shape large)
+#   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
+#   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
+#                /tmp/tsite's Triton (the triton part first)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -85,7 +99,8 @@ for part in "$@"; do
         -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      TRITON_F32_DEFAULT=ieee with_tsite torchrun --nproc_per_node "$NGPU" -m pytest -q -s \
+        -p no:cacheprovider -W ignore \
         tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
         2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
@@ -147,6 +162,42 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --quantize fp8 --out "$OUT" 2>&1 | quiet \
         | tee "$OUT/hf_export_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    packing)
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_packing_gpu.py 2>&1 | quiet | tee "$OUT/packing.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    gdn-gates)
+      have_tsite || { status=1; continue; }
+      TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 PYTHONPATH=$TSITE:$PYTHONPATH \
+        timeout "${GDN_TIMEOUT:-480}" torchrun --nproc_per_node 1 -m pytest -q -s \
+        -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
+        tests/functional/test_checkpoints_gpu.py::test_gated_delta_net_group_forward_backward \
+        2>&1 | quiet | tee "$OUT/gdn_gates.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    logprobs)
+      timeout "${LOGPROBS_TIMEOUT:-420}" python3 benchmarks/logprobs.py --out "$OUT" \
+        ${LOGPROBS_ARGS:-} 2>&1 | quiet | tee "$OUT/logprobs.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    mfu)
+      timeout "${FAST_TEST_TIMEOUT:-180}" torchrun --nproc_per_node 1 -m pytest -q -s \
+        -p no:cacheprovider -W ignore tests/functional/test_fast_path_gpu.py 2>&1 | quiet \
+        | tee "$OUT/fast_path.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick \
+        ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    mfu-large)
+      timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py --out "$OUT" --quick --shape large \
+        --runs star_e/fast ge/fast me/fast plus_e/fast ${MFU_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/mfu_large.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    mfu-fla)
+      have_tsite || { status=1; continue; }
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py \
+        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ${MFU_ARGS:-} 2>&1 \
+        | quiet | tee "$OUT/mfu_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \

@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatron_hybrid.cli.train",
     "megatron_hybrid.cli.check_checkpoint",
     "megatron_hybrid.cli.convert",
+    "megatron_hybrid.cli.logprobs",
 )
 
 #: Exit code for bad input, as argparse uses.
@@ -151,7 +152,7 @@ def _pattern_hint(argv: list[str]) -> None:
     ]
     if not dashed:
         return
-    if "train" in argv or "check-checkpoint" in argv:
+    if "train" in argv or "check-checkpoint" in argv or "logprobs" in argv:
         fix = f"attach it with '=': --hybrid-layer-pattern={dashed[0]!r}"
     else:
         fix = f"put it after '--': describe -- {dashed[0]!r}"

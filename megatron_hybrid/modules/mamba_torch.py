@@ -45,6 +45,7 @@ __all__ = [
     "MEGATRON_GATED_NORM_EPS",
     "GatedRMSNorm",
     "TorchMambaMixer",
+    "mamba2_scan",
     "mamba_kernels_available",
     "resolve_mamba_impl",
     "with_mixer_params",
@@ -249,7 +250,7 @@ class TorchMambaMixer(MegatronModule):
         ]
         self._init_ssm_parameters(config, A_init_range, dt_min, dt_max, dt_init_floor)
         if rmsnorm:
-            self.norm = GatedRMSNorm(
+            self.norm = self.norm_class(
                 self.d_inner_local_tp,
                 group_size=self.d_inner_local_tp // self.ngroups_local_tp,
                 eps=self.norm_eps,
@@ -288,6 +289,9 @@ class TorchMambaMixer(MegatronModule):
             D_cp1=self.D,
             D_has_hdim=D_has_hdim,
         )
+
+    #: The gated norm's class (a subclass may compute the same norm another way).
+    norm_class = GatedRMSNorm
 
     # Checkpoint layout and inference-state shapes are megatron-core's own, so both classes
     # read each other's checkpoints.
@@ -397,35 +401,69 @@ class TorchMambaMixer(MegatronModule):
         return self.out_proj(y)
 
     def _ssm(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
-        """``[B, L, z|x|B|C|dt]`` -> gated scan output ``[B, L, d_inner_local]`` (dtype kept).
-
-        What ``mamba_split_conv1d_scan_combined`` computes without its norm: conv + SiLU on
-        ``x|B|C``, the scan with ``dt = softplus(dt + dt_bias)`` and the ``D`` skip, then the
-        gate ``y * silu(z)`` (mamba_ssm 2.x, ``ssd_combined.py``); rounded to the input dtype
-        like the kernel's output.
-        """
+        """``[B, L, z|x|B|C|dt]`` -> gated scan output ``[B, L, d_inner_local]`` (dtype kept)."""
         cp = self.cp
-        groups, heads, state = cp.ngroups_local_tpcp, cp.nheads_local_tpcp, self.d_state
-        z, xbc, dt = torch.split(
-            zxbcdt, [cp.d_inner_local_tpcp, cp.d_inner_local_tpcp + 2 * groups * state, heads], -1
+        return mamba2_scan(
+            zxbcdt,
+            cp.get_conv1d_weight().squeeze(1),
+            cp.get_conv1d_bias(),
+            cp.get_dt_bias(),
+            cp.get_A_log(),
+            cp.get_D(),
+            seq_idx,
+            heads=cp.nheads_local_tpcp,
+            groups=cp.ngroups_local_tpcp,
+            state=self.d_state,
+            head_dim=self.headdim,
+            chunk_size=self.chunk_size,
+            dt_limit=self.dt_limit,
+            d_has_hdim=self.D_has_hdim,
         )
-        xbc = causal_conv1d(xbc, cp.get_conv1d_weight().squeeze(1), cp.get_conv1d_bias(), seq_idx)
-        x, b, c = torch.split(xbc, [cp.d_inner_local_tpcp, groups * state, groups * state], -1)
-        dt = torch.nn.functional.softplus(dt.float() + cp.get_dt_bias().float())
-        if self.dt_limit != (0.0, math.inf):
-            dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
-        d = cp.get_D()
-        y = ssd_chunk_scan(
-            x.unflatten(-1, (heads, self.headdim)),
-            dt,
-            -torch.exp(cp.get_A_log().float()),
-            b.unflatten(-1, (groups, state)),
-            c.unflatten(-1, (groups, state)),
-            self.chunk_size,
-            d=d.unflatten(0, (heads, self.headdim)) if self.D_has_hdim else d,
-            seq_idx=seq_idx,
-        ).flatten(-2)
-        return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)
+
+
+def mamba2_scan(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    d: torch.Tensor,
+    seq_idx: torch.Tensor | None = None,
+    *,
+    heads: int,
+    groups: int,
+    state: int,
+    head_dim: int,
+    chunk_size: int,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    d_has_hdim: bool = False,
+) -> torch.Tensor:
+    """Mamba2's mixer between its projections: ``[B, L, z|x|B|C|dt]`` -> ``[B, L, d_inner]``.
+
+    What ``mamba_split_conv1d_scan_combined`` computes without its norm: conv + SiLU on
+    ``x|B|C``, the scan with ``dt = softplus(dt + dt_bias)`` and the ``D`` skip (per head, or
+    per channel with ``d_has_hdim``), then the gate ``y * silu(z)``
+    (mamba_ssm 2.x, ``ssd_combined.py``); rounded to the input dtype like the kernel's output.
+    A pure function of its arguments, so it can be compiled as one piece.
+    """
+    d_inner = heads * head_dim
+    z, xbc, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * groups * state, heads], -1)
+    xbc = causal_conv1d(xbc, conv_weight, conv_bias, seq_idx)
+    x, b, c = torch.split(xbc, [d_inner, groups * state, groups * state], -1)
+    dt = torch.nn.functional.softplus(dt.float() + dt_bias.float())
+    if tuple(dt_limit) != (0.0, math.inf):
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    y = ssd_chunk_scan(
+        x.unflatten(-1, (heads, head_dim)),
+        dt,
+        -torch.exp(a_log.float()),
+        b.unflatten(-1, (groups, state)),
+        c.unflatten(-1, (groups, state)),
+        chunk_size,
+        d=d.unflatten(0, (heads, head_dim)) if d_has_hdim else d,
+        seq_idx=seq_idx,
+    ).flatten(-2)
+    return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)
 
 
 def _check_numerics(dt_limit, norm_eps) -> None:
@@ -450,7 +488,9 @@ def with_mixer_params(stack_spec, params: dict):
 
     field = layer_runtime(MAMBA).spec_field
     layer = getattr(stack_spec.submodules, field, None)
-    if not params or layer is None or layer.submodules.mixer.module is not TorchMambaMixer:
+    mixer_class = layer.submodules.mixer.module if layer is not None else None
+    torch_path = isinstance(mixer_class, type) and issubclass(mixer_class, TorchMambaMixer)
+    if not params or not torch_path:  # the fast path's mixer is a TorchMambaMixer too
         return stack_spec
     mixer = layer.submodules.mixer
     mixer = dataclasses.replace(mixer, params={**(mixer.params or {}), **params})

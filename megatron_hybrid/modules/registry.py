@@ -164,6 +164,9 @@ class LayerRuntime:
             themselves (every registered type needs it; built-ins come from the backends).
         graph_pieces: the submodules CUDA graphs may capture and those that stay eager, with
             the reason (``docs/ep_overlap.md``, "CUDA graphs"); a type without it is not graphed.
+        flops: ``(config, SequenceBatch) -> {part: FLOPs}``, the forward matrix-product FLOPs of
+            one layer of this type (:mod:`megatron_hybrid.modules.flops`; None: MFU cannot be
+            computed for a pattern with this type).
     """
 
     symbol: str
@@ -176,6 +179,7 @@ class LayerRuntime:
     backward_dw: BackwardDW = field(default=lambda layer: {})
     default_spec: Callable[[str], Any] | None = None
     graph_pieces: GraphPieces = field(default=lambda layer: {})
+    flops: Callable[[Any, Any], dict[str, float]] | None = None
 
     def check(self, facts: LayerTypeFacts) -> None:
         """Raise ``ValueError`` if this runtime does not fit ``facts``."""
@@ -194,6 +198,8 @@ class LayerRuntime:
         for name in ("build", "forward", "backward_dw", "graph_pieces"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} of layer type {symbol!r} must be callable")
+        if self.flops is not None and not callable(self.flops):
+            raise ValueError(f"flops of layer type {symbol!r} must be callable or None")
         if not self.spec_field.isidentifier():
             raise ValueError(
                 f"spec_field of {symbol!r} must be an identifier, got {self.spec_field!r}"

@@ -72,6 +72,7 @@ class _SpecOptions:
     qk_l2_norm: bool
     normalization: str
     mamba_impl: str = "kernels"
+    local_impl: str = "reference"
 
 
 def _halves(gpt: TransformerLayerSubmodules) -> tuple[dict, dict]:
@@ -180,13 +181,14 @@ def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
 
 def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_hybrid.modules.attention import MLACoreAttention
+    from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
     from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 
     norm = local_norm_impl()
@@ -202,8 +204,10 @@ def _local_layers(opts: _SpecOptions) -> dict:
         for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
             if getattr(attention, name, None) is WrappedTorchNorm:
                 setattr(attention, name, norm)
-        if kwargs.get("multi_latent_attention"):
-            attention.core_attention = MLACoreAttention
+        # megatron-core's local DotProductAttention refuses packed (THD) batches and MLA's two
+        # head sizes; the package's local core attention takes both.
+        multi_latent = kwargs.get("multi_latent_attention")
+        attention.core_attention = MLACoreAttention if multi_latent else LocalCoreAttention
         return sub
 
     layers = _gpt_derived_layers(gpt_submodules, opts)
@@ -218,7 +222,7 @@ def _local_layers(opts: _SpecOptions) -> dict:
         # Without TE the input norm cannot be fused into in_proj, so it is a separate module.
         input_layernorm=norm,
         self_attention=ModuleSpec(
-            module=GatedDeltaNet,
+            module=HybridGatedDeltaNet,
             submodules=GatedDeltaNetSubmodules(
                 in_proj=ColumnParallelLinear,
                 out_norm=plain_gamma_norm(norm),
@@ -245,6 +249,10 @@ def _local_layers(opts: _SpecOptions) -> dict:
     )
     layers["final_norm"] = norm
     layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
+    if opts.local_impl == "fast":
+        from megatron_hybrid.modules.fast.specs import fast_layer_specs
+
+        layers = fast_layer_specs(layers)
     return layers
 
 
@@ -272,10 +280,13 @@ def _te_layers(opts: _SpecOptions) -> dict:
     layers["mamba_layer"] = _with_mamba_impl(mcore_spec.submodules.mamba_layer, opts.mamba_impl)
     # GatedDeltaNet's gated output norm is a plain gain in fla and transformers, also when the
     # model's other norms are zero-centred (Qwen3.5, Qwen3-Next).
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
+
     gdn = copy.deepcopy(mcore_spec.submodules.gdn_layer)
     gdn.submodules.self_attention.submodules.out_norm = plain_gamma_norm(
         gdn.submodules.self_attention.submodules.out_norm
     )
+    gdn.submodules.self_attention.module = HybridGatedDeltaNet  # float32 decay
     layers["gdn_layer"] = gdn
     layers["final_norm"] = TENorm
     layers["mtp_block_spec"] = _mtp_block_spec(TENorm, TEColumnParallelLinear)
@@ -348,6 +359,7 @@ def hybrid_stack_spec(
     qk_l2_norm: bool | None = None,
     normalization: str | None = None,
     mamba_impl: str = "auto",
+    local_impl: str = "auto",
 ) -> ModuleSpec:
     """Spec of a :class:`~megatron_hybrid.HybridStack` whose layers mirror GPTModel's.
 
@@ -365,6 +377,12 @@ def hybrid_stack_spec(
             :class:`~megatron_hybrid.modules.mamba_torch.TorchMambaMixer`: same parameters and
             checkpoints, runs anywhere, slower) or ``"auto"`` (the kernels where they can run,
             else torch). ``metainfo["mamba_impl"]`` records the choice.
+        local_impl: for the ``"local"`` backend: ``"fast"`` (the fast TE-free GPU path of
+            :mod:`megatron_hybrid.modules.fast`: SDPA attention, grouped-GEMM experts, a
+            parallel-scan GatedDeltaNet torch path, a compiled torch Mamba2; same parameters and
+            checkpoints), ``"reference"`` (megatron-core's local modules as they are) or
+            ``"auto"`` (fast where CUDA is available). Other backends ignore it.
+            ``metainfo["local_impl"]`` records the choice.
 
     Returns:
         A ``ModuleSpec`` for ``HybridStack`` with :class:`HybridStackSubmodules`; its
@@ -372,8 +390,8 @@ def hybrid_stack_spec(
         config.
 
     Raises:
-        ValueError: unknown backend or ``mamba_impl``, or ``mamba_impl="kernels"`` where the
-            kernels cannot run.
+        ValueError: unknown backend, ``mamba_impl`` or ``local_impl``, or
+            ``mamba_impl="kernels"`` where the kernels cannot run.
         ImportError: backend ``"te"`` without TransformerEngine.
     """
     if backend not in BACKENDS:
@@ -387,14 +405,17 @@ def hybrid_stack_spec(
             return value
         return getattr(config, attr, default) if config is not None else default
 
+    from megatron_hybrid.modules.fast.selection import resolve_local_impl
     from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
 
+    resolve_local_impl(local_impl)  # validated for every backend; only "local" has two paths
     opts = _SpecOptions(
         moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
         qk_layernorm=bool(pick(qk_layernorm, "qk_layernorm", False)),
         qk_l2_norm=bool(pick(qk_l2_norm, "qk_l2_norm", False)),
         normalization=pick(normalization, "normalization", "LayerNorm"),
         mamba_impl=resolve_mamba_impl(mamba_impl),
+        local_impl=resolve_local_impl(local_impl) if backend == "local" else "reference",
     )
     from megatron_hybrid.modules.hybrid_stack import HybridStack
 

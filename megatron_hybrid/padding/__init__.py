@@ -45,6 +45,7 @@ _LAZY = {
     "pack_thd": "batch",
     "pad_bshd": "batch",
     "packed_seq_params_from": "batch",
+    "packed_seq_params_to": "batch",
     "unpack_thd": "batch",
     "unpad_seq": "batch",
     "equalize_bshd": "equalize",

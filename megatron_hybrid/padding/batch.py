@@ -14,6 +14,7 @@ code reads it), ``position_ids`` continue each row, a 2D (HF-style, 1 = real) ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ __all__ = [
     "pack_thd",
     "pad_bshd",
     "packed_seq_params_from",
+    "packed_seq_params_to",
     "unpack_thd",
     "unpad_seq",
 ]
@@ -237,6 +239,19 @@ def packed_seq_params_from(
         total_tokens=plan.total_tokens,
         pad_between_seqs=plan.cu_seqlens != plan.cu_seqlens_padded,
     )
+
+
+def packed_seq_params_to(params: PackedSeqParams, device) -> PackedSeqParams:
+    """``params`` with every tensor field (``cu_seqlens*``, ``seq_idx``) moved to ``device``."""
+    moved = {
+        f.name: getattr(params, f.name).to(device)
+        for f in dataclasses.fields(params)
+        if torch.is_tensor(getattr(params, f.name))
+    }
+    copy = dataclasses.replace(params)
+    for name, value in moved.items():  # after replace: __post_init__ must not rebuild seq_idx
+        setattr(copy, name, value)
+    return copy
 
 
 @dataclass(frozen=True)

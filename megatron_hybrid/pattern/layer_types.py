@@ -47,9 +47,10 @@ from megatron_hybrid.pattern.thd_rules import (
     ThdOptions,
     ThdRule,
     accepts_thd,
+    core_attention_thd,
+    dsa_thd,
     gated_delta_net_thd,
     mamba_thd,
-    te_core_attention_thd,
     unchecked_thd,
 )
 
@@ -155,7 +156,7 @@ _BUILTIN = (
         name="attention",
         slot=Slot.ATTENTION,
         gpt_role=GptRole.ATTENTION,
-        thd_rule=te_core_attention_thd("attention", ATTENTION),
+        thd_rule=core_attention_thd("attention", ATTENTION),
         colour="#E69F00",
     ),
     LayerTypeFacts(
@@ -163,7 +164,7 @@ _BUILTIN = (
         name="DeepSeek sparse attention",
         slot=Slot.ATTENTION,
         gpt_role=GptRole.ATTENTION,
-        thd_rule=accepts_thd,
+        thd_rule=dsa_thd,
         colour="#D55E00",
     ),
     LayerTypeFacts(
@@ -171,7 +172,7 @@ _BUILTIN = (
         name="MLA",
         slot=Slot.ATTENTION,
         gpt_role=GptRole.ATTENTION,
-        thd_rule=te_core_attention_thd("MLA", MLA),
+        thd_rule=core_attention_thd("MLA", MLA),
         colour="#CC79A7",
     ),
     LayerTypeFacts(

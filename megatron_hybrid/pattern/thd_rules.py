@@ -5,27 +5,32 @@ discover this per model, so the rules are written down here, one rule per built-
 (each type's :class:`~megatron_hybrid.pattern.layer_types.LayerTypeFacts` holds its rule), each
 citing the megatron-core 0.19.2 source it rests on (paths relative to ``megatron/core``):
 
-``*`` attention
-    ``local``: ``DotProductAttention.forward`` asserts ``packed_seq_params is None``
-    ("Packed sequence is not supported by DotProductAttention. Please use TEDotProductAttention
-    instead.", transformer/dot_product_attention.py L153-156). ``transformer_engine``:
-    ``TEDotProductAttention`` forwards ``cu_seqlens_*``/``cu_seqlens_*_padded`` to TE
-    (extensions/transformer_engine.py L1920-1945, L1980-2037).
-``+`` MLA
-    Same core attention as ``*``: the local spec's ``DotProductAttention`` refuses THD, the TE
-    spec's ``TEDotProductAttention`` accepts it (models/hybrid/hybrid_layer_specs.py L185/L302;
-    MLA's own THD handling: transformer/multi_latent_attention.py L702-730).
+``*`` attention, ``+`` MLA
+    ``transformer_engine``: ``TEDotProductAttention`` forwards ``cu_seqlens_*`` and
+    ``cu_seqlens_*_padded`` to TE (extensions/transformer_engine.py,
+    ``TEDotProductAttention.forward``). ``local``: megatron-core's own ``DotProductAttention``
+    asserts ``packed_seq_params is None`` (transformer/dot_product_attention.py, ``forward``), but
+    the package's local spec builds :class:`~megatron_hybrid.modules.attention.LocalCoreAttention`
+    (``MLACoreAttention`` for ``+``) instead, which runs that same attention once per packed
+    sequence (block-diagonal causal, ``cu_seqlens_*_padded`` honoured). MLA's own THD handling
+    (RoPE per sequence) is in transformer/multi_latent_attention.py, ``forward``. Context
+    parallelism of packed batches needs TE (the local attention has none).
 ``D`` DeepSeek sparse attention
-    ``DSAttention`` is its own core attention in both hybrid specs (hybrid_layer_specs.py
-    L137-160, L254-280) and handles ``qkv_format == "thd"`` itself, with and without CP/SP
-    (transformer/experimental_attention_variant/dsa.py L1716-1800). Accepted.
+    ``DSAttention`` is its own core attention in both hybrid specs (hybrid_layer_specs.py) and
+    handles ``qkv_format == "thd"`` itself, with and without CP/SP
+    (transformer/experimental_attention_variant/dsa.py, ``DSAttention.forward``). Only the TE
+    backend builds it (its indexer needs TE's plain linear layer), so ``local`` refuses it by name.
 ``G`` GatedDeltaNet
     Accepts THD (ssm/gated_delta_net/gdn.py L95-127; ``cu_seqlens_*_padded`` win, their last
     entry must equal the packed length and every length must divide by cp: common.py
     L448-472), but not in deterministic mode: ``deterministic_mode`` selects
     ``torch_chunk_gated_delta_rule`` (gdn.py L59-62), which asserts ``cu_seqlens is None``
     (common.py L821-823), and ``forward`` asserts "Packed sequence does not support
-    deterministic mode." (gdn.py L97-99).
+    deterministic mode." (gdn.py L97-99). Outside deterministic mode megatron passes
+    ``cu_seqlens`` to fla's ``causal_conv1d`` and ``chunk_gated_delta_rule``, which restart the
+    conv window and the recurrent state at every boundary on GPUs; the package's CPU runtime
+    gives megatron torch stand-ins with that contract (:mod:`megatron_hybrid.modules.gdn_torch`)
+    instead of switching deterministic mode on, so the CPU packs too.
 ``M`` Mamba
     Accepts THD in training only on the memory-efficient path: with
     ``use_mamba_mem_eff_path=False`` it asserts "Training with packed sequences is not supported
@@ -56,7 +61,8 @@ __all__ = [
     "accepts_thd",
     "gated_delta_net_thd",
     "mamba_thd",
-    "te_core_attention_thd",
+    "core_attention_thd",
+    "dsa_thd",
     "unchecked_thd",
 ]
 
@@ -96,22 +102,34 @@ def unchecked_thd(opts: ThdOptions) -> str | None:
     )
 
 
-def te_core_attention_thd(name: str, symbol: str) -> ThdRule:
-    """The rule of an attention type whose core attention is TE's under ``transformer_engine``."""
+def core_attention_thd(name: str, symbol: str) -> ThdRule:
+    """The rule of an attention type whose core attention packs on ``local`` and ``te``."""
 
     def check(opts: ThdOptions) -> str | None:
         if opts.transformer_impl == "transformer_engine":
             return None
         if opts.transformer_impl == "local":
-            return (
-                f"{name} ('{symbol}') with transformer_impl='local' uses megatron-core's "
-                "DotProductAttention, which asserts packed_seq_params is None "
-                "(transformer/dot_product_attention.py L153-156); use transformer_impl="
-                "'transformer_engine'"
-            )
+            if opts.cp_size > 1:
+                return (
+                    f"{name} ('{symbol}') with transformer_impl='local' has no context "
+                    "parallelism (megatron-core's DotProductAttention and the package's "
+                    "LocalCoreAttention refuse cp > 1); use transformer_impl='transformer_engine'"
+                )
+            return None
         return f"{name} ('{symbol}') was not checked for THD with {opts.transformer_impl!r}"
 
     return check
+
+
+def dsa_thd(opts: ThdOptions) -> str | None:
+    """DeepSeek sparse attention (``D``): packs wherever it is built (the TE backend)."""
+    if opts.transformer_impl == "transformer_engine":
+        return None
+    return (
+        f"DeepSeek sparse attention ('D') is built only by the TE backend in megatron-core "
+        f"0.19.2 (its indexer needs TE's plain linear layer), not with "
+        f"transformer_impl={opts.transformer_impl!r}; use transformer_impl='transformer_engine'"
+    )
 
 
 def gated_delta_net_thd(opts: ThdOptions) -> str | None:

@@ -40,8 +40,10 @@ class CPUEmulationError(RuntimeError):
 def cpu_config_overrides() -> dict:
     """TransformerConfig fields for a CPU run: fused CUDA kernels off, weights built on the CPU.
 
-    The unfused paths compute the same functions; GatedDeltaNet's ``deterministic_mode`` selects
-    megatron's torch implementation (fla's kernels are Triton, which has no CPU driver).
+    The unfused paths compute the same functions. GatedDeltaNet needs no setting: the emulation
+    gives megatron torch versions of fla's kernels (:mod:`megatron_hybrid.modules.gdn_torch`),
+    which also take packed rows; ``deterministic_mode`` (megatron's own torch path) would refuse
+    them.
     """
     return dict(
         use_cpu_initialization=True,
@@ -50,7 +52,6 @@ def cpu_config_overrides() -> dict:
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        deterministic_mode=True,
     )
 
 
@@ -256,18 +257,12 @@ def _patch_te_free_recompute() -> None:
     mrandom.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
 
 
-def _patch_gated_delta_net(torch) -> None:
-    # fla's l2norm is a Triton kernel (no CPU driver); megatron's deterministic GDN path is torch
-    # apart from it.
-    try:
-        import megatron.core.ssm.gated_delta_net.common as gdn_common
-    except ImportError:  # pragma: no cover - megatron without the GDN module
-        return
+def _patch_gated_delta_net() -> None:
+    # fla's kernels are Triton (no CPU driver): megatron's GatedDeltaNet calls torch functions
+    # with fla's contract instead, packed rows (cu_seqlens) included.
+    from megatron_hybrid.modules.gdn_torch import install
 
-    def l2norm(x, eps: float = 1e-6):
-        return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
-
-    gdn_common.l2norm = l2norm
+    install()
 
 
 def enable_cpu_emulation() -> None:
@@ -305,5 +300,5 @@ def enable_cpu_emulation() -> None:
         _patch_causal_masks(torch)
         _patch_torch_norm()
         _patch_te_free_recompute()
-        _patch_gated_delta_net(torch)
+        _patch_gated_delta_net()
         _ENABLED = True

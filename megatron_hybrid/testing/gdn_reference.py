@@ -44,8 +44,10 @@ def recurrent_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float | None = None,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The gated delta rule, one time step at a time, in float32.
+    """The gated delta rule, one time step at a time, in float32 (or ``compute_dtype``).
 
     Args:
         q: Queries ``[B, T, H, K]`` (fla's layout; megatron's layer l2-normalises them first).
@@ -54,6 +56,8 @@ def recurrent_gated_delta_rule(
         g: Log decays ``[B, T, H]``, ``<= 0`` (the state is multiplied by ``exp(g_t)``).
         beta: Write strengths ``[B, T, H]``, in ``(0, 1)`` after the layer's sigmoid.
         scale: Factor on the queries; ``None`` means ``K ** -0.5`` like both kernels.
+        compute_dtype: The dtype of the arithmetic (float64 gives a reference for float32
+            paths).
 
     Returns:
         The outputs ``o`` ``[B, T, H, V]`` in ``q``'s dtype.
@@ -72,7 +76,7 @@ def recurrent_gated_delta_rule(
     if scale is None:
         scale = key_dim**-0.5
     out_dtype = q.dtype
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
     q = q * scale
     state = q.new_zeros(batch, heads, key_dim, v.shape[-1])
     outputs = []

@@ -86,9 +86,15 @@ def build_hybrid(
     vocab_size: int = 128,
     max_sequence_length: int = 64,
     vp_stage: int | None = None,
+    local_impl: str = "reference",
     **kwargs: Any,
 ):
-    """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage."""
+    """A :class:`~megatron_hybrid.HybridModel` for ``pattern`` on this rank's pipeline stage.
+
+    ``local_impl`` defaults to the ``local`` backend's reference modules, which
+    :func:`build_gpt_twin`'s GPTModel also uses, so the twins compute alike on GPUs too; pass
+    ``"fast"`` or ``"auto"`` for the fast path (:mod:`megatron_hybrid.modules.fast`).
+    """
     from megatron_hybrid.model import HybridModel
     from megatron_hybrid.modules import hybrid_stack_spec
 
@@ -96,7 +102,7 @@ def build_hybrid(
     kwargs.setdefault("position_embedding_type", "rope")
     return HybridModel(
         config,
-        hybrid_stack_spec(backend, config=config),
+        hybrid_stack_spec(backend, config=config, local_impl=local_impl),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         hybrid_layer_pattern=pattern,

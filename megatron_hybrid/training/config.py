@@ -136,3 +136,24 @@ def _layer_type_fields(args: argparse.Namespace, counts: dict[str, int], ffn: in
             rope_type="rope",
         )
     return kwargs
+
+
+def config_from_flags(pattern: str, *flags: str, **overrides: Any):
+    """The ``TransformerConfig`` that ``train --hybrid-layer-pattern PATTERN FLAGS`` describes.
+
+    For tests, benchmarks and notebooks that want ``train``'s model without its loop.
+
+    Args:
+        pattern: the layer pattern.
+        *flags: further flags, as on the command line (``"--num-experts", "4"``).
+        **overrides: config fields set on top (e.g. ``cpu_config_overrides()`` for a CPU run).
+
+    Raises:
+        ValueError: inconsistent flags, with what to change.
+    """
+    from megatron_hybrid.training.arguments import add_hybrid_args
+
+    parser = argparse.ArgumentParser()
+    add_hybrid_args(parser)
+    args = parser.parse_args(["--hybrid-layer-pattern", pattern, *flags])
+    return hybrid_config_from_args(args, **overrides)

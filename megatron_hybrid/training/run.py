@@ -19,7 +19,16 @@ import torch
 
 from megatron_hybrid.runtime import RuntimeBackend, select_backend
 
-__all__ = ["TrainingError", "TrainingSummary", "recorded_settings", "run_training"]
+__all__ = [
+    "TrainingError",
+    "TrainingSummary",
+    "build_chunks",
+    "check_resume_compatible",
+    "model_config",
+    "parallel_setup",
+    "recorded_settings",
+    "run_training",
+]
 
 
 class TrainingError(ValueError):
@@ -70,7 +79,7 @@ class TrainingSummary:
         return statistics.median(t / s for t, s in timed) if timed else 0.0
 
 
-def _check_resume_compatible(chunks, folder, args=None) -> None:
+def check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.utils import unwrap_model
 
@@ -175,12 +184,12 @@ def run_training(
     autotunes = backend.on_gpu and bool(parsed.layer_counts.get(GDN, 0))
     if autotunes:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    config = _model_config(args, source, backend)  # validate flags before any process group
+    config = model_config(args, source, backend)  # validate flags before any process group
     backend.activate()
     rank, world = init_world()
-    pg, global_batch, num_microbatches = _parallel_setup(args, config, world)
+    pg, global_batch, num_microbatches = parallel_setup(args, config, world)
     seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
-    chunks = _build_chunks(args, config, pg, parsed, source, seq_length, rank)
+    chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )
@@ -223,7 +232,7 @@ def _start_line(setup: _Setup, world: int, start: int) -> str:
     )
 
 
-def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
+def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
     conversion and the training flags."""
     from megatron_hybrid.training.config import hybrid_config_from_args
@@ -235,7 +244,7 @@ def _model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     return hybrid_config_from_args(args, **overrides)
 
 
-def _parallel_setup(args: argparse.Namespace, config, world: int):
+def parallel_setup(args: argparse.Namespace, config, world: int):
     """Process groups, the global batch and the number of micro-batches per step."""
     from megatron_hybrid.process_groups import initialize_model_parallel
 
@@ -302,7 +311,7 @@ def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend)
     return seq_length, builder
 
 
-def _build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -> list:
+def build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any."""
     from megatron_hybrid.training.arguments import spec_backend
     from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
@@ -354,7 +363,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     if point.folder is None:
         return 0, 0
     folder = point.folder
-    _check_resume_compatible(chunks, folder, args)
+    check_resume_compatible(chunks, folder, args)
     start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(setup.pg))
     resume.check_target(start, args.train_iters, folder)
     consumed = consumed_samples(folder)
@@ -417,8 +426,9 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
             optimizer,
             batches,
             setup.config,
-            seq_length=setup.seq_length,
-            micro_batch_size=mbs,
+            # A packed micro-batch is one [1, seq_length * mbs] row (the pipeline's P2P shape).
+            seq_length=setup.seq_length * (mbs if setup.builder.packed else 1),
+            micro_batch_size=1 if setup.builder.packed else mbs,
             pg_collection=setup.pg,
         )
         setup.backend.synchronize()

@@ -143,16 +143,60 @@ def test_grouped_pp2_vpp2_checkpoint_loads_into_gpt_tp2(world, shared_dir):
     assert loss == pytest.approx(reference_loss, rel=2e-2)
 
 
+def _gdn_path(path, pattern, every_expert, weights, device, initialize_model_parallel):
+    """One model of the [GE]{2} comparison, given the shared weights; returns (model, named)."""
+    from megatron_hybrid.testing.models import build_hybrid, small_config
+
+    pg = initialize_model_parallel(seed=4)
+    if path in ("float32", "fla float32"):
+        config = small_config(
+            pattern, **TEST_SIZES, deterministic_mode=path == "float32", **every_expert
+        )
+        torch.manual_seed(1)
+        model = build_hybrid(config, pattern, pg).to(device)
+    else:
+        config = _config(pattern, deterministic_mode=path == "torch", **every_expert)
+        model = _chunks(build_hybrid, config, pattern, pg, device)[0]
+    module = getattr(model, "module", model)  # inside Float16Module
+    named = dict(module.named_parameters())
+    if weights is not None:
+        assert named.keys() == weights.keys()
+        with torch.no_grad():
+            for name, param in named.items():
+                param.copy_(weights[name])
+    return model, named
+
+
+def _gate_runs(calls) -> list[dict]:
+    """Per GatedDeltaNet layer: its gate gradients and the g / dg its kernel saw."""
+    return [
+        dict(
+            dA_log=c["layer"].A_log.grad.double(),
+            ddt_bias=c["layer"].dt_bias.grad.double(),
+            dg=c["dg"],
+            g=c["g"],
+            A_log=c["layer"].A_log.detach(),
+        )
+        for c in calls
+    ]
+
+
 def test_gated_delta_net_group_forward_backward(world):
     """[GE]{2}: fla's kernels and megatron's torch GDN path against a float32 model, same weights.
 
     Both bf16 paths are measured against the float32 torch-path model; fla's GatedDeltaNet
-    gradients (all of them together, and each) must stay within a few times the torch path's own
-    bf16 error. Every token goes to every expert (top-k = experts), so no routing decision can
-    flip between the paths: a flipped token moves its gradient between experts and makes an
-    otherwise correct path look O(1) off in them. Single gradients such as ``A_log`` are sums
-    with heavy cancellation that bf16 rounding alone moves by several percent, so the table lists
-    the worst parameters and the bound is relative to the yardstick.
+    gradients (all of them together, and each but the gate parameters) must stay within a few
+    times the torch path's own bf16 error. Every token goes to every expert (top-k = experts), so
+    no routing decision can flip between the paths.
+
+    ``A_log`` and ``dt_bias`` get the principled check of ``megatron_hybrid.testing.gdn_gates``:
+    their gradients are sums over tokens of ``dg * dg/dtheta`` that cancel (amplification
+    ``kappa`` in the hundreds), so each path's gate-gradient error must lie within the
+    Cauchy-Schwarz bound of the ``dg`` and ``g`` its kernel actually had, and its ``dg`` within
+    the kernel's precision: float32 fla (``TRITON_F32_DEFAULT=ieee``) against the float32 torch
+    path to 1e-3, bf16 fla within 8x the torch path's bf16 ``dg`` error + 1e-2. All of that holds:
+    "bf16 cancellation". A gate error beyond its bound, or a ``dg`` beyond the kernel's
+    precision, is a defect, and the test fails naming it.
 
     fla 0.6.0 refuses its gated backward kernel on Hopper with Triton >= 3.4 and < 3.7.1 (wrong
     results there, fla issue #640). Where it refuses, only the loss is compared and the table says
@@ -160,34 +204,25 @@ def test_gated_delta_net_group_forward_backward(world):
     """
     pytest.importorskip("fla")
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.models import build_hybrid, small_config
+    from megatron_hybrid.testing.gdn_gates import gate_report, gate_weights, record_gates
+    from megatron_hybrid.testing.models import small_config
 
     rank, world_size, device = world
     pattern = "[GE]{2}"
     inputs = device_inputs(device, batch=2, seq=64, seed=5)
     every_expert = dict(moe_router_topk=small_config(pattern).num_moe_experts)
-    losses, grads, rows, weights = {}, {}, [], None
-    # Triton has no CPU driver, so the fla path runs on GPUs only.
-    for path in ("torch", "float32") if ON_CPU else ("torch", "float32", "fla"):
-        pg = initialize_model_parallel(seed=4)
-        if path == "float32":
-            config = small_config(pattern, **TEST_SIZES, deterministic_mode=True, **every_expert)
-            torch.manual_seed(1)
-            model = build_hybrid(config, pattern, pg).to(device)
-        else:
-            config = _config(pattern, deterministic_mode=path == "torch", **every_expert)
-            model = _chunks(build_hybrid, config, pattern, pg, device)[0]
-        module = getattr(model, "module", model)  # inside Float16Module
-        named = dict(module.named_parameters())
+    losses, grads, gates, rows, weights = {}, {}, {}, [], None
+    # Triton has no CPU driver, so the fla paths run on GPUs only.
+    paths = ("torch", "float32") if ON_CPU else ("torch", "float32", "fla", "fla float32")
+    for path in paths:
+        model, named = _gdn_path(
+            path, pattern, every_expert, weights, device, initialize_model_parallel
+        )
         if weights is None:  # the first (bf16 torch) model's weights are everyone's
             weights = {name: p.detach().clone() for name, p in named.items()}
-        else:
-            assert named.keys() == weights.keys()
-            with torch.no_grad():
-                for name, param in named.items():
-                    param.copy_(weights[name])
         # cuDNN's default TF32 would make the float32 model's convolution a TF32 one.
-        with exact_float32() if path == "float32" else contextlib.nullcontext():
+        fp32 = path in ("float32", "fla float32")
+        with exact_float32() if fp32 else contextlib.nullcontext(), record_gates(model) as calls:
             loss = model(**inputs).float().mean()
             losses[path] = loss.item()
             try:
@@ -204,9 +239,11 @@ def test_gated_delta_net_group_forward_backward(world):
             for name, p in named.items()
             if ".self_attention." in name and p.grad is not None
         }
+        gates[path] = _gate_runs(calls)
         assert grads[path] and all(torch.isfinite(g).all() for g in grads[path].values())
 
     reference = grads["float32"]
+    gate_params = (".A_log", ".dt_bias")
 
     def errors(path: str) -> tuple[float, dict[str, float]]:
         """Error of all GDN gradients together, and of each, against the float32 model."""
@@ -216,11 +253,23 @@ def test_gated_delta_net_group_forward_backward(world):
         )
         return together, {k: rel_error(grads[path][k], r) for k, r in reference.items()}
 
+    def gate_check(path: str, dg_bound: float, rounding: float) -> list:
+        """Per layer: the gate report of ``path`` against the float32 model."""
+        return [
+            gate_report(
+                run, ref, gate_weights(run["g"], run["A_log"]),
+                gate_weights(ref["g"], ref["A_log"]), rounding=rounding, dg_bound=dg_bound,
+            )  # fmt: skip
+            for run, ref in zip(gates[path], gates["float32"], strict=True)
+        ]
+
     rows = [(f"{path} loss", f"{value:.6f}") for path, value in losses.items()] + rows
     yardstick, yard_each = errors("torch")
     rows.append(("GDN parameters compared", len(reference)))
     rows.append(("GDN grads vs float32, all together: torch bf16", f"{yardstick:.2e}"))
     failures = []
+    torch_gates = gate_check("torch", 5e-2, 2**-7)
+    reports = {"torch bf16": torch_gates}
     if "fla" in grads:
         together, each = errors("fla")
         rows.append(("GDN grads vs float32, all together: fla bf16", f"{together:.2e}"))
@@ -234,10 +283,29 @@ def test_gated_delta_net_group_forward_backward(world):
         failures += [
             f"{key}: fla {e:.2e} > 8 x torch {yard_each[key]:.2e} + 5e-2"
             for key, e in each.items()
-            if not e <= 8 * yard_each[key] + 5e-2
+            if not key.endswith(gate_params) and not e <= 8 * yard_each[key] + 5e-2
         ]
-    report("[GE]{2} GatedDeltaNet kernels: fla and torch path (bf16) vs float32", rows)
-    for path in ("torch", "fla"):
+        torch_dg = max(r.dg_error for r in torch_gates)
+        reports["fla bf16"] = gate_check("fla", 8 * torch_dg + 1e-2, 2**-7)
+    if "fla float32" in grads:
+        reports["fla float32"] = gate_check("fla float32", 1e-3, 1e-6)
+    rows.append(("gates per layer: path", "dg error", "max kappa A_log | dt_bias",
+                 "A_log error / bound", "dt_bias error / bound", "verdict"))  # fmt: skip
+    for path, per_layer in reports.items():
+        for layer, r in enumerate(per_layer):
+            worst_a = max(e / b for e, b in zip(r.error_a_log, r.bound_a_log, strict=True))
+            worst_d = max(e / b for e, b in zip(r.error_dt_bias, r.bound_dt_bias, strict=True))
+            rows.append((f"  {path} layer {layer}", f"{r.dg_error:.2e}",
+                         f"{max(r.kappa_a_log):.0f} | {max(r.kappa_dt_bias):.0f}",
+                         f"{worst_a:.2f}", f"{worst_d:.2f}", r.verdict))  # fmt: skip
+            if r.verdict != "consistent":
+                failures.append(f"{path} layer {layer}: {r.verdict}")
+    decided = "defect" if failures else "bf16 cancellation"
+    if "fla" not in grads or "fla float32" not in grads:
+        decided += " (fla's paths not run here)"
+    rows.append(("decision", decided))
+    report("[GE]{2} GatedDeltaNet kernels: fla and torch path (bf16, float32) vs float32", rows)
+    for path in paths:
         if path in losses:
             assert losses[path] == pytest.approx(losses["float32"], rel=2e-2), path
     # The torch path computes in float32 and only rounds its bf16 inputs and outputs.

@@ -173,7 +173,12 @@ def mixer_graph_pieces(
 
 
 def attention_half_runtime(
-    symbol: str, spec_field: str, *, attention: bool = True, unverified: str | None = None
+    symbol: str,
+    spec_field: str,
+    *,
+    attention: bool = True,
+    unverified: str | None = None,
+    flops: Callable | None = None,
 ) -> LayerRuntime:
     """The runtime of a type that is the attention half of a ``TransformerLayer``.
 
@@ -186,6 +191,7 @@ def attention_half_runtime(
         spec_field: the ``HybridStackSubmodules`` field holding the layer spec.
         attention: pass ``TransformerLayer``'s attention-only arguments (False for GDN).
         unverified: if given, the mixer is not graphed, for this reason.
+        flops: the type's FLOP formula (``LayerRuntime.flops``).
     """
     return LayerRuntime(
         symbol=symbol,
@@ -196,4 +202,5 @@ def attention_half_runtime(
         run_pre_dispatch=run_attention_half,
         backward_dw=pre_layer_backward_dw,
         graph_pieces=mixer_graph_pieces("self_attention", unverified=unverified),
+        flops=flops,
     )

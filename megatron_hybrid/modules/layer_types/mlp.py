@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from megatron_hybrid.modules.flops import SequenceBatch, linear_flops
 from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
@@ -48,6 +49,21 @@ def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
     return {"mlp": GraphPiece(layer.mlp, delayed_wgrad_reason(layer.mlp))}
 
 
+def mlp_flops(tokens: int, hidden: int, ffn: int, gated: bool) -> dict[str, float]:
+    """An MLP's two projections; a gated linear unit (SwiGLU, GeGLU) doubles the first."""
+    return {
+        "fc1": linear_flops(tokens, hidden, ffn * (2 if gated else 1)),
+        "fc2": linear_flops(tokens, ffn, hidden),
+    }
+
+
+def flops(config, batch: SequenceBatch) -> dict[str, float]:
+    """Forward FLOPs of the dense MLP (``ffn_hidden_size``)."""
+    return mlp_flops(
+        batch.tokens, config.hidden_size, config.ffn_hidden_size, config.gated_linear_unit
+    )
+
+
 RUNTIME = LayerRuntime(
     symbol=MLP,
     spec_field="mlp_layer",
@@ -57,4 +73,5 @@ RUNTIME = LayerRuntime(
     terminal_slots=terminal_slots,
     backward_dw=backward_dw,
     graph_pieces=graph_pieces,
+    flops=flops,
 )

@@ -19,6 +19,7 @@ import torch
 from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
+from megatron_hybrid.modules.flops import SequenceBatch, linear_flops
 from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
@@ -27,6 +28,7 @@ from megatron_hybrid.modules.layer_types.common import (
     delayed_wgrad_reason,
     forward_transformer_layer,
 )
+from megatron_hybrid.modules.layer_types.mlp import mlp_flops
 from megatron_hybrid.modules.registry import (
     GraphPiece,
     LayerRuntime,
@@ -35,7 +37,7 @@ from megatron_hybrid.modules.registry import (
 )
 from megatron_hybrid.pattern import MOE
 
-__all__ = ["RUNTIME", "MoEBackwardDW", "graph_pieces", "terminal_slots"]
+__all__ = ["RUNTIME", "MoEBackwardDW", "flops", "graph_pieces", "terminal_slots"]
 
 
 def _flex_backend(config) -> str | None:
@@ -179,20 +181,33 @@ _DYNAMIC_TOKENS = (
 _COMMUNICATION = "all-to-all communication with data-dependent split sizes read on the host"
 
 
+def _experts_reason(moe: nn.Module) -> str | None:
+    """Why the routed experts stay eager, or None where their inputs have fixed shapes and no
+    host copy: a dispatcher that keeps the token counts on the device (the fast path's at EP 1)
+    feeding experts that read them there (``takes_device_counts``: grouped-GEMM experts)."""
+    dispatcher_copies = getattr(moe.token_dispatcher, "fast_path_reason", "megatron's")
+    if dispatcher_copies is None and getattr(moe.experts, "takes_device_counts", False):
+        return delayed_wgrad_reason(moe.experts)
+    return _DYNAMIC_TOKENS
+
+
 def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
-    """The router and the shared experts are captured; dispatch, experts and combine are not.
+    """The router and the shared experts are captured; dispatch and combine are not; the routed
+    experts only where nothing reads the token counts on the host.
 
     The router maps ``[tokens, hidden]`` to fixed-shape probabilities and a routing map, with no
     host sync. Dispatch preprocessing (``MoELayer.preprocess``) of the ``alltoall`` dispatcher
     counts tokens per expert and copies the split sizes to the host for the all-to-all
-    (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it.
+    (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it,
+    except on the fast path at EP 1, where the counts stay on the device and the grouped-GEMM
+    experts' inputs have fixed shapes (``tokens x top-k`` rows).
     """
     moe = layer.mlp
     pieces = {
         "router": GraphPiece(moe.router, delayed_wgrad_reason(moe.router)),
         "dispatch_preprocess": GraphPiece(moe, _DYNAMIC_TOKENS),
         "dispatch": GraphPiece(moe, _COMMUNICATION),
-        "experts": GraphPiece(moe.experts, _DYNAMIC_TOKENS),
+        "experts": GraphPiece(moe.experts, _experts_reason(moe)),
         "combine": GraphPiece(moe, _COMMUNICATION),
     }
     if moe.use_shared_expert:
@@ -201,6 +216,29 @@ def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
             reason = "moe_shared_expert_overlap runs the shared experts on a side stream"
         pieces["shared_experts"] = GraphPiece(moe.shared_experts, reason)
     return pieces
+
+
+def flops(config, batch: SequenceBatch) -> dict[str, float]:
+    """Forward FLOPs: the router, the ``moe_router_topk`` experts each token is routed to (on
+    the ``moe_latent_size`` width with its two projections, where set), the shared experts and
+    their gate."""
+    tokens, hidden = batch.tokens, config.hidden_size
+    topk, gated = config.moe_router_topk, config.gated_linear_unit
+    width = config.moe_latent_size or hidden
+    expert = mlp_flops(tokens, width, config.moe_ffn_hidden_size, gated)
+    parts = {
+        "router": linear_flops(tokens, hidden, config.num_moe_experts),
+        "experts_fc1": topk * expert["fc1"],
+        "experts_fc2": topk * expert["fc2"],
+    }
+    if config.moe_latent_size:
+        parts["latent_proj"] = 2 * linear_flops(tokens, hidden, config.moe_latent_size)
+    if config.moe_shared_expert_intermediate_size:
+        shared = mlp_flops(tokens, hidden, config.moe_shared_expert_intermediate_size, gated)
+        parts["shared_experts"] = shared["fc1"] + shared["fc2"]
+        if config.moe_shared_expert_gate:
+            parts["shared_experts"] += linear_flops(tokens, hidden, 1)
+    return parts
 
 
 RUNTIME = LayerRuntime(
@@ -212,4 +250,5 @@ RUNTIME = LayerRuntime(
     terminal_slots=terminal_slots,
     backward_dw=backward_dw,
     graph_pieces=graph_pieces,
+    flops=flops,
 )

@@ -161,6 +161,10 @@ def test_mixer_params_reach_only_the_torch_mixer():
     params = {"dt_limit": (0.1, float("inf")), "norm_eps": 1e-6}
     torch_spec = with_mixer_params(hybrid_stack_spec("local", mamba_impl="torch"), params)
     assert torch_spec.submodules.mamba_layer.submodules.mixer.params == params
+    # The fast path's mixer (a TorchMambaMixer subclass, built on GPUs) gets them as well.
+    fast = with_mixer_params(hybrid_stack_spec("local", mamba_impl="torch", local_impl="fast"),
+                             params)  # fmt: skip
+    assert fast.submodules.mamba_layer.submodules.mixer.params == params
     kernels = dataclasses.replace(
         torch_spec.submodules.mamba_layer.submodules.mixer, module=MambaMixer, params={}
     )

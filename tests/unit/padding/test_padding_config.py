@@ -132,10 +132,13 @@ def test_padding_config_validates(kwargs, match):
     "symbols, options, match",
     [
         ("[*E]", dict(transformer_impl="transformer_engine"), None),
-        ("[*E]", dict(transformer_impl="local"), r"dot_product_attention.py L153-156"),
-        ("+-", dict(transformer_impl="local"), r"MLA \('\+'\)"),
+        ("[*E]", dict(transformer_impl="local"), None),
+        ("[*E]", dict(transformer_impl="local", cp_size=2), r"attention \('\*'\).*cp > 1"),
+        ("+-", dict(transformer_impl="local"), None),
+        ("+-", dict(transformer_impl="local", cp_size=2), r"MLA \('\+'\).*cp > 1"),
         ("+-", dict(transformer_impl="transformer_engine"), None),
-        ("DE", dict(transformer_impl="local"), None),
+        ("DE", dict(transformer_impl="local"), r"'D'\) is built only by the TE backend"),
+        ("DE", dict(transformer_impl="transformer_engine"), None),
         ("[GE]", dict(), None),
         ("[GE]", dict(deterministic_mode=True), r"GatedDeltaNet \('G'\) in deterministic mode"),
         ("M-", dict(), None),
@@ -145,8 +148,9 @@ def test_padding_config_validates(kwargs, match):
         ({"-", "E"}, dict(transformer_impl="local", deterministic_mode=True), None),
         ("[*E]|[*E]/*E", dict(transformer_impl="inference_optimized"), "was not checked"),
     ],
-    ids=["attn-te", "attn-local", "mla-local", "mla-te", "dsa", "gdn", "gdn-deterministic"]
-    + ["mamba", "mamba-no-mem-eff", "mamba-cp-local", "mamba-cp-te", "mlp-moe", "inference"],
+    ids=["attn-te", "attn-local", "attn-local-cp", "mla-local", "mla-local-cp", "mla-te"]
+    + ["dsa-local", "dsa-te", "gdn", "gdn-deterministic", "mamba", "mamba-no-mem-eff"]
+    + ["mamba-cp-local", "mamba-cp-te", "mlp-moe", "inference"],
 )
 def test_thd_support_rules(symbols, options, match):
     reason = thd_unsupported_reason(symbols, **options)
@@ -158,8 +162,9 @@ def test_thd_support_rules(symbols, options, match):
 
 def test_thd_support_lists_every_refusing_layer():
     reason = thd_unsupported_reason("M*G", transformer_impl="local", deterministic_mode=True)
-    assert "attention ('*')" in reason and "GatedDeltaNet ('G')" in reason
-    assert "Mamba" not in reason
+    assert "GatedDeltaNet ('G')" in reason and "Mamba" not in reason and "'*'" not in reason
+    reason = thd_unsupported_reason("M*G", transformer_impl="local", cp_size=2)
+    assert "attention ('*')" in reason and "Mamba ('M')" in reason
 
 
 def test_thd_support_from_transformer_config():

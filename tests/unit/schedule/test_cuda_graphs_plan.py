@@ -146,6 +146,26 @@ def test_moe_dispatch_and_experts_stay_eager_with_reasons(pg):
     assert f"{moe}.router" in replayed
 
 
+def test_fast_path_experts_are_graphed_at_ep1(pg):
+    """Grouped-GEMM experts behind the sync-free dispatcher see fixed shapes: graphed, bitwise."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    pattern = "[*E]"
+    torch.manual_seed(3)
+    reference = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
+    torch.manual_seed(3)
+    model = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
+    model.load_state_dict(reference.state_dict())
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    moe = "decoder.layers.0.layers.1.mlp"
+    assert f"{moe}.experts" in report.graphed
+    assert f"{moe}.experts (experts)" not in report.eager
+    for seed in (0, 1):
+        _assert_same(_step(model, seed), _step(reference, seed))
+    assert f"{moe}.experts" in stand_in.names(model, stand_in.replayed)
+
+
 def test_negative_control_a_wrong_graph_is_caught(pg):
     """A graph whose output is off by 1e-3 relative must fail the bitwise comparison."""
     from megatron_hybrid.schedule import enable_cuda_graphs

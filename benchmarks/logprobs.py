@@ -1,0 +1,227 @@
+"""Tokens/s of ``forward_logprobs``: packed (THD) vs padded (BSHD rows), one GPU.
+
+    python benchmarks/logprobs.py --out benchmarks/results
+    python benchmarks/logprobs.py --tiny                       # a CPU smoke run of the script
+
+The model is shaped like Qwen3.5-35B-A3B (Qwen3.5-MoE: hidden 2048, ``([GE]{3}[*E])`` periods,
+GatedDeltaNet with 16 key / 32 value heads of 128, attention with 16 query / 2 KV heads of 256,
+256 experts of 512 with top 8 and a shared expert of 512, vocabulary 248,320), built from that
+Hugging Face config through ``megatron_hybrid.hf`` with random weights, ``--layers`` deep, bf16.
+Sequence lengths are drawn uniformly between ``--min-len`` and ``--max-len`` (each set varies by
+``max/min`` >= 2x) until ``--tokens`` real tokens; both layouts score the same sequences with
+``--max-tokens`` tokens per micro-batch: packed = THD micro-batches, padded = the same sequences
+in ``[B, S]`` rows (longest first, ``B x S <= max-tokens``). The figure is real tokens per second
+of the whole call (median of ``--repeats`` after one warm-up call, which also compiles fla's
+kernels); the log-probs of the two layouts are compared as a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: Qwen3.5-35B-A3B's text config (Qwen3.5-MoE), the shape the benchmark model takes.
+QWEN35_MOE = {
+    "model_type": "qwen3_5_moe_text",
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+
+#: A CPU-sized variant for ``--tiny`` (the script's logic, not a speed figure).
+TINY = dict(hidden_size=64, num_attention_heads=4, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, vocab_size=256)  # fmt: skip
+
+
+def _setup():
+    from megatron_hybrid.process_groups import init_single_process_world, initialize_model_parallel
+
+    if torch.cuda.is_available():
+        init_single_process_world("nccl")
+    else:
+        from megatron_hybrid.runtime.cpu import enable_cpu_emulation
+
+        enable_cpu_emulation()
+        init_single_process_world("gloo")
+    return initialize_model_parallel(tp=1, seed=1234)
+
+
+def build(args, pg):
+    """The Qwen3.5-MoE-shaped HybridModel (random weights) and its vocabulary size."""
+    from megatron_hybrid.hf.api import build_model
+    from megatron_hybrid.hf.config import hf_config_to_megatron
+
+    config = dict(QWEN35_MOE, **(TINY if args.tiny else {}))
+    if args.experts:
+        config["num_experts"] = args.experts
+    config["num_hidden_layers"] = args.layers
+    config["layer_types"] = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.layers)
+    ]
+    conversion = hf_config_to_megatron(config, mtp=False)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    torch.manual_seed(0)
+    return build_model(conversion, pg, params_dtype=dtype).eval(), config["vocab_size"]
+
+
+def lengths(args) -> list[int]:
+    gen = torch.Generator().manual_seed(args.seed)
+    out = []
+    while sum(out) < args.tokens:
+        out.append(int(torch.randint(args.min_len, args.max_len + 1, (1,), generator=gen)))
+    return out
+
+
+def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    def call():
+        return forward_logprobs(
+            model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
+        )
+
+    result = call()  # warm-up (fla compiles and autotunes its kernels here)
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    real = sum(len(s) for s in sequences)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    row = dict(
+        layout="packed" if packed else "padded",
+        seconds=seconds,
+        tokens_per_s=real / seconds,
+        micro_batches=_micro_batches(sequences, packed, args),
+        peak_gib=peak,
+    )
+    return row, result
+
+
+def _micro_batches(sequences, packed: bool, args) -> int:
+    from megatron_hybrid.logprobs.batches import micro_batch_groups
+    from megatron_hybrid.padding import PaddingConfig
+
+    sizes = [len(s) for s in sequences if len(s) > 1]
+    return len(micro_batch_groups(sizes, PaddingConfig(), args.max_tokens, packed, None))
+
+
+def _markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# forward_logprobs: packed vs padded ({meta['device']})",
+        "",
+        f"{meta['date']}; Qwen3.5-MoE-shaped, {meta['layers']} layers, {meta['experts']} experts, "
+        f"{meta['dtype']}, {meta['max_tokens']} tokens per micro-batch; {meta['sequences']} "
+        f"sequences of {meta['min_len']}-{meta['max_len']} tokens ({meta['tokens']} real); median "
+        f"of {meta['repeats']} calls after a warm-up. Command: `{meta['command']}`.",
+        "",
+        "| layout | real tok/s | seconds | micro-batches | peak GiB | packed speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    padded = next(r for r in rows if r["layout"] == "padded")
+    for r in rows:
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        gain = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}x" if r is not padded else ""
+        lines.append(
+            f"| {r['layout']} | {r['tokens_per_s']:,.0f} | {r['seconds']:.3f} | "
+            f"{r['micro_batches']} | {peak} | {gain} |"
+        )
+    lines.append("")
+    lines.append(f"max |log-prob packed - padded| = {meta['max_abs_diff']:.3g}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8, help="depth (multiple of 4 keeps periods)")
+    parser.add_argument("--experts", type=int, default=None, help="experts (default: 256)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="tokens per micro-batch")
+    parser.add_argument("--tokens", type=int, default=65536, help="real tokens to score")
+    parser.add_argument("--min-len", type=int, default=512, help="shortest sequence")
+    parser.add_argument("--max-len", type=int, default=4096, help="longest sequence")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per layout")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens")
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized model (a smoke run)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the results files")
+    args = parser.parse_args()
+    if args.max_len < 2 * args.min_len:
+        parser.error("--max-len must be at least 2 x --min-len (lengths varying 2x or more)")
+    if args.max_len > args.max_tokens:
+        parser.error("--max-len must fit in --max-tokens")
+
+    pg = _setup()
+    model, vocab = build(args, pg)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    sequences = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths(args)]
+    rows, results = [], {}
+    for packed in (True, False):
+        row, results[packed] = measure(model, sequences, packed, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    diff = max(
+        (a.float() - b.float()).abs().max().item()
+        for a, b in zip(results[True], results[False], strict=True)
+    )
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    meta = dict(
+        device=name,
+        date=datetime.date.today().isoformat(),
+        dtype="bf16" if torch.cuda.is_available() else "float32",
+        layers=args.layers,
+        experts=args.experts or (TINY if args.tiny else QWEN35_MOE)["num_experts"],
+        max_tokens=args.max_tokens,
+        sequences=len(sequences),
+        min_len=args.min_len,
+        max_len=args.max_len,
+        tokens=sum(len(s) for s in sequences),
+        repeats=args.repeats,
+        max_abs_diff=diff,
+        command="python benchmarks/logprobs.py " + " ".join(sys.argv[1:]),
+    )
+    table = _markdown(rows, meta)
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"logprobs_{name.replace(' ', '-')}"
+        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        stem.with_suffix(".md").write_text(table)
+    packed, padded = rows
+    return 0 if packed["tokens_per_s"] > padded["tokens_per_s"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``logprobs``: per-token log-probs of token sequences under a converted or trained model.
+
+Reads a JSONL file with one ``{"input_ids": [...]}`` per line and writes one
+``{"logprobs": [...]}`` per line (with ``--entropy`` also ``"entropies"``): entry ``j`` is
+``log p(input_ids[j + 1] | input_ids[: j + 1])``, so a converted model can be checked against an
+inference engine's prompt log-probs. The model comes from ``--load-hf HF_DIR`` or ``--load CKPT``
+(with ``train``'s architecture flags for a ``train`` checkpoint); the parallel-layout flags are
+``train``'s. Sequences are packed into THD micro-batches whenever the model's layers pack. CPU by
+default; GPUs under ``torchrun --nproc_per_node N -m megatron_hybrid logprobs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_hybrid.cli.main import Command
+
+__all__ = ["COMMAND"]
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
+    from megatron_hybrid.training.arguments import add_hybrid_args
+
+    parser.usage = "%(prog)s --input FILE.jsonl (--load-hf HF_DIR | --load CKPT) [options]"
+    group = parser.add_argument_group("megatron_hybrid: logprobs command")
+    group.add_argument(
+        "--input",
+        required=True,
+        metavar="FILE",
+        help='JSONL file, one {"input_ids": [...]} per line',
+    )
+    group.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the JSONL results here (default: standard output)",
+    )
+    group.add_argument("--entropy", action="store_true", help="also write per-token entropies")
+    group.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature of the log-probs"
+    )
+    group.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="tokens per forward pass, alignment padding included",
+    )
+    group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' warnings and log lines (hidden by default)",
+    )
+    add_hybrid_args(parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_hybrid.runtime import select_backend
+    from megatron_hybrid.training.logprobs_job import run_logprobs
+
+    started_world = not torch.distributed.is_initialized()
+    try:
+        run_logprobs(args, backend=select_backend())
+    finally:
+        # Also on a refusal: a process group left to the interpreter's exit can abort it.
+        if started_world and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+COMMAND = Command(
+    name="logprobs",
+    help="per-token log-probs of JSONL token sequences under a --load-hf or --load model",
+    configure=_configure,
+    run=_run,
+    description=__doc__,
+)

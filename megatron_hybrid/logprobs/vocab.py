@@ -1,0 +1,238 @@
+"""Per-token log-probabilities and entropies from vocab-parallel logits, without gathering them.
+
+With tensor parallelism megatron's output layer leaves every rank the logits of its slice of the
+vocabulary (``[..., V / tp]``). :func:`token_logprobs` and :func:`token_entropy` reduce over the
+whole vocabulary with small all-reduces over the tensor-parallel group (row maxima, target logits,
+sums), as megatron-core's vocab-parallel cross-entropy does (``tensor_parallel/cross_entropy.py``,
+``VocabParallelCrossEntropy``): the ``[..., V]`` logits never exist on one rank.
+
+The math is float32 whatever the logits' dtype. Vocabulary rows at and past ``vocab_size``
+(megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``) are left out
+of the softmax. The work runs over blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory
+beyond the input is a few float32 blocks, at most one logits-sized buffer. Both functions are
+differentiable: the backward pass recomputes the softmax block by block from the saved logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+__all__ = ["BLOCK_ELEMENTS", "check_temperature", "token_entropy", "token_logprobs"]
+
+#: Logits per block of rows; float32 temporaries of one or two blocks are the extra memory.
+BLOCK_ELEMENTS = 1 << 24
+
+
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float, or ValueError unless it is a positive finite number."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    return float(temperature)
+
+
+def _layout(logits: Tensor, vocab_size, tp_group) -> tuple[int, int]:
+    """``(first vocabulary id of this shard, number of its columns that are real tokens)``."""
+    if not torch.is_tensor(logits) or not logits.is_floating_point() or logits.dim() < 1:
+        got = logits.dtype if torch.is_tensor(logits) else type(logits).__name__
+        raise ValueError(f"logits must be a floating-point tensor [..., vocab shard], got {got}")
+    rank, size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+    local = logits.size(-1)
+    total = local * size
+    vocab_size = total if vocab_size is None else vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if vocab_size > total:
+        raise ValueError(
+            f"vocab_size={vocab_size} exceeds the {total} logits of the vocabulary ({local} per "
+            f"rank x TP {size}); pass this rank's vocabulary shard and the real vocabulary size"
+        )
+    first = rank * local
+    return first, max(0, min(local, vocab_size - first))
+
+
+def _check_labels(labels, logits: Tensor, vocab_size: int) -> None:
+    if not torch.is_tensor(labels) or labels.dtype.is_floating_point or labels.is_complex():
+        raise ValueError("labels must be an integer tensor of token ids")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must have the logits' shape without the vocabulary "
+            f"dimension, {tuple(logits.shape[:-1])}"
+        )
+    if labels.numel():
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"labels must be token ids in [0, {vocab_size}); got values in [{low}, {high}]"
+            )
+
+
+def _all_reduce(tensor: Tensor, op, tp_group) -> Tensor:
+    if tp_group is not None and tp_group.size() > 1:
+        torch.distributed.all_reduce(tensor, op=op, group=tp_group)
+    return tensor
+
+
+def _blocks(rows: int, columns: int):
+    step = max(1, BLOCK_ELEMENTS // max(columns, 1))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _shifted(flat: Tensor, block: slice, valid: int, temperature: float, shift: Tensor) -> Tensor:
+    """``z = logits / T - max`` (float32) of a block of rows over the shard's real columns."""
+    x = flat[block, :valid].float()
+    x = x / temperature if temperature != 1.0 else x.clone()
+    return x.sub_(shift[block].unsqueeze(-1))
+
+
+def _softmax_statistics(flat: Tensor, valid: int, temperature: float, tp_group, entropy: bool):
+    """Per row: the global max of ``logits / T``, ``S = sum exp(z)`` and, if ``entropy``,
+    ``sum exp(z) * z`` (``z = logits / T - max``), all reduced over the TP group."""
+    rows = flat.size(0)
+    shift = torch.full((rows,), -math.inf, dtype=torch.float32, device=flat.device)
+    for block in _blocks(rows, valid) if valid else ():
+        shift[block] = flat[block, :valid].float().amax(-1) / temperature
+    _all_reduce(shift, ReduceOp.MAX, tp_group)
+    sums = torch.zeros(2, rows, dtype=torch.float32, device=flat.device)
+    for block in _blocks(rows, valid) if valid else ():
+        z = _shifted(flat, block, valid, temperature, shift)
+        e = z.exp()
+        sums[0, block] = e.sum(-1)
+        if entropy:
+            sums[1, block] = z.mul_(e).sum(-1)
+    _all_reduce(sums, ReduceOp.SUM, tp_group)
+    return shift, sums[0].log(), sums[1] / sums[0]
+
+
+def _target_logits(flat, labels, first, valid, temperature, shift, tp_group) -> Tensor:
+    """``logits[label] / T - max`` per row, from the rank that holds the label."""
+    local = (labels >= first) & (labels < first + valid)
+    index = (labels - first).clamp(0, max(valid - 1, 0)).unsqueeze(-1)
+    picked = flat.gather(-1, index).squeeze(-1).float() / temperature - shift
+    target = torch.where(local, picked, torch.zeros_like(picked))
+    return _all_reduce(target, ReduceOp.SUM, tp_group)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, vocab_size, tp_group):
+        first, valid = _layout(logits, vocab_size, tp_group)
+        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        shift, log_sum, _ = _softmax_statistics(flat, valid, temperature, tp_group, False)
+        target = _target_logits(flat, flat_labels, first, valid, temperature, shift, tp_group)
+        ctx.save_for_backward(logits, labels, shift, log_sum)
+        ctx.layout = (first, valid, temperature)
+        return (target - log_sum).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, shift, log_sum = ctx.saved_tensors
+        first, valid, temperature = ctx.layout
+        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        g = grad.reshape(-1).float()
+        out = torch.zeros_like(flat)
+        for block in _blocks(flat.size(0), valid) if valid else ():
+            # d log p(label) / dz_i = [i == label] - p_i, with z = logits / T.
+            p = _shifted(flat, block, valid, temperature, shift + log_sum).exp_()
+            out[block, :valid] = (p.mul_(-g[block].unsqueeze(-1)) / temperature).to(out.dtype)
+        local = (flat_labels >= first) & (flat_labels < first + valid)
+        rows = local.nonzero().squeeze(-1)
+        columns = flat_labels[rows] - first
+        out[rows, columns] += (g[rows] / temperature).to(out.dtype)
+        return out.view_as(logits), None, None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, temperature, vocab_size, tp_group):
+        _, valid = _layout(logits, vocab_size, tp_group)
+        flat = logits.reshape(-1, logits.size(-1))
+        shift, log_sum, mean_z = _softmax_statistics(flat, valid, temperature, tp_group, True)
+        # H = -sum p log p with log p = z - log S: H = log S - sum p z.
+        entropy = log_sum - mean_z
+        ctx.save_for_backward(logits, shift, log_sum, entropy)
+        ctx.layout = (valid, temperature)
+        return entropy.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, shift, log_sum, entropy = ctx.saved_tensors
+        valid, temperature = ctx.layout
+        flat = logits.reshape(-1, logits.size(-1))
+        g = grad.reshape(-1).float()
+        out = torch.zeros_like(flat)
+        for block in _blocks(flat.size(0), valid) if valid else ():
+            # dH / dz_i = -p_i (log p_i + H).
+            log_p = _shifted(flat, block, valid, temperature, shift + log_sum)
+            scale = (-g[block] / temperature).unsqueeze(-1)
+            term = log_p.add(entropy[block].unsqueeze(-1)).mul_(log_p.exp_()).mul_(scale)
+            out[block, :valid] = term.to(out.dtype)
+        return out.view_as(logits), None, None, None
+
+
+def token_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """``log softmax(logits / temperature)[label]`` per position, from vocab-parallel logits.
+
+    Args:
+        logits: this rank's vocabulary shard, ``[..., V / tp]`` (any float dtype); rank ``r`` of
+            ``tp_group`` holds vocabulary ids ``[r * V / tp, (r + 1) * V / tp)``, as megatron's
+            ``ColumnParallelLinear`` output layer leaves them.
+        labels: token ids ``[...]`` (global ids, the same on every TP rank).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
+        temperature: the sampling temperature the log-probabilities are for.
+        vocab_size: the real vocabulary size; logits of ids at and past it (vocabulary padding)
+            are excluded. None: every column is a token.
+
+    Returns:
+        float32 ``[...]`` log-probabilities, the same on every rank of ``tp_group``;
+        differentiable with respect to ``logits``.
+
+    Raises:
+        ValueError: bad logits, labels (shape, dtype, ids outside the vocabulary), temperature
+            or vocab_size.
+    """
+    temperature = check_temperature(temperature)
+    first, valid = _layout(logits, vocab_size, tp_group)
+    size = 1 if tp_group is None else tp_group.size()
+    _check_labels(labels, logits, vocab_size or logits.size(-1) * size)
+    return _TokenLogProbs.apply(logits, labels, temperature, vocab_size, tp_group)
+
+
+def token_entropy(
+    logits: Tensor,
+    *,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Entropy ``-sum p log p`` of ``softmax(logits / temperature)`` per position.
+
+    Args:
+        logits: this rank's vocabulary shard ``[..., V / tp]`` (see :func:`token_logprobs`).
+        tp_group: the tensor-parallel group the vocabulary is split over (None: not split).
+        temperature: the sampling temperature.
+        vocab_size: the real vocabulary size (padding columns excluded); None: all columns.
+
+    Returns:
+        float32 ``[...]`` entropies in nats, the same on every rank of ``tp_group``;
+        differentiable with respect to ``logits``.
+
+    Raises:
+        ValueError: bad logits, temperature or vocab_size.
+    """
+    temperature = check_temperature(temperature)
+    _layout(logits, vocab_size, tp_group)
+    return _TokenEntropy.apply(logits, temperature, vocab_size, tp_group)

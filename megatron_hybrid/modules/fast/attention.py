@@ -1,0 +1,194 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core 0.19.2's local ``DotProductAttention`` materialises the ``[b * heads, s, s]``
+score matrix (``baddbmm``), masks and softmaxes it in float32 and multiplies it with the values:
+at sequence 4096 that is 32 MiB of scores per head and several passes over them. SDPA computes
+the same function in one fused kernel where one applies (FlashAttention-2, cuDNN or
+memory-efficient attention on CUDA; a tiled math kernel on the CPU) and picks the kernel itself.
+
+:class:`SDPACoreAttention` (``*``) and :class:`SDPAMLACoreAttention` (``+``, separate query/key
+and value head sizes) subclass the package's reference classes, so parameters, buffers, the
+checkpoint and the constructor are theirs; only ``forward`` changes. Before each call
+:func:`~megatron_hybrid.modules.fast.selection.sdpa_reason` decides whether SDPA can compute
+it; otherwise the reference forward runs and the reason is kept in ``fast_path_reason``.
+
+Packed (THD) batches run one SDPA call per sequence, on the host copy of ``cu_seqlens`` (read
+once per micro-batch: the layers of one forward share the tensor, so the copy is cached by
+tensor); ``cu_seqlens_q_padded`` places each sequence, and padding rows between sequences get
+zero output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional
+
+from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
+from megatron_hybrid.modules.fast.selection import host_values, is_causal_mask, sdpa_reason
+
+__all__ = ["SDPACoreAttention", "SDPAMLACoreAttention", "sdpa_attention", "sdpa_packed_attention"]
+
+# SDPA is a builtin without an introspectable signature; enable_gqa came in torch 2.5.
+_HAS_ENABLE_GQA = "enable_gqa" in (functional.scaled_dot_product_attention.__doc__ or "")
+
+
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    keep_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA on megatron's ``[s, b, heads, dim]`` layout; returns ``[sq, b, heads * dim_v]``.
+
+    Key/value heads fewer than query heads (grouped-query attention) are shared by consecutive
+    query heads, as megatron's ``repeat_interleave`` shares them.
+
+    Args:
+        query: ``[sq, b, heads, dim_qk]``.
+        key: ``[sk, b, groups, dim_qk]``.
+        value: ``[sk, b, groups, dim_v]``.
+        scale: factor on the scores.
+        causal: causal mask (``sq == sk``).
+        keep_mask: boolean ``[b | 1, heads | 1, sq, sk]``, True where a query may see a key.
+        dropout_p: dropout probability on the attention weights.
+    """
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    kwargs = {}
+    if k.shape[1] != q.shape[1]:
+        if _HAS_ENABLE_GQA:
+            kwargs["enable_gqa"] = True
+        else:  # torch < 2.5
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    out = functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep_mask, dropout_p=dropout_p, is_causal=causal, scale=scale, **kwargs
+    )
+    sq, batch = query.shape[0], query.shape[1]
+    return out.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+
+def sdpa_packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed_seq_params,
+    *,
+    scale: float,
+    causal: bool,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA over each packed sequence of a THD batch; returns ``[t, heads * dim_v]``.
+
+    Args:
+        query: ``[t, heads, dim_qk]``.
+        key: ``[t, groups, dim_qk]``.
+        value: ``[t, groups, dim_v]``.
+        packed_seq_params: megatron's ``PackedSeqParams`` (``cu_seqlens_q`` and, where
+            sequences are padded apart, ``cu_seqlens_q_padded``).
+        scale: factor on the scores.
+        causal: causal mask within each sequence.
+        dropout_p: dropout probability on the attention weights.
+    """
+    lengths = host_values(packed_seq_params.cu_seqlens_q)
+    padded = packed_seq_params.cu_seqlens_q_padded
+    starts = host_values(padded) if padded is not None else lengths
+    total = query.shape[0]
+    width = query.shape[1] * value.shape[-1]
+    pieces, position = [], 0
+    for index in range(len(lengths) - 1):
+        start, length = starts[index], lengths[index + 1] - lengths[index]
+        if start > position:
+            pieces.append(query.new_zeros(start - position, width))
+        part = slice(start, start + length)
+        out = sdpa_attention(
+            query[part].unsqueeze(1),
+            key[part].unsqueeze(1),
+            value[part].unsqueeze(1),
+            scale=scale,
+            causal=causal,
+            dropout_p=dropout_p,
+        )
+        pieces.append(out.squeeze(1))
+        position = start + length
+    if position < total:
+        pieces.append(query.new_zeros(total - position, width))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+class _SDPAForward:
+    """``forward`` through SDPA where :func:`sdpa_reason` allows it, else the reference's."""
+
+    fast_path_reason: str | None = "not run"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Core attention; ``[sq, b, heads, dim]`` in, ``[sq, b, heads * dim_v]`` out (THD:
+        ``[t, heads, dim]`` in, ``[t, heads * dim_v]`` out)."""
+        reason = sdpa_reason(
+            self, query, key, attention_mask, attention_bias, attn_mask_type, packed_seq_params
+        )
+        self.fast_path_reason = reason
+        if reason is not None:
+            return super().forward(
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params,
+                **kwargs,
+            )
+        # FusedScaleMaskSoftmax multiplies the (already divided) scores by the layer-number
+        # coefficient again when apply_query_key_layer_scaling is on: the net scale is this.
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        causal = is_causal_mask(attn_mask_type or self.attn_mask_type)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+
+            def attend():
+                return sdpa_packed_attention(
+                    query, key, value, packed_seq_params, scale=scale, causal=causal,
+                    dropout_p=dropout_p,
+                )  # fmt: skip
+
+        else:
+            keep = None if attention_mask is None else ~attention_mask
+            causal = causal and attention_mask is None
+
+            def attend():
+                return sdpa_attention(
+                    query, key, value, scale=scale, causal=causal, keep_mask=keep,
+                    dropout_p=dropout_p,
+                )  # fmt: skip
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # The reference draws its dropout mask inside the model-parallel RNG fork.
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return attend()
+        return attend()
+
+
+class SDPACoreAttention(_SDPAForward, LocalCoreAttention):
+    """The package's local core attention (``*``; megatron-core's ``DotProductAttention`` with
+    packed input) computed through SDPA."""
+
+
+class SDPAMLACoreAttention(_SDPAForward, MLACoreAttention):
+    """The package's MLA core attention (``+``) computed through SDPA: query/key heads of
+    ``qk_head_dim + qk_pos_emb_head_dim``, value heads of ``v_head_dim``."""

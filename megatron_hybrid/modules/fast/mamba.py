@@ -1,0 +1,66 @@
+"""The torch Mamba2 path with its elementwise-heavy pieces compiled.
+
+:class:`~megatron_hybrid.modules.mamba_torch.TorchMambaMixer` (``M`` where mamba_ssm's kernels
+are missing) computes the causal conv, the chunked SSD scan and the gated norm with plain torch
+operations: masks, exponentials, cumulative sums and float32 casts around a few einsums, each a
+kernel of its own and a pass over memory. :class:`FastTorchMambaMixer` runs the same two pure
+functions (:func:`~megatron_hybrid.modules.mamba_torch.mamba2_scan` and
+:func:`~megatron_hybrid.modules.ssd.gated_rms_norm`) through
+:class:`~megatron_hybrid.modules.fast.compiled.CompiledPiece`, so inductor fuses the steps
+between the einsums; packed batches (``seq_idx``) and context parallelism keep the eager path
+(``fast_path_reason`` says which ran). Parameters and checkpoints are ``TorchMambaMixer``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_hybrid.modules.fast.compiled import CompiledPiece
+from megatron_hybrid.modules.mamba_torch import GatedRMSNorm, TorchMambaMixer, mamba2_scan
+from megatron_hybrid.modules.ssd import gated_rms_norm
+
+__all__ = ["FastGatedRMSNorm", "FastTorchMambaMixer"]
+
+_SCAN = CompiledPiece(mamba2_scan, "mamba2_scan")
+_NORM = CompiledPiece(gated_rms_norm, "mamba2_gated_rms_norm")
+
+
+class FastGatedRMSNorm(GatedRMSNorm):
+    """``GatedRMSNorm`` through the compiled :func:`~megatron_hybrid.modules.ssd.gated_rms_norm`."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """``rmsnorm(y * silu(z)) * weight`` per group of channels."""
+        return _NORM(y, z, self.weight, self.group_size, self.eps)
+
+
+class FastTorchMambaMixer(TorchMambaMixer):
+    """``TorchMambaMixer`` whose scan and gated norm run compiled where they can."""
+
+    norm_class = FastGatedRMSNorm
+    fast_path_reason: str | None = "not run"
+
+    def _ssm(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+        if seq_idx is not None:
+            self.fast_path_reason = "packed sequences (seq_idx) run the eager scan"
+        elif self.cp.cp_size > 1:
+            self.fast_path_reason = "context parallelism runs the eager scan"
+        else:
+            self.fast_path_reason = _SCAN.failure
+        if self.fast_path_reason is not None:
+            return super()._ssm(zxbcdt, seq_idx)
+        return _SCAN(
+            zxbcdt,
+            self.conv1d_weight.squeeze(1),
+            self.conv1d_bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            None,
+            heads=self.nheads_local_tp,
+            groups=self.ngroups_local_tp,
+            state=self.d_state,
+            head_dim=self.headdim,
+            chunk_size=self.chunk_size,
+            dt_limit=self.dt_limit,
+            d_has_hdim=self.D_has_hdim,
+        )

@@ -1,0 +1,38 @@
+"""GatedDeltaNet (``G``) with its log decay computed in float32 from the gate parameters.
+
+megatron-core 0.19.2's ``GatedDeltaNet._compute_g_and_beta`` (``ssm/gated_delta_net/gdn.py``)
+computes ``g = -A_log.exp() * softplus(alpha.float() + dt_bias)``: ``exp`` runs in the
+parameter's dtype, so in a bf16 model ``exp(A_log)`` is rounded to bf16 (8 bits) before it
+scales every token's decay of that head, a systematic relative error of up to ``2^-9`` in ``g``
+that ``exp(sum g)`` then carries through the recurrence, and its backward rounds through bf16
+twice more. transformers (``-self.A_log.float().exp() * softplus(a.float() + self.dt_bias)`` in
+its Qwen3.5 / Qwen3-Next modeling code) and fla's own fused gate (``use_gate_in_kernel``) take
+``exp`` in float32. :class:`HybridGatedDeltaNet` does the same; nothing else differs, so
+checkpoints, THD handling and the kernels are megatron-core's.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.jit import jit_fuser
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from torch.nn.functional import softplus
+
+__all__ = ["HybridGatedDeltaNet"]
+
+
+class HybridGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's ``GatedDeltaNet`` with ``g`` computed in float32 (see the module doc)."""
+
+    @jit_fuser
+    def _compute_g_and_beta(
+        self,
+        A_log_local_cp: torch.Tensor,  # noqa: N803 - megatron-core's argument names
+        dt_bias_local_cp: torch.Tensor,
+        alpha: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g = -exp(A_log) * softplus(alpha + dt_bias)`` in float32, ``beta = sigmoid(beta)``."""
+        decay = A_log_local_cp.float().exp()
+        g = -decay * softplus(alpha.float() + dt_bias_local_cp.float())
+        return g, beta.sigmoid()

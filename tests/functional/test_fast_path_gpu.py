@@ -1,0 +1,293 @@
+"""The fast TE-free path against the reference path on a GPU, bf16, forward and gradients.
+
+    torchrun --nproc_per_node 1 -m pytest -q -s tests/functional/test_fast_path_gpu.py
+
+For ``[*E]``, ``[GE]``, ``[ME]`` and ``[+E]`` the same weights run through three models: the
+reference path (megatron-core's local modules) in float32 with TF32 off (the yardstick), the
+reference path in bf16, and the fast path in bf16 (SDPA attention, grouped-GEMM experts, the
+sync-free dispatcher, the parallel-scan GatedDeltaNet torch path or fla, the compiled torch
+Mamba2). Both bf16 paths are measured against float32; the fast path must stay within a small
+multiple of the reference path's own bf16 error plus a floor, for the loss, all gradients
+together and each parameter. Every token is routed to every expert (top-k = experts), so no
+routing decision can flip between the runs and move a gradient to another expert; the expert
+test below routes unevenly (an expert with no token included) on the experts alone.
+
+The tables give the errors; ``fast_path_report`` must show every fast module fast (a module that
+fell back prints its reason, e.g. a ``torch._grouped_mm`` this GPU does not run). Every rank
+runs the same single-GPU models (EP = 1), so the test passes on 1, 2 or 4 GPUs alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import exact_float32, rel_error, report
+
+SEQ, BATCH = 256, 2
+# The fast path may round differently (fused kernels, another summation order): a few times
+# the reference path's bf16 error plus a floor. A wrong mask, expert or state is off by O(1).
+FACTOR, FLOOR, PARAM_FACTOR, PARAM_FLOOR = 2.0, 1e-2, 4.0, 5e-2
+
+
+@pytest.fixture
+def pg(world):
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+
+    yield initialize_model_parallel(seed=1)
+    reset_megatron_state()
+
+
+def _config(pattern: str, dtype: torch.dtype, deterministic: bool):
+    from megatron_hybrid.testing.models import small_config
+
+    config = small_config(
+        pattern, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256,
+        num_moe_experts=4, moe_router_topk=4, moe_ffn_hidden_size=64,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+        deterministic_mode=deterministic, mamba_head_dim=32, mamba_state_dim=32,
+        mamba_num_groups=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+    )  # fmt: skip
+    if "+" not in pattern:
+        return config
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    fields.update(
+        multi_latent_attention=True,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_head_dim=32,
+        qk_pos_emb_head_dim=16,
+        v_head_dim=32,
+        rope_type="rope",
+    )
+    return MLATransformerConfig(**fields)  # fmt: skip
+
+
+def _model(pg, pattern, dtype, local_impl, deterministic, device, weights=None):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_hybrid.testing.models import build_hybrid
+
+    config = _config(pattern, dtype, deterministic)
+    torch.manual_seed(1)
+    inner = build_hybrid(config, pattern, pg, local_impl=local_impl, vocab_size=256,
+                         max_sequence_length=SEQ).to(device)  # fmt: skip
+    if weights is not None:
+        inner.load_state_dict(weights, strict=False)  # the linears' empty _extra_state
+    model = Float16Module(config, inner) if dtype == torch.bfloat16 else inner
+    return model, inner
+
+
+def _step(model, inner, device):
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=gen).to(device)
+    positions = torch.arange(SEQ, device=device).expand(BATCH, -1)
+    loss = model(input_ids=tokens, position_ids=positions, attention_mask=None,
+                 labels=tokens).float().mean()  # fmt: skip
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in inner.named_parameters()}
+
+
+def _gdn_modes() -> list:
+    from megatron_hybrid.training.capabilities import fla_gated_backward_refused, fla_installed
+
+    modes = [pytest.param(True, id="torch-path")]
+    if torch.cuda.is_available() and fla_installed() and fla_gated_backward_refused() is None:
+        modes.append(pytest.param(False, id="fla"))
+    return modes
+
+
+@pytest.mark.parametrize(
+    "pattern, deterministic",
+    [pytest.param("[*E]{2}", False, id="attention"),
+     *[pytest.param("[GE]{2}", mode.values[0], id=f"gdn-{mode.id}") for mode in _gdn_modes()],
+     pytest.param("[ME]{2}", False, id="mamba"),
+     pytest.param("[+E]{2}", False, id="mla")],
+)  # fmt: skip
+def test_fast_path_matches_reference_in_bf16(world, pg, pattern, deterministic):
+    from megatron_hybrid.modules.fast import fast_path_report
+    from megatron_hybrid.modules.fast.compiled import COMPILE_SECONDS
+
+    _, _, device = world
+    with exact_float32():
+        model, inner = _model(pg, pattern, torch.float32, "reference", deterministic, device)
+        weights = {k: v.detach().clone() for k, v in inner.state_dict().items() if v is not None}
+        truth_loss, truth = _step(model, inner, device)
+    runs = {}
+    for impl in ("reference", "fast"):
+        model, inner = _model(pg, pattern, torch.bfloat16, impl, deterministic, device, weights)
+        loss, grads = _step(model, inner, device)
+        runs[impl] = (loss, grads, fast_path_report(inner))
+    errors = {}
+    for impl, (loss, grads, _) in runs.items():
+        flat = torch.cat([grads[n].flatten() for n in truth])
+        errors[impl] = dict(
+            loss=abs(loss - truth_loss) / abs(truth_loss),
+            grads=rel_error(flat, torch.cat([truth[n].flatten() for n in truth])),
+            per_param={n: rel_error(grads[n], g) for n, g in truth.items() if g.abs().sum() > 0},
+        )
+    ref, fast = errors["reference"], errors["fast"]
+    worst = sorted(fast["per_param"], key=lambda n: -fast["per_param"][n])[:4]
+    report(
+        f"fast vs reference, {pattern}, bf16 (errors against float32)",
+        [("", "reference", "fast"), ("loss", f"{ref['loss']:.2e}", f"{fast['loss']:.2e}"),
+         ("all gradients", f"{ref['grads']:.2e}", f"{fast['grads']:.2e}")]
+        + [(n, f"{ref['per_param'][n]:.2e}", f"{fast['per_param'][n]:.2e}") for n in worst]
+        + [("fast modules", "", "; ".join(sorted(set(runs["fast"][2].values()))))]
+        + [("compile s", "", ", ".join(f"{k} {v:.1f}" for k, v in COMPILE_SECONDS.items()))],
+    )  # fmt: skip
+    assert set(runs["fast"][2].values()) == {"fast"}, runs["fast"][2]
+    assert fast["loss"] <= FACTOR * ref["loss"] + 1e-3
+    assert fast["grads"] <= FACTOR * ref["grads"] + FLOOR
+    bad = {n: (e, ref["per_param"][n]) for n, e in fast["per_param"].items()
+           if e > PARAM_FACTOR * ref["per_param"][n] + PARAM_FLOOR}  # fmt: skip
+    assert not bad, bad
+
+
+def test_grouped_experts_with_uneven_routing(world, pg):
+    """64 experts with uneven loads, some empty: grouped GEMM vs the per-expert loop."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.testing.models import small_config
+
+    _, _, device = world
+    experts, hidden, ffn = 64, 256, 128
+    config = small_config(
+        "E",
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=ffn,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=True,
+    )
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 80, (experts,), generator=gen)
+    counts[::7] = 0
+    rows = int(counts.sum())
+    tokens = torch.randn(rows, hidden, generator=gen)
+    probs = torch.rand(rows, generator=gen)
+    grad_out = torch.randn(rows, hidden, generator=gen)
+
+    def run(cls, dtype):
+        torch.manual_seed(5)
+        module = cls(experts, config, submodules, pg_collection=pg).to(device, dtype)
+        x = tokens.to(device, dtype).clone().requires_grad_()
+        p = probs.to(device, dtype).clone().requires_grad_()
+        out, _ = module(x, counts.to(device), p)
+        out.backward(grad_out.to(device, dtype))
+        grads = {n: q.grad.float() for n, q in module.named_parameters()}
+        return {"out": out.float(), "dx": x.grad.float(), "dprobs": p.grad.float(), **grads}, module
+
+    with exact_float32():  # SequentialMLP in float32: the yardstick
+        truth, _ = run(SequentialMLP, torch.float32)
+    ref, _ = run(SequentialMLP, torch.bfloat16)
+    fast, module = run(GroupedGemmExperts, torch.bfloat16)
+    assert module.fast_path_reason is None, module.fast_path_reason
+    rows_ = [("", "reference", "fast")]
+    for name in ("out", "dx", "dprobs", "local_experts.3.linear_fc1.weight"):
+        rows_.append((name, f"{rel_error(ref[name], truth[name]):.2e}",
+                      f"{rel_error(fast[name], truth[name]):.2e}"))  # fmt: skip
+    report(f"grouped experts, {experts} experts, {rows} routed rows, bf16 vs float32", rows_)
+    for name, value in truth.items():
+        if value.abs().sum() == 0:  # an expert without tokens: exactly zero in both
+            assert torch.count_nonzero(fast[name]) == 0, name
+            continue
+        bound = PARAM_FACTOR * rel_error(ref[name], value) + FLOOR
+        assert rel_error(fast[name], value) <= bound, name
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa", "mla-head-sizes", "packed"], ids=lambda c: c)
+def test_sdpa_attention(world, pg, case):
+    """SDPA (flash / cuDNN / memory-efficient, as torch picks) against the unfused reference."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hybrid.modules.attention import MLACoreAttention
+    from megatron_hybrid.modules.fast.attention import SDPAMLACoreAttention
+    from megatron_hybrid.testing.models import small_config
+
+    _, _, device = world
+    heads, groups = 16, 4 if case == "gqa" else 16
+    qk, v = (192, 128) if case == "mla-head-sizes" else (128, 128)
+    seq = 1024
+
+    def modules(bf16: bool):
+        config = small_config(
+            "*",
+            hidden_size=heads * 128,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
+        kwargs = dict(
+            config=config,
+            layer_number=1,
+            attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+            k_channels=qk,
+            v_channels=v,
+            pg_collection=pg,
+        )
+        return SDPAMLACoreAttention(**kwargs), MLACoreAttention(**kwargs)
+
+    (fast, ref), (_, ref32) = modules(True), modules(False)
+    gen = torch.Generator().manual_seed(2)
+    batch = 1 if case == "packed" else 2
+    q = torch.randn(seq, batch, heads, qk, generator=gen)
+    k = torch.randn(seq, batch, groups, qk, generator=gen)
+    val = torch.randn(seq, batch, groups, v, generator=gen)
+
+    def run(module, dtype, tensors, **extra):
+        leaves = [t.to(device, dtype).clone().requires_grad_() for t in tensors]
+        out = module(*leaves, None, **extra)
+        out.float().square().sum().backward()
+        return [out.float(), *(t.grad.float() for t in leaves)]
+
+    if case == "packed":
+        lengths, starts = [300, 1, 500], [0, 320, 400]
+        cu = torch.tensor([0, 300, 301, 801], dtype=torch.int32, device=device)
+        cu_padded = torch.tensor([0, 320, 400, 1024], dtype=torch.int32, device=device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded,
+            max_seqlen_q=624,
+            max_seqlen_kv=624,
+        )
+        packed = run(fast, torch.bfloat16, [t[:, 0] for t in (q, k, val)], packed_seq_params=params)
+        errors = []
+        for start, length in zip(starts, lengths, strict=True):
+            part = slice(start, start + length)
+            with exact_float32():
+                alone = run(ref32, torch.float32, [t[part] for t in (q, k, val)])
+            errors.append(rel_error(packed[0][part], alone[0].squeeze(1)))
+        report("SDPA, packed sequences vs each alone (float32)", [("errors", errors)])
+        assert max(errors) < 2e-2
+        return
+    with exact_float32():
+        truth = run(ref32, torch.float32, (q, k, val))
+    ref_out, fast_out = run(ref, torch.bfloat16, (q, k, val)), run(
+        fast, torch.bfloat16, (q, k, val)
+    )
+    names = ("out", "dq", "dk", "dv")
+    report(f"SDPA vs unfused, {case}, bf16 vs float32",
+           [(n, f"{rel_error(r, t):.2e}", f"{rel_error(f, t):.2e}")
+            for n, r, f, t in zip(names, ref_out, fast_out, truth, strict=True)])  # fmt: skip
+    assert fast.fast_path_reason is None
+    for name, r, f, t in zip(names, ref_out, fast_out, truth, strict=True):
+        assert rel_error(f, t) <= FACTOR * rel_error(r, t) + FLOOR, name

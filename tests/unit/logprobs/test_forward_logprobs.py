@@ -1,0 +1,231 @@
+"""``forward_logprobs`` on ``train``-built models: against plain forwards, layouts, bad input.
+
+TP1 (in this process): every sequence's log-probs and entropies equal ``log_softmax`` of the
+model's logits for that sequence alone, packed and padded, in one micro-batch or several, with the
+vocabulary's padding rows left out. TP2, EP2, PP2 and PP2 x VPP2 (two gloo ranks, the TP1 model
+loaded from its checkpoint): the same numbers on every rank; packed == separate (with a leaking
+control) at TP2 and EP2 for patterns holding every symbol the local backend builds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hybrid.testing.packing import (
+    PACKING_LENGTHS,
+    packing_errors,
+    random_sequences,
+)
+from megatron_hybrid.testing.spawn import run_distributed
+
+FLAGS = ("--swiglu", "--num-experts", "4", "--moe-router-topk", "2")
+MLA = ("--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")  # fmt: skip
+# Every symbol the local backend builds ('*' and '+' cannot share a model).
+PATTERNS = {"attention": ("[*E][GE][M-][*-]", FLAGS), "mla": ("[+E][G-]", FLAGS + MLA)}
+# The same layers split over two pipeline stages, and over 2 x 2 virtual stages.
+PIPED = {"pp2": "[*E][GE]|[M-][*-]", "pp2-vpp2": "[*E]|[GE]|[M-]|[*-]"}
+VOCAB = 120  # the model has 128 output rows: 8 of them vocabulary padding
+EXACT = 1e-5
+
+
+def train_config(pattern, *flags, **overrides):
+    """``train``'s config of ``pattern`` and ``flags``, with the CPU runtime's settings."""
+    from megatron_hybrid.runtime.cpu import cpu_config_overrides
+    from megatron_hybrid.training.config import config_from_flags
+
+    return config_from_flags(pattern, *flags, **{**cpu_config_overrides(), **overrides})
+
+
+def _model(pg, pattern, *flags, vp_stage=None, **overrides):
+    from megatron_hybrid.testing.models import build_hybrid
+
+    config = train_config(pattern, *flags, **overrides)
+    torch.manual_seed(0)
+    model = build_hybrid(config, pattern, pg, vp_stage=vp_stage, max_sequence_length=256)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.fill_(-4.0)  # long memories: a leak would not fade in the padding
+    return model
+
+
+def _reference(model, sequences, vocab=VOCAB):
+    """Per sequence: log_softmax over the real vocabulary of the model's logits alone."""
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(s.unsqueeze(0), torch.arange(len(s)).unsqueeze(0), None)[0]
+            log_p = torch.log_softmax(logits[:, :vocab].double(), -1)[:-1]
+            out.append((log_p.gather(-1, s[1:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)))
+    return out
+
+
+def _max_error(got, want) -> float:
+    return max(
+        (a.double() - b).abs().max().item() if a.numel() else 0.0
+        for pair_got, pair_want in zip(got, want, strict=True)
+        for a, b in zip(pair_got, pair_want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("max_tokens", [8192, 48], ids=["one-micro-batch", "several"])
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_equals_log_softmax_of_each_sequence_alone(pg, name, max_tokens, packed):
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    pattern, flags = PATTERNS[name]
+    model = _model(pg, pattern, *flags)
+    sequences = random_sequences(vocab_size=VOCAB)
+    model.train()
+    got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=max_tokens,
+                           with_entropy=True, vocab_size=VOCAB, packed=packed)  # fmt: skip
+    assert model.training and all(m.training for m in model.modules())  # mode restored
+    assert [len(lp) for lp, _ in got] == [n - 1 for n in PACKING_LENGTHS]
+    assert all(lp.dtype == h.dtype == torch.float32 for lp, h in got)
+    model.eval()
+    assert _max_error(got, _reference(model, sequences)) < EXACT
+    # Negative control: the vocabulary padding rows counted in the softmax.
+    counted = forward_logprobs(model, sequences, packed=packed)
+    pairs = zip(counted[1:], got[1:], strict=True)
+    assert max((a - b[0]).abs().max().item() for a, b in pairs) > 1e-3
+
+
+def test_temperature_and_plain_results(pg):
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    model = _model(pg, "[*E]", *FLAGS).eval()
+    sequences = random_sequences((4, 9), vocab_size=VOCAB)
+    got = forward_logprobs(model, sequences, temperature=0.5)
+    assert all(torch.is_tensor(lp) for lp in got)
+    with torch.no_grad():
+        logits = model(sequences[1].unsqueeze(0), torch.arange(9).unsqueeze(0), None)[0]
+    want = torch.log_softmax(logits.double() / 0.5, -1)[:-1].gather(-1, sequences[1][1:, None])
+    torch.testing.assert_close(got[1].double(), want.squeeze(-1), rtol=0, atol=EXACT)
+
+
+@pytest.mark.parametrize(
+    "sequences, kwargs, match",
+    [
+        ([], {}, "sequences is empty"),
+        ([torch.tensor([3, 4]), torch.tensor([], dtype=torch.long)], {}, "sequence 1 is empty"),
+        ([torch.tensor([3, 128, 4])], {}, r"token id 128 at position 1, outside .*\[0, 128\)"),
+        ([torch.tensor([3, 125])], dict(vocab_size=120), r"token id 125 .*\[0, 120\)"),
+        ([torch.tensor([[3, 4]])], {}, "sequence 0 must be a 1-D integer tensor"),
+        ([torch.tensor([0.5, 1.0])], {}, "must be a 1-D integer tensor"),
+        (torch.tensor([3, 4]), {}, "must be a list of 1-D token tensors"),
+        ([torch.arange(1, 40)], dict(max_tokens_per_micro_batch=32), r"sequence 0 has 39 tokens"),
+        ([torch.tensor([3, 4])], dict(max_tokens_per_micro_batch=0), "must be >= 1"),
+        ([torch.tensor([3, 4])], dict(temperature=0), "positive finite"),
+    ],
+    ids=["empty-list", "empty-sequence", "id-too-large", "id-past-vocab-size", "2-d", "float"]
+    + ["not-a-list", "longer-than-micro-batch", "no-tokens-per-micro-batch", "temperature"],
+)
+def test_bad_input_gets_one_clear_error(pg, sequences, kwargs, match):
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    model = _model(pg, "[*E]", *FLAGS)
+    with pytest.raises(ValueError, match=match):
+        forward_logprobs(model, sequences, **kwargs)
+
+
+def test_packed_refused_where_a_layer_cannot_pack(pg):
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    model = _model(pg, "[GE]", *FLAGS, deterministic_mode=True)
+    with pytest.raises(ValueError, match=r"packed=True, but .*deterministic mode"):
+        forward_logprobs(model, [torch.tensor([3, 4, 5])], packed=True)
+    # Left to choose, it pads rows instead.
+    assert forward_logprobs(model, [torch.tensor([3, 4, 5])])[0].shape == (2,)
+
+
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "ep2": dict(ep=2),
+    "pp2": dict(pp=2),
+    "pp2-vpp2": dict(pp=2, vpp=2),
+}
+
+
+def _layout_flags(layout) -> tuple[str, ...]:
+    flags = []
+    if layout.get("tp"):
+        flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    if layout.get("ep"):
+        flags += ["--expert-model-parallel-size", "2"]
+    if layout.get("pp"):
+        flags += ["--pipeline-model-parallel-size", "2"]
+    return tuple(flags)
+
+
+def _layouts_worker(rank, world_size, checkpoint, sequences):
+    """Per layout: forward_logprobs of the checkpoint's model; at TP2/EP2 also packing errors."""
+    from megatron_hybrid.hf.dist import load_model_state
+    from megatron_hybrid.logprobs import forward_logprobs
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
+    from megatron_hybrid.testing.packing import pack_with_gaps
+
+    enable_cpu_emulation()
+    torch.set_num_threads(1)
+    out = {}
+    for name, layout in LAYOUTS.items():
+        reset_megatron_state()
+        pg = initialize_model_parallel(**layout)
+        pattern = PIPED.get(name, PATTERNS["attention"][0])
+        flags = FLAGS + _layout_flags(layout)
+        chunks = [_model(pg, pattern, *flags, vp_stage=v) for v in range(layout.get("vpp", 0))]
+        chunks = chunks or [_model(pg, pattern, *flags)]
+        load_model_state(chunks, checkpoint)
+        mine = sequences if rank == 0 or name != "ep2" else sequences[::-1]  # DP ranks differ
+        got = forward_logprobs(chunks if len(chunks) > 1 else chunks[0], mine,
+                               max_tokens_per_micro_batch=64, with_entropy=True,
+                               vocab_size=VOCAB)  # fmt: skip
+        got = got if mine is sequences else got[::-1]
+        # Plain lists: tensors would travel through shared memory the rank releases on exit.
+        out[name] = {"logprobs": [[p.tolist() for p in pair] for pair in got]}
+        if name in ("tp2", "ep2"):
+            errors = {}
+            for key, (p, f) in PATTERNS.items():
+                model = _model(pg, p, *f, *_layout_flags(layout)).eval()
+                errors[key] = packing_errors(
+                    model, sequences, pack_with_gaps(sequences, tp=2), align=2
+                )
+            # Control: GatedDeltaNet's state not reset at the boundaries.
+            layers = [m for m in model.modules() if hasattr(m, "gated_delta_rule")]
+            for layer in layers:
+                rule = layer.gated_delta_rule
+                layer.gated_delta_rule = lambda *a, r=rule, cu_seqlens=None, **k: r(*a, **k)
+            errors["leaking"] = packing_errors(
+                model, sequences, pack_with_gaps(sequences, tp=2), align=2
+            )
+            out[name]["errors"] = errors
+    reset_megatron_state()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_layouts_give_tp1_results_and_pack_exactly(pg, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    pattern, flags = PATTERNS["attention"]
+    model = _model(pg, pattern, *flags).eval()
+    sequences = random_sequences(vocab_size=VOCAB, seed=5)
+    reference = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+    dist_checkpointing.save(model_sharded_state([model]), str(tmp_path))
+    per_rank = run_distributed(_layouts_worker, 2, str(tmp_path), sequences, timeout=900)
+    for rank, results in enumerate(per_rank):
+        for name in LAYOUTS:
+            where = f"{name} rank {rank}"
+            got = [[torch.tensor(p) for p in pair] for pair in results[name]["logprobs"]]
+            assert _max_error(got, [tuple(p.double() for p in r) for r in reference]) < EXACT, where
+            errors = results[name].get("errors")
+            if errors:
+                assert max(errors["attention"] + errors["mla"]) < EXACT, (where, errors)
+                assert max(errors["leaking"][1:]) > 1e-3, (where, errors)

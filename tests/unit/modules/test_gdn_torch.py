@@ -1,0 +1,129 @@
+"""The CPU stand-ins of fla's GatedDeltaNet kernels against the naive references, packed rows too.
+
+A packed row with ``cu_seqlens`` must give every sequence what the step-by-step recurrence and
+the plain causal convolution (``megatron_hybrid.testing.gdn_reference``) give that sequence alone,
+forward and gradients; the same row without ``cu_seqlens`` (state and window running through) is
+the negative control.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_hybrid.modules import gdn_torch
+from megatron_hybrid.testing.gdn_reference import (
+    depthwise_causal_conv1d,
+    make_gdn_inputs,
+    recurrent_gated_delta_rule,
+)
+from megatron_hybrid.testing.overlap import rel_error
+
+LENGTHS = (3, 70, 1, 64, 29)  # partial, two and exactly one chunk of 64, a single step
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _row(seed: int = 0):
+    inputs = make_gdn_inputs(1, sum(LENGTHS), 2, 8, 16, seed=seed)
+    bounds = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    return inputs, bounds
+
+
+def _run(fn, inputs, grad_out):
+    leaves = {n: inputs[n].clone().requires_grad_() for n in NAMES}
+    out = fn(**leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad_out)
+    return [out.detach(), *(leaves[n].grad for n in NAMES)]
+
+
+def _per_sequence_reference(bounds):
+    def reference(**t):
+        parts = [
+            recurrent_gated_delta_rule(**{n: x[:, a:b] for n, x in t.items()})
+            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+        ]
+        return torch.cat(parts, dim=1)
+
+    return reference
+
+
+def test_packed_rule_equals_each_sequence_alone():
+    inputs, bounds = _row()
+    grad_out = torch.randn(1, sum(LENGTHS), 2, 16, generator=torch.Generator().manual_seed(1))
+    want = _run(_per_sequence_reference(bounds), inputs, grad_out)
+
+    def packed(**t):
+        return gdn_torch.chunk_gated_delta_rule(**t, cu_seqlens=bounds)
+
+    got = _run(packed, inputs, grad_out)
+    errors = [rel_error(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errors) < 1e-5, errors
+    # Negative control: the state runs from one sequence into the next.
+    leaked = _run(gdn_torch.chunk_gated_delta_rule, inputs, grad_out)
+    assert rel_error(leaked[0], want[0]) > 1e-2
+
+
+def test_packed_rule_keeps_one_state_per_sequence():
+    inputs, bounds = _row(seed=2)
+    states = torch.randn(len(LENGTHS), 2, 8, 16, generator=torch.Generator().manual_seed(3))
+    out, finals = gdn_torch.chunk_gated_delta_rule(
+        **inputs, initial_state=states, output_final_state=True, cu_seqlens=bounds
+    )
+    a, b = bounds[3].item(), bounds[4].item()
+    alone, final = gdn_torch.chunk_gated_delta_rule(
+        **{n: x[:, a:b] for n, x in inputs.items()},
+        initial_state=states[3:4],
+        output_final_state=True,
+    )
+    torch.testing.assert_close(out[:, a:b], alone)
+    torch.testing.assert_close(finals[3:4], final)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_packed_conv_equals_each_sequence_alone(bias):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, sum(LENGTHS), 6, generator=gen, requires_grad=True)
+    weight = torch.randn(6, 4, generator=gen)
+    b = torch.randn(6, generator=gen) if bias else None
+    _, bounds = _row()
+    y, state = gdn_torch.causal_conv1d(x, weight, b, activation="silu", cu_seqlens=bounds)
+    assert state is None
+    spans = zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    want = torch.cat(
+        [depthwise_causal_conv1d(x[:, i:j], weight, b, activation="silu") for i, j in spans], 1
+    )
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    leaked, _ = gdn_torch.causal_conv1d(x, weight, b, activation="silu")
+    assert (leaked - want).abs().max() > 1e-2  # the window reaches into the previous sequence
+
+
+def test_l2norm_is_fla_s():
+    x = torch.randn(3, 5, 8, dtype=torch.bfloat16)
+    y = gdn_torch.l2norm(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), torch.nn.functional.normalize(x.float(), dim=-1),
+                               rtol=1e-2, atol=1e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x, w, c: gdn_torch.causal_conv1d(x.expand(2, -1, -1), w, cu_seqlens=c), "one row"),
+        (lambda x, w, c: gdn_torch.causal_conv1d(x, w, cu_seqlens=c[:-1]), "rise from 0 to"),
+        (lambda x, w, c: gdn_torch.causal_conv1d(x, w, residual=x), "no residual"),
+        (lambda x, w, c: gdn_torch.causal_conv1d(x, w, activation="relu"), "activation"),
+        (lambda x, w, c: gdn_torch.causal_conv1d(x, w[:3]), r"weight \[D, W\]"),
+    ],
+    ids=["batch", "bounds", "residual", "activation", "weight"],
+)
+def test_conv_refuses_what_it_cannot_do(call, match):
+    x, weight = torch.randn(1, 10, 6), torch.randn(6, 4)
+    with pytest.raises(ValueError, match=match):
+        call(x, weight, torch.tensor([0, 4, 10]))
+
+
+def test_rule_refuses_unknown_kernel_options():
+    inputs, bounds = _row()
+    with pytest.raises(ValueError, match="has no"):
+        gdn_torch.chunk_gated_delta_rule(**inputs, cu_seqlens=bounds, use_gate_in_kernel=True)
