@@ -50,6 +50,8 @@ setup(
             "hypothesis>=6",
             "fla-core==0.6.0",
             "transformers==5.23.0",
+            # peft: the reference the LoRA tests compare against (adapter folders in and out).
+            "peft==0.21.2",
             "ruff==0.17.6",
             "black==26.10.1",
         ],

@@ -25,6 +25,9 @@
 #   hf-fp8       tests/functional/test_hf_fp8_gpu.py (the fused FP8 kernel vs its torch reference,
 #                the *_fp8 folders of hf_fixtures.py, a GPU-sized model through FP8 and back) and
 #                benchmarks/hf_export.py --quantize fp8
+#   lora         tests/functional/test_lora_gpu.py on one GPU (LoRA on TE linears, fused norm +
+#                linear and grouped-GEMM experts against the local backend's math; TE from
+#                /tmp/site as for te) and benchmarks/lora.py ($LORA_BENCH_ARGS)
 #   packing      tests/functional/test_packing_gpu.py: packed == separate with fla's cu_seqlens
 #                kernels, Mamba's kernels where built and TE's attention where installed, and
 #                forward_logprobs (forward only: no Triton staging needed; one fla config each)
@@ -162,6 +165,13 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --quantize fp8 --out "$OUT" 2>&1 | quiet \
         | tee "$OUT/hf_export_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    lora)
+      NVIDIA_TF32_OVERRIDE=0 torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
+        -W ignore tests/functional/test_lora_gpu.py 2>&1 | quiet | tee "$OUT/lora.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/lora.py --out "$OUT" ${LORA_BENCH_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/lora_bench.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     packing)
       TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \

@@ -3,6 +3,8 @@
     python -m megatron_hybrid convert --from-hf HF_DIR --save CKPT
     python -m megatron_hybrid convert --load CKPT --to-hf OUT_DIR [--quantize fp8]
     python -m megatron_hybrid convert --from-hf HF_DIR --dry-run
+    python -m megatron_hybrid convert --load RUN --to-peft OUT_DIR          # a LoRA run's adapter
+    python -m megatron_hybrid convert --load RUN --to-hf OUT_DIR --merge-lora  # base + adapter
 
 ``--from-hf`` checks the conversion first (unsupported config fields, tensors without a source
 or without a use, shapes) and copies nothing if it finds a problem. Block-scaled FP8 folders
@@ -31,7 +33,30 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--save", metavar="CKPT", help="torch_dist checkpoint to write")
     source.add_argument("--load", metavar="CKPT", help="torch_dist checkpoint to read")
     source.add_argument("--to-hf", metavar="OUT_DIR", help="Hugging Face folder to write")
+    source.add_argument(
+        "--to-peft",
+        metavar="OUT_DIR",
+        help="with --load of a LoRA run: PEFT adapter folder to write (docs/lora.md)",
+    )
     options = parser.add_argument_group("options")
+    options.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="with --load of a LoRA run and --to-hf: write the base with the adapter merged in",
+    )
+    options.add_argument(
+        "--base-hf",
+        metavar="HF_DIR",
+        help="with --load of a LoRA run: the base's Hugging Face folder, where it no longer is "
+        "where the run recorded it (its fingerprint must match)",
+    )
+    options.add_argument(
+        "--peft-format",
+        choices=["peft", "per_expert"],
+        default="peft",
+        help="with --to-peft: routed experts in PEFT's 3-D layout, or per expert for engines "
+        "that read experts.{e}.gate_proj (default: %(default)s)",
+    )
     options.add_argument(
         "--dry-run",
         action="store_true",
@@ -95,15 +120,23 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     forward = args.from_hf is not None
-    backward = args.load is not None or args.to_hf is not None
+    backward = args.load is not None or args.to_hf is not None or args.to_peft is not None
     if forward == backward:
         raise CommandError(
             "give one direction: --from-hf HF_DIR --save CKPT, or --load CKPT --to-hf OUT_DIR"
         )
     if forward and not args.save and not args.dry_run:
         raise CommandError("--from-hf needs --save CKPT (or --dry-run)")
-    if backward and not (args.load and args.to_hf):
-        raise CommandError("--to-hf and --load go together: --load CKPT --to-hf OUT_DIR")
+    if args.to_hf and args.to_peft:
+        raise CommandError("give one of --to-hf and --to-peft")
+    if backward and not (args.load and (args.to_hf or args.to_peft)):
+        raise CommandError(
+            "--load goes with --to-hf OUT_DIR (or, for a LoRA run, --to-peft OUT_DIR)"
+        )
+    if args.merge_lora and not args.to_hf:
+        raise CommandError("--merge-lora writes a Hugging Face folder: add --to-hf OUT_DIR")
+    if args.base_hf and not (args.to_peft or args.merge_lora):
+        raise CommandError("--base-hf goes with --to-peft or --merge-lora (a LoRA run's base)")
     if args.dry_run and not forward:
         raise CommandError("--dry-run checks a --from-hf conversion")
     if forward and args.quantize != "source":
@@ -289,6 +322,107 @@ def _to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_lora_run(args: argparse.Namespace) -> bool:
+    """Whether ``--load`` is a LoRA run's adapter checkpoint (refusing what does not fit)."""
+    from megatron_hybrid.training.lora import adapter_record
+
+    adapters = adapter_record(args.load) is not None
+    if args.to_hf and adapters and not args.merge_lora:
+        raise CommandError(
+            f"--load {args.load} holds LoRA adapters, not a model: add --merge-lora to write the "
+            "base with the adapter merged in, or use --to-peft OUT_DIR for the adapter"
+        )
+    if not adapters and (args.to_peft or args.merge_lora or args.base_hf):
+        flag = "--to-peft" if args.to_peft else "--merge-lora" if args.merge_lora else "--base-hf"
+        raise CommandError(
+            f"{flag} needs --load of a LoRA run (train --lora-rank ... --save RUN); "
+            f"{args.load} holds no adapters"
+        )
+    return adapters
+
+
+def _model_from_checkpoint(path, args, sizes):
+    """The model of a converted (or Hugging Face started) ``torch_dist`` checkpoint."""
+    from megatron_hybrid.hf.api import build_model
+    from megatron_hybrid.hf.dist import (
+        conversion_of_checkpoint,
+        load_model_state,
+        restore_hf_source,
+    )
+    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
+    from megatron_hybrid.runtime import select_backend
+
+    select_backend().activate()
+    init_world()
+    pg = initialize_model_parallel(
+        tp=sizes["tensor_model_parallel_size"],
+        pp=sizes["pipeline_model_parallel_size"],
+        ep=sizes["expert_model_parallel_size"],
+    )
+    model = build_model(conversion_of_checkpoint(path), pg, transformer_impl=args.transformer_impl)
+    load_model_state(model, path)
+    restore_hf_source(model, path)  # stored dtypes, FP8 scales, carried tensors
+    return model
+
+
+def _lora_export(args: argparse.Namespace) -> int:
+    """``--load RUN --to-peft OUT`` / ``--to-hf OUT --merge-lora``: the base the run recorded
+    (or ``--base-hf``), its adapters, written as a PEFT folder or merged."""
+    import torch.distributed as dist
+
+    from megatron_hybrid.checkpointing import store
+    from megatron_hybrid.hf.api import load_hf_model, save_hf_checkpoint
+    from megatron_hybrid.peft import apply_lora, save_peft_adapter
+    from megatron_hybrid.peft.checkpoint import (
+        LORA_RECORD,
+        base_fingerprint,
+        check_base,
+        config_of_record,
+        load_adapter_state,
+        lora_sharded_state,
+    )
+
+    folder = store.resolve_checkpoint_dir(args.load)
+    record = store.read_record(folder, LORA_RECORD)
+    trained = record.get("base", {})
+    sizes = dict(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+    if args.base_hf or trained.get("hf"):
+        base = args.base_hf or trained["hf"]
+        check_base(record, base_fingerprint(hf_path=base), where=str(folder), base=base)
+        model = load_hf_model(base, transformer_impl=args.transformer_impl, **sizes)
+    else:  # a torch_dist base: read where the run recorded it
+        base = trained.get("checkpoint")
+        check_base(record, base_fingerprint(checkpoint=base), where=str(folder), base=base)
+        model = _model_from_checkpoint(base, args, sizes)
+    apply_lora(model, config_of_record(record))
+    load_adapter_state(model, store.read(folder, lora_sharded_state(model)))
+    if args.to_peft:
+        out = save_peft_adapter(
+            model,
+            args.to_peft,
+            format=args.peft_format,
+            dtype=_dtype(args),
+            base_model_name_or_path=base,
+        )
+    else:
+        out = save_hf_checkpoint(
+            model,
+            args.to_hf,
+            quantize=args.quantize,
+            dtype=_dtype(args),
+            max_shard_size=args.max_shard_size,
+            merge_lora=True,
+        )
+    if dist.get_rank() == 0:
+        what = "adapter" if args.to_peft else "merged model"
+        print(f"wrote {out} ({what} of {folder} on {base})")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -297,7 +431,9 @@ def _run(args: argparse.Namespace) -> int:
         return _dry_run(args)
     started_world = not dist.is_initialized()
     try:
-        return _from_hf(args) if args.from_hf else _to_hf(args)
+        if args.from_hf:
+            return _from_hf(args)
+        return _lora_export(args) if _is_lora_run(args) else _to_hf(args)
     finally:
         # On every way out, refusals included: a process group left to the interpreter's exit
         # can abort it instead of exiting with the command's code. A caller's world stays.

@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_hybrid.training.arguments import PATTERN_REQUIRED
     from megatron_hybrid.training.run import run_training
 
-    if not args.hybrid_layer_pattern and not args.load_hf and not args.load:
+    if not (args.hybrid_layer_pattern or args.load_hf or args.load or args.load_base):
         raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
     started_world = not torch.distributed.is_initialized()
     try:

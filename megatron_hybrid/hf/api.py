@@ -388,6 +388,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     group=None,
     source_path=None,
+    merge_lora: bool = False,
 ) -> Path | None:
     """Write the model as a Hugging Face folder: sharded safetensors, index and config.json.
 
@@ -409,6 +410,8 @@ def save_hf_checkpoint(
         max_shard_size: largest safetensors file, e.g. ``"5GB"``.
         group: process group over all model ranks (default: the world).
         source_path: Hugging Face folder whose side files (tokenizer, ...) to copy.
+        merge_lora: write the weights with their LoRA adapters merged (see
+            :func:`iter_hf_weights`): a plain Hugging Face model of the fine-tuned weights.
 
     Returns:
         The folder on rank 0, None elsewhere.
@@ -424,7 +427,12 @@ def save_hf_checkpoint(
     writer = HFCheckpointWriter(out, max_shard_size) if writer_rank else None
     matrices, fp8 = set(), set()
     stream = iter_hf_weights(
-        model, quantize=quantize, conversion=conversion, dtype=dtype, group=group
+        model,
+        quantize=quantize,
+        conversion=conversion,
+        dtype=dtype,
+        group=group,
+        merge_lora=merge_lora,
     )
     for name, tensor in stream:
         if name.endswith(SCALE_SUFFIX):

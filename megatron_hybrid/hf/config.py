@@ -143,6 +143,8 @@ class Family:
         carried_parts: ``(config.json key, tensor name prefix)`` of the parts of a release
             that the hybrid model does not compute (the vision tower of a multimodal Qwen3.5
             under ``vision_config``): their tensors are carried through untouched.
+        module_prefix: the prefix transformers' modules have in memory where it differs from
+            the on-disk one (Nemotron-H: ``model.`` for ``backbone.``); None: the same.
     """
 
     name: str
@@ -153,10 +155,17 @@ class Family:
     text_prefixes: tuple[str, ...] = ("model.",)
     fp8_unquantized: tuple[str, ...] | None = None
     carried_parts: tuple[tuple[str, str], ...] = ()
+    module_prefix: str | None = None
 
     def carried_prefixes(self, config_json: dict) -> tuple[str, ...]:
         """Name prefixes of the parts a config.json declares (see ``carried_parts``)."""
         return tuple(prefix for key, prefix in self.carried_parts if key in config_json)
+
+    def module_name(self, name: str, hf_prefix: str) -> str:
+        """transformers' in-memory name of the on-disk tensor or module ``name``."""
+        if self.module_prefix is not None and name.startswith(hf_prefix):
+            return self.module_prefix + name[len(hf_prefix) :]
+        return name
 
 
 #: model_type -> Family.

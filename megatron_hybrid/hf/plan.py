@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Link", "Plan", "PlanBuilder", "PlanReport", "RowIndex"]
+__all__ = ["FusedExperts", "Link", "Plan", "PlanBuilder", "PlanReport", "RowIndex"]
 
 #: Rows of a tensor: a step-1 ``slice`` or an explicit tuple of row indices.
 RowIndex = slice | tuple[int, ...]
@@ -42,6 +42,28 @@ class Link:
     hf_name: str
     hf_rows: RowIndex
     expert: int | None = None
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """transformers' in-memory 3-D parameter that holds one expert tensor per expert on disk.
+
+    transformers 5 keeps routed experts as ``<module>.<param>`` of shape ``[E, out, in]``
+    (``gate_up_proj`` = ``[gate; up]`` rows, ``down_proj``; Nemotron-H ``up_proj``), written per
+    expert by ``save_pretrained``; adapters address the in-memory parameter (PEFT's
+    ``target_parameters``).
+
+    Attributes:
+        key: the checkpoint key (expert axis first) the parameter holds.
+        module: on-disk name of the experts module (``model.layers.0.mlp.experts``).
+        param: the parameter's name in that module.
+        order: its position among the module's parameters (registration order).
+    """
+
+    key: str
+    module: str
+    param: str
+    order: int
 
 
 @dataclass
@@ -110,6 +132,7 @@ class Plan:
         shared_copies: Hugging Face name -> the name whose copy it is (written on export,
             compared on import instead of loaded).
         keep_fp32: Hugging Face names exported in float32 whatever the target dtype.
+        fused_experts: expert checkpoint key -> the in-memory 3-D parameter it is.
     """
 
     links: list[Link]
@@ -117,6 +140,7 @@ class Plan:
     hf_shapes: dict[str, tuple[int, ...]]
     shared_copies: dict[str, str] = field(default_factory=dict)
     keep_fp32: frozenset[str] = frozenset()
+    fused_experts: dict[str, FusedExperts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.by_key: dict[tuple[str, int | None], list[Link]] = {}
@@ -143,6 +167,7 @@ class PlanBuilder:
         self.hf_shapes: dict[str, tuple[int, ...]] = {}
         self.shared_copies: dict[str, str] = {}
         self.keep_fp32: set[str] = set()
+        self.fused_experts: dict[str, FusedExperts] = {}
         self.unresolved: list[str] = []
 
     def key(self, prefix: str, *suffixes: str) -> str | None:
@@ -215,6 +240,12 @@ class PlanBuilder:
         """Export ``name`` in float32 (router biases that HF keeps in fp32)."""
         self.keep_fp32.add(name)
 
+    def experts(self, key: str | None, module: str, param: str, order: int) -> None:
+        """Expert tensor ``key`` is transformers' in-memory ``module.param`` (see
+        :class:`FusedExperts`)."""
+        if key is not None:
+            self.fused_experts[key] = FusedExperts(key, module, param, order)
+
     def build(self) -> Plan:
         """The resolved :class:`Plan`."""
         return Plan(
@@ -223,6 +254,7 @@ class PlanBuilder:
             hf_shapes=dict(self.hf_shapes),
             shared_copies=dict(self.shared_copies),
             keep_fp32=frozenset(self.keep_fp32),
+            fused_experts=dict(self.fused_experts),
         )
 
 

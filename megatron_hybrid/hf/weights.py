@@ -11,6 +11,7 @@ holds more than the tensor being yielded and the checkpoint tensors it is cut fr
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
 __all__ = [
+    "LORA_DELTA",
     "QUANTIZE_MODES",
     "HFWeightsError",
     "build_plan",
@@ -33,6 +35,12 @@ __all__ = [
 
 #: ``quantize=`` of :func:`iter_hf_weights`: as loaded, the family's FP8 recipe, unquantized.
 QUANTIZE_MODES = ("source", "fp8", "none")
+
+#: Name of the attribute through which a parameter takes part in merged exports: a parameter
+#: that has it is exported by ``iter_hf_weights(merge_lora=True)`` as ``param + delta`` where
+#: ``delta = getattr(param, LORA_DELTA)()`` is the float32 low-rank update of this rank's shard,
+#: shaped like the parameter (``megatron_hybrid.peft`` sets it on every adapted weight).
+LORA_DELTA = "lora_delta"
 
 #: Sharded-state-dict metadata used for conversion: always the indexed (per-layer) key form,
 #: so that a key names one layer whatever the pattern.
@@ -277,6 +285,52 @@ def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece
     return conversion.dtype
 
 
+class _MergedPieces:
+    """This rank's pieces with their parameter's LoRA update added: ``W + delta`` in float32 per
+    shard, cast back to the piece's dtype (what ``iter_hf_weights(merge_lora=True)`` gathers).
+
+    A piece is a row range of one parameter (megatron's sharded tensors and factories cut
+    weights by rows); parameters may be views into one buffer (megatron's DDP), so the owner is
+    found by address, not by storage.
+    """
+
+    def __init__(self, local: dict, params) -> None:
+        self.local = local
+        owners = sorted(
+            (p.data_ptr(), p) for p in params if hasattr(p, LORA_DELTA) and p.numel() > 0
+        )
+        self.starts = [start for start, _ in owners]
+        self.owners = [p for _, p in owners]
+        self.count = len(owners)
+        self._last: tuple = (None, None)
+
+    def _owner(self, data: torch.Tensor):
+        i = bisect.bisect_right(self.starts, data.data_ptr()) - 1
+        if i < 0:
+            return None
+        owner = self.owners[i]
+        end = owner.data_ptr() + owner.numel() * owner.element_size()
+        return owner if data.data_ptr() < end else None
+
+    def __getitem__(self, k) -> torch.Tensor:
+        data = self.local[k]
+        owner = self._owner(data) if data.numel() else None
+        if owner is None:
+            return data
+        offset, row_size = data.data_ptr() - owner.data_ptr(), owner.stride(0) * data.element_size()
+        if (
+            data.shape[1:] != owner.shape[1:]
+            or data.stride() != owner.stride()
+            or offset % row_size
+        ):  # megatron's factories slice rows only
+            raise AssertionError(f"{k}: a piece that is not a row range of its parameter")
+        if self._last[0] is not owner:
+            self._last = (owner, getattr(owner, LORA_DELTA)())
+        row = offset // row_size
+        delta = self._last[1][row : row + data.shape[0]].to(data.device)
+        return (data.float() + delta).to(data.dtype)
+
+
 @dataclass
 class _ExportState:
     """What one model needs for every export: its pieces, the plan, cached index tensors."""
@@ -352,6 +406,7 @@ def iter_hf_weights(
     group=None,
     device=None,
     bucket_size: int | str = "256MB",
+    merge_lora: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
 
@@ -384,6 +439,11 @@ def iter_hf_weights(
         device: where tensors are assembled and yielded (default: the current CUDA device, or
             CPU without CUDA).
         bucket_size: most memory FP8 quantization holds at once, e.g. ``"256MB"``.
+        merge_lora: yield the weights with their LoRA adapters merged: ``W + (alpha / rank)
+            B A``, computed in float32 on each rank's shard before anything is gathered, then
+            cast to the usual dtype (or quantized: merged per shard, gathered, then quantized);
+            same names, dtypes and order as without, and tensors without an adapter bitwise the
+            same. Raises if no weight has an adapter.
 
     Raises:
         ValueError: an unknown ``quantize``; ``UnsupportedQuantizationError`` (a ValueError):
@@ -411,6 +471,19 @@ def iter_hf_weights(
     quantizer = BucketQuantizer(parse_size(bucket_size)) if specs else None
     scales = getattr(chunks[0], "hf_fp8_scales", None) or {}
     where = str(device)
+    # Parameter slices found once are reused by later calls; merged pieces are new tensors
+    # each call, so a merging stream neither reads nor fills that cache.
+    views = {} if merge_lora else state.views
+    if merge_lora:
+        local = _MergedPieces(local, state.params)
+        adapted = torch.tensor([local.count], dtype=torch.float64, device=device)
+        if world:
+            dist.all_reduce(adapted, group=group)
+        if not adapted.item():
+            raise HFWeightsError(
+                "merge_lora=True, but no weight of the model has a LoRA adapter: apply one "
+                "first (megatron_hybrid.peft.apply_lora or load_peft_adapter)"
+            )
 
     def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
         shape = key_shapes[key][1:] if expert is not None else key_shapes[key]
@@ -483,7 +556,7 @@ def iter_hf_weights(
         return state.device_scales[k]
 
     def make(name: str, quantized: bool = False) -> torch.Tensor:
-        view = state.views.get((name, where))
+        view = views.get((name, where))
         if view is not None:
             # A slice of a parameter found on an earlier call (of the detached parameter: no
             # grad-mode switch needed; most tensors of a sync come this way).
@@ -515,7 +588,7 @@ def iter_hf_weights(
             else:
                 tensor, piece_dtype, is_view = found
                 if is_view:
-                    state.views[(name, where)] = (tensor, piece_dtype)
+                    views[(name, where)] = (tensor, piece_dtype)
         else:
             values = [rows_of(link) for link in links]
             piece_dtype = values[0][1]

@@ -22,6 +22,7 @@ from megatron_hybrid.pattern import (
 __all__ = [
     "FLAGS",
     "FLAG_GROUPS",
+    "MEGATRON_LM_GROUPS",
     "MODEL_SHAPE_GROUPS",
     "PATTERN_REQUIRED",
     "RUNTIME_CHOICES",
@@ -50,6 +51,7 @@ def _flag(option: str, group: str, **kwargs: Any) -> Flag:
 
 
 _MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT = "model", "parallelism", "MoE", "training", "checkpointing"
+_LORA = "LoRA"
 
 #: Every flag the package defines, in ``--help`` order (frozen by a snapshot test).
 #: The one message for a missing pattern (train, check-checkpoint, Megatron-LM integration).
@@ -301,11 +303,69 @@ FLAGS: tuple[Flag, ...] = (
     _flag(
         "--save-interval", _CKPT, type=int, default=None, help="save every N steps (and at the end)"
     ),
+    _flag(
+        "--load-base",
+        _LORA,
+        type=str,
+        default=None,
+        help="torch_dist checkpoint whose model weights are the frozen base of a LoRA run",
+    ),
+    _flag(
+        "--load-peft",
+        _LORA,
+        type=str,
+        default=None,
+        help="PEFT adapter folder to start the LoRA adapters from (its config sets rank, alpha "
+        "and targets)",
+    ),
+    _flag(
+        "--lora-rank",
+        _LORA,
+        type=int,
+        default=None,
+        help="train LoRA adapters of this rank on a frozen base (--load-hf or --load-base); "
+        "checkpoints then hold the adapters only (docs/lora.md)",
+    ),
+    _flag(
+        "--lora-alpha",
+        _LORA,
+        type=float,
+        default=None,
+        help="LoRA scale numerator: the update is alpha/rank * B A (default: the rank)",
+    ),
+    _flag(
+        "--lora-targets",
+        _LORA,
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="what to adapt: all-linear (default), Megatron names (linear_qkv, linear_fc1, "
+        "...), Hugging Face names (q_proj, ...), experts.gate_up_proj, or module paths with "
+        "wildcards",
+    ),
+    _flag(
+        "--lora-exclude",
+        _LORA,
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names in the forms of --lora-targets that get no adapter",
+    ),
+    _flag(
+        "--lora-dropout",
+        _LORA,
+        type=float,
+        default=None,
+        help="dropout on the adapters' input while training (default: 0)",
+    ),
 )
 
 
 #: Flag groups; ``check-checkpoint`` uses only the model-shape ones.
-FLAG_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT)
+FLAG_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT, _LORA)
+#: The groups Megatron-LM's scripts get (``training/megatron_lm.py``): LoRA runs only through
+#: ``train``, so its flags are not offered where they would do nothing.
+MEGATRON_LM_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT)
 MODEL_SHAPE_GROUPS = (_MODEL, _MOE)
 
 #: Flags of the model-shape groups that choose how to run, not what the model is: a checkpoint

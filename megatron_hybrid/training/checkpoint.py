@@ -1,7 +1,8 @@
 """Save and resume training state as ``torch_dist`` checkpoints in Megatron-LM's layout.
 
 ``<root>/iter_0000010/`` holds one dist checkpoint with the model chunks (``model`` or
-``model0``, ``model1``, ... for virtual stages, as Megatron-LM names them), the optimizer state,
+``model0``, ``model1``, ... for virtual stages, as Megatron-LM names them; for a LoRA run the
+adapters only, with the record of their base), the optimizer state,
 every rank's RNG state and the iteration; ``<root>/latest_checkpointed_iteration.txt`` names the
 newest. Model tensors use the package's checkpoint keys, so a grouped pattern's checkpoint is a
 GPTModel checkpoint (``check-checkpoint`` reads either).
@@ -47,9 +48,20 @@ def _unwrapped(chunks) -> list:
     return unwrap_model(list(chunks))
 
 
-def _model_state(chunks, metadata):
-    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+def _adapted(chunks) -> bool:
+    from megatron_hybrid.peft.apply import lora_state
 
+    return lora_state(_unwrapped(chunks)) is not None
+
+
+def _model_state(chunks, metadata):
+    """The model part of a checkpoint: the weights, or a LoRA run's adapters only (keyed like
+    the weights they adapt, so they reshard as the base does)."""
+    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+    from megatron_hybrid.peft.checkpoint import lora_sharded_state
+
+    if _adapted(chunks):
+        return lora_sharded_state(_unwrapped(chunks), metadata)
     return model_sharded_state(_unwrapped(chunks), metadata)
 
 
@@ -157,6 +169,14 @@ def save_checkpoint(
     if from_hf:
         state[HF_SOURCE_KEY] = hf_source_state(_unwrapped(chunks))
     all_records = {**({HF_RECORD_FILE: from_hf} if from_hf else {}), **(records or {})}
+    if _adapted(chunks):
+        # The adapters' config, and where their base came from with its fingerprint: a resume
+        # or export needs nothing else and refuses another base.
+        from megatron_hybrid.peft.apply import lora_state
+        from megatron_hybrid.peft.checkpoint import LORA_RECORD, lora_record
+
+        base = lora_state(_unwrapped(chunks)).base_info or {}
+        all_records[LORA_RECORD] = lora_record(_unwrapped(chunks), base=base)
     return store.write(root, iteration, state, all_records, overwrite=overwrite)
 
 
@@ -247,8 +267,13 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
                 "parallel layout that wrote it"
             ) from None
         raise
-    for i, chunk in enumerate(_unwrapped(chunks)):
-        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    if _adapted(chunks):
+        from megatron_hybrid.peft.checkpoint import load_adapter_state
+
+        load_adapter_state(_unwrapped(chunks), state)
+    else:
+        for i, chunk in enumerate(_unwrapped(chunks)):
+            chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     # fp32 models: the distributed optimizer's main params are views of the parameters.
     with torch.no_grad():
         if cpu and not per_rank:

@@ -44,12 +44,15 @@ def build_model_chunks(
     position_embedding_type: str = "rope",
     mamba_impl: str = "auto",
     stack_spec=None,
+    prepare=None,
     **model_kwargs,
 ) -> list:
     """HybridModel chunks of this rank (one per virtual stage), wrapped for training.
 
     ``stack_spec`` replaces ``hybrid_stack_spec(backend, mamba_impl=mamba_impl)`` (a Hugging
     Face start passes its family's, see ``megatron_hybrid.hf.api.stack_spec_for``);
+    ``prepare(models)`` changes the chunks before megatron's DDP wraps them (whose gradient
+    buffers hold the parameters that train then: LoRA adapters go on here);
     ``model_kwargs`` are further HybridModel arguments (``rotary_percent``, ``rotary_base``).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -65,7 +68,7 @@ def build_model_chunks(
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size
     on_gpu = torch.cuda.is_available()
-    chunks = []
+    models = []
     for vp_stage in range(vpp) if vpp else [None]:
         last_vp = vp_stage is None or vp_stage == vpp - 1
         model = HybridModel(
@@ -86,6 +89,11 @@ def build_model_chunks(
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
+        models.append(model)
+    if prepare is not None:
+        prepare(models)
+    chunks = []
+    for vp_stage, model in zip(range(vpp) if vpp else [None], models, strict=True):
         # delay_wgrad_compute: TE's backward_dw assigns each micro-batch's weight gradient to
         # .grad; only DDP's wgrad hooks, registered with this flag, add it to main_grad.
         ddp_config = DistributedDataParallelConfig(

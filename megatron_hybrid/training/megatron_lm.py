@@ -37,7 +37,12 @@ import torch
 
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
 from megatron_hybrid.schedule.steps import lm_forward_step
-from megatron_hybrid.training.arguments import add_hybrid_args, required_pattern, spec_backend
+from megatron_hybrid.training.arguments import (
+    MEGATRON_LM_GROUPS,
+    add_hybrid_args,
+    required_pattern,
+    spec_backend,
+)
 
 __all__ = [
     "SyntheticLMDataset",
@@ -74,7 +79,7 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None):
     from megatron.training.global_vars import set_global_variables
 
     def provider(parser):
-        parser = add_hybrid_args(parser)
+        parser = add_hybrid_args(parser, MEGATRON_LM_GROUPS)
         return extra_args_provider(parser) if extra_args_provider else parser
 
     args = megatron_args.parse_args(provider)
@@ -248,7 +253,7 @@ def _without_megatron_training(argv: list[str], error: ImportError) -> int:
             description="Megatron-LM's pretrain() with hybrid layer patterns. Megatron-LM's own "
             f"flags are not listed: {_NEEDS_312}.",
         )
-        add_hybrid_args(parser)
+        add_hybrid_args(parser, MEGATRON_LM_GROUPS)
         parser.print_help()
         return 0
     print(

@@ -155,6 +155,7 @@ class _Setup:
     seq_length: int
     builder: object
     autotunes: bool
+    lora: object = None
 
 
 def run_training(
@@ -171,9 +172,13 @@ def run_training(
     from megatron_hybrid.process_groups import init_world
     from megatron_hybrid.training.hf_source import hf_source
     from megatron_hybrid.training.loop import build_optimizer
+    from megatron_hybrid.training.lora import lora_run, validate_lora_flags
     from megatron_hybrid.training.validation import validate_settings
 
-    source = hf_source(args)  # --load-hf: the architecture comes from the Hugging Face config
+    validate_lora_flags(args)  # first: they decide where the model comes from
+    lora = lora_run(args)  # adapters on a frozen base: where it comes from, what resumes
+    # --load-hf (or a LoRA base): the architecture comes from the Hugging Face config
+    source = lora.source() if lora is not None else hf_source(args)
     if source is not None:
         args = source.applied_to(args)  # the conversion's settings, validated and read below
     validate_settings(args)  # every setting, before any process group or model exists
@@ -189,13 +194,13 @@ def run_training(
     rank, world = init_world()
     pg, global_batch, num_microbatches = parallel_setup(args, config, world)
     seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
-    chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank)
+    chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank, lora=lora)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
     )
     setup = _Setup(
         args=args,
-        load=None if source is not None and source.checkpoint else args.load,
+        load=args.load if lora is not None or not (source and source.checkpoint) else None,
         backend=backend,
         config=config,
         pg=pg,
@@ -205,15 +210,19 @@ def run_training(
         seq_length=seq_length,
         builder=builder,
         autotunes=autotunes,
+        lora=lora,
     )
     start, consumed = _resume(setup, chunks, optimizer)
     _refuse_overwrite(args, start)
+    from megatron_hybrid.training.lora import parameter_counts
+
+    counts = parameter_counts(chunks, pg)  # collective: before rank 0 alone prints
     if rank == 0:
-        print(_start_line(setup, world, start), flush=True)
+        print(_start_line(setup, world, start, counts), flush=True)
     return _train(setup, chunks, optimizer, start, consumed)
 
 
-def _start_line(setup: _Setup, world: int, start: int) -> str:
+def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) -> str:
     """``training PATTERN on DEVICE | layout | iterations``: what runs where, said once."""
     import torch
 
@@ -226,9 +235,11 @@ def _start_line(setup: _Setup, world: int, start: int) -> str:
     else:
         where = f"CPU ({world} process{'es' if world > 1 else ''}, {comm})"
     layout = " ".join(f"{k.upper()}{v}" for k, v in resume.layout_of(setup.pg).items())
+    trainable, total = counts
+    share = f" ({100 * trainable / total:.2f}%)" if trainable != total else ""
     return (
         f"training {args.hybrid_layer_pattern} on {where} | {layout} | iterations "
-        f"{start}->{args.train_iters}"
+        f"{start}->{args.train_iters} | parameters {trainable:,} trainable of {total:,}{share}"
     )
 
 
@@ -311,8 +322,11 @@ def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend)
     return seq_length, builder
 
 
-def build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -> list:
-    """The model chunks of this rank, initialised from the Hugging Face source if any."""
+def build_chunks(
+    args, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
+) -> list:
+    """The model chunks of this rank, initialised from the Hugging Face source if any, with
+    the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`)."""
     from megatron_hybrid.training.arguments import spec_backend
     from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
     from megatron_hybrid.training.loop import build_model_chunks
@@ -334,8 +348,11 @@ def build_chunks(args, config, pg, parsed, source, seq_length: int, rank: int) -
         position_embedding_type=args.position_embedding_type,
         mamba_impl=args.mamba_impl,
         hybrid_cuda_graphs=args.hybrid_cuda_graphs,
+        prepare=None if lora is None else lora.attach,
         **({} if source is None else hf_model_kwargs(source)),
     )
+    if lora is not None:
+        lora.load_base(chunks)
     if source is not None:
         # Before the optimizer: megatron's distributed optimizer copies the weights it starts
         # from.
@@ -363,7 +380,12 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     if point.folder is None:
         return 0, 0
     folder = point.folder
-    check_resume_compatible(chunks, folder, args)
+    if setup.lora is not None:
+        from megatron_hybrid.training.lora import check_resumable
+
+        check_resumable(setup.lora, chunks, folder)
+    else:
+        check_resume_compatible(chunks, folder, args)
     start = load_checkpoint(folder, chunks, optimizer, layout=resume.layout_of(setup.pg))
     resume.check_target(start, args.train_iters, folder)
     consumed = consumed_samples(folder)

@@ -47,9 +47,16 @@ def gated_mlp(
 def routed_experts(
     b: PlanBuilder, key_prefix: str, hf_prefix: str, num_experts: int, rows: int, gated: bool = True
 ) -> None:
-    """Routed experts, one HF tensor set per expert (the on-disk, per-expert layout)."""
+    """Routed experts, one HF tensor set per expert (the on-disk, per-expert layout).
+
+    In memory transformers 5 holds them as ``experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows
+    first; ``experts.up_proj`` without a gate) and ``experts.down_proj`` ``[E, H, I]``, in that
+    registration order (``modeling_*``: the experts classes' ``__init__``).
+    """
     fc1 = b.key(key_prefix, "mlp.experts.experts.linear_fc1.weight")
     fc2 = b.key(key_prefix, "mlp.experts.experts.linear_fc2.weight")
+    b.experts(fc1, f"{hf_prefix}experts", "gate_up_proj" if gated else "up_proj", 0)
+    b.experts(fc2, f"{hf_prefix}experts", "down_proj", 1)
     for e in range(num_experts):
         name = f"{hf_prefix}experts.{e}."
         if gated:

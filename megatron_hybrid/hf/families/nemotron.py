@@ -392,5 +392,8 @@ NEMOTRON_H = Family(
     plan=_plan,
     to_hf_config=_to_hf_config,
     text_prefixes=("backbone.", "model."),
+    # NemotronHForCausalLM's backbone attribute is ``model`` (transformers 5.23,
+    # modeling_nemotron_h.py); save_pretrained writes it as ``backbone.``.
+    module_prefix="model.",
 )
 register_family(NEMOTRON_H)

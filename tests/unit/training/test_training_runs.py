@@ -157,9 +157,10 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
     if overwrite:
         assert (folder / "metadata.json").read_text() != "{}" and tracker.read_text() == "1"
         lines = result.stdout.splitlines()
-        # The start-up line names the device and layout; the closing line the warm-up apart.
+        # The start-up line names the device, layout and trainable parameters (all of them
+        # without LoRA); the closing line the warm-up apart.
         start = "training [*E]{2} on CPU (1 process, gloo) | TP1 PP1 EP1 CP1 ETP1 DP1 | iterations"
-        assert f"{start} 0->1" in lines
+        assert f"{start} 0->1 | parameters 312,448 trainable of 312,448" in lines
         assert f"saved {folder}" in lines[-1] and "no later step to time" in lines[-1]
         assert lines[-1].startswith("done: 1 steps (0->1) | loss ")
     else:

@@ -1,0 +1,265 @@
+"""LoRA runs of ``train``: the frozen base, the adapters, and what their checkpoints record.
+
+``train --load-hf HF --lora-rank R ... --save RUN`` trains adapters on the Hugging Face base
+(``--load-base CKPT``: a ``torch_dist`` base); the same command with ``--load RUN`` resumes
+(base from the flags or, without them, from where the run's record says it came from; adapters
+and optimizer from RUN; the base's fingerprint compared with the recorded one). ``--load-peft``
+starts from a PEFT adapter. Checkpoints hold the adapters and their optimizer state only
+(:mod:`megatron_hybrid.peft.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from megatron_hybrid.peft.checkpoint import (
+    LORA_RECORD,
+    BaseMismatchError,
+    base_fingerprint,
+    check_base,
+    config_of_record,
+)
+from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
+from megatron_hybrid.training.settings import Settings, SettingsError, rule
+
+__all__ = [
+    "LORA_RULES",
+    "BaseMismatchError",
+    "LoRARun",
+    "adapter_record",
+    "check_resumable",
+    "lora_run",
+    "parameter_counts",
+    "validate_lora_flags",
+]
+
+_OPTIONS = ("--lora-alpha", "--lora-targets", "--lora-exclude", "--lora-dropout")
+
+
+def _dest(option: str) -> str:
+    return option.lstrip("-").replace("-", "_")
+
+
+def _lora_flags(s: Settings) -> str | None:
+    enabled = s.lora_rank is not None or s.load_peft
+    given = [o for o in _OPTIONS if getattr(s.args, _dest(o), None) is not None]
+    if given and not enabled and not s.load:
+        return f"{', '.join(given)} set(s) up LoRA adapters: add --lora-rank R"
+    if s.load_peft and s.lora_rank is not None:
+        return f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop --lora-rank"
+    if s.load_base and not enabled and not s.load:
+        return "--load-base gives the frozen base of a LoRA run: add --lora-rank R"
+    if s.load_base and s.load_hf:
+        return "--load-base and --load-hf both give the base: choose one"
+    if enabled and not (s.load_hf or s.load_base or s.load):
+        return "LoRA trains adapters on a pretrained base: add --load-hf HF_DIR or --load-base CKPT"
+    try:
+        _config_from_flags(s.args) if s.lora_rank is not None else None
+    except LoRAConfigError as error:
+        return (
+            str(error)
+            .replace("LoRAConfig: rank", "--lora-rank")
+            .replace("LoRAConfig: alpha", "--lora-alpha")
+            .replace("LoRAConfig: dropout", "--lora-dropout")
+        )
+    return None
+
+
+#: The LoRA flags' rules (checked with the others, before anything is built).
+LORA_RULES = (
+    rule("train", "--lora-rank --load-base --load-peft " + " ".join(_OPTIONS), _lora_flags),
+)
+
+
+def validate_lora_flags(args: argparse.Namespace) -> None:
+    """Check the LoRA flags (:data:`LORA_RULES`) before they decide where the base comes from.
+
+    Raises:
+        SettingsError: naming the flag and the fix.
+    """
+    from megatron_hybrid.training.arguments import with_defaults
+
+    settings = Settings(with_defaults(args), 1, False)
+    for each in LORA_RULES:
+        problem = each.problem(settings)
+        if problem:
+            raise SettingsError(problem)
+
+
+def _config_from_flags(args: argparse.Namespace) -> LoRAConfig:
+    return LoRAConfig(
+        rank=args.lora_rank,
+        alpha=args.lora_alpha if args.lora_alpha is not None else args.lora_rank,
+        dropout=args.lora_dropout or 0.0,
+        targets=args.lora_targets or "all-linear",
+        exclude=args.lora_exclude or (),
+    )
+
+
+def adapter_record(load: str | None) -> dict | None:
+    """The adapter record of the checkpoint ``--load`` resolves to (None: not an adapter
+    checkpoint, or nothing saved there yet)."""
+    from megatron_hybrid.checkpointing.store import read_record
+
+    if not load:
+        return None
+    try:
+        return read_record(load, LORA_RECORD)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class LoRARun:
+    """The LoRA side of a ``train`` run.
+
+    Attributes:
+        config: the adapters' config (None: from ``--load-peft``).
+        peft: a PEFT folder to start the adapters from.
+        hf_path: the Hugging Face base folder, or None.
+        checkpoint: the ``torch_dist`` base checkpoint, or None.
+        conversion: the base's Hugging Face conversion (None for a base without one).
+        fingerprint: the base's fingerprint.
+        resumed: the adapter record of ``--load`` when the run resumes one.
+    """
+
+    config: LoRAConfig | None
+    peft: str | None
+    hf_path: str | None
+    checkpoint: str | None
+    conversion: object
+    fingerprint: dict
+    resumed: dict | None = None
+
+    @property
+    def base(self) -> dict:
+        """Where the base came from, as the adapter record keeps it."""
+        return {"hf": self.hf_path, "checkpoint": self.checkpoint, "fingerprint": self.fingerprint}
+
+    def source(self):
+        """The :class:`~megatron_hybrid.training.hf_source.HFSource` of an HF-converted base
+        (None for a base without a conversion)."""
+        from megatron_hybrid.training.hf_source import HFSource
+
+        if self.conversion is None:
+            return None
+        return HFSource(self.conversion, hf_path=self.hf_path, checkpoint=self.checkpoint)
+
+    def attach(self, models: list) -> None:
+        """Adapters on the bare model chunks (before DDP wraps them)."""
+        from megatron_hybrid.hf.weights import model_chunks
+        from megatron_hybrid.peft import apply_lora, load_peft_adapter
+
+        for chunk in model_chunks(models):
+            if self.conversion is not None:
+                chunk.hf_conversion = self.conversion
+            if self.hf_path is not None:
+                chunk.hf_source_path = self.hf_path
+        if self.peft is not None:
+            load_peft_adapter(models, self.peft)
+        else:
+            apply_lora(models, self.config, conversion=self.conversion)
+        for chunk in model_chunks(models):
+            chunk.lora_state.base_info = self.base
+
+    def load_base(self, chunks) -> None:
+        """The base weights of a base without a Hugging Face conversion (a plain checkpoint)."""
+        from megatron_hybrid.checkpointing.store import read_model_state
+
+        if self.conversion is None:
+            read_model_state(self.checkpoint, chunks)
+
+
+def _absolute(path: str | None) -> str | None:
+    """A path as recorded: absolute, so that a checkpoint names its base from anywhere."""
+    import os
+
+    return None if path is None else os.path.abspath(path)
+
+
+def lora_run(args: argparse.Namespace) -> LoRARun | None:
+    """The LoRA side of a run, or None for a run without adapters.
+
+    Raises:
+        BaseMismatchError: ``--load`` holds adapters trained on another base.
+        LoRAConfigError: flags that contradict the adapters being resumed.
+    """
+    from megatron_hybrid.hf.api import conversion_for
+
+    record = adapter_record(args.load)
+    if args.lora_rank is None and not args.load_peft and record is None:
+        return None
+    trained = (record or {}).get("base", {})
+    hf_path = _absolute(args.load_hf) or (None if args.load_base else trained.get("hf"))
+    checkpoint = _absolute(args.load_base) or (None if args.load_hf else trained.get("checkpoint"))
+    if hf_path is None and checkpoint is None:
+        raise LoRAConfigError(
+            "LoRA trains adapters on a pretrained base: add --load-hf HF_DIR or --load-base CKPT"
+        )
+    if hf_path is not None:
+        conversion = conversion_for(hf_path)
+        fingerprint = base_fingerprint(hf_path=hf_path)
+    else:
+        from megatron_hybrid.hf.dist import conversion_of_checkpoint, read_hf_record
+
+        conversion = conversion_of_checkpoint(checkpoint) if read_hf_record(checkpoint) else None
+        fingerprint = base_fingerprint(checkpoint=checkpoint)
+    config = None
+    if record is not None:
+        check_base(record, fingerprint, where=str(args.load), base=hf_path or checkpoint)
+        config = config_of_record(record)
+        if args.lora_rank is not None and args.lora_rank != config.rank:
+            raise LoRAConfigError(
+                f"--load {args.load} holds rank-{config.rank} adapters; drop --lora-rank or "
+                f"give {config.rank}"
+            )
+    elif args.lora_rank is not None:
+        config = _config_from_flags(args)
+    peft = None if record is not None else args.load_peft
+    return LoRARun(config, peft, hf_path, checkpoint, conversion, fingerprint, record)
+
+
+def check_resumable(run: LoRARun, chunks, folder) -> None:
+    """Refuse, before loading, adapters whose configuration differs from this run's."""
+    from megatron_hybrid.checkpointing.store import read_record
+    from megatron_hybrid.peft.apply import lora_state
+
+    record = read_record(folder, LORA_RECORD)
+    if record is None:
+        raise LoRAConfigError(
+            f"--load {folder} holds no LoRA adapters (no {LORA_RECORD}): a LoRA run resumes "
+            "its own adapter checkpoints"
+        )
+    ours = lora_state(chunks).config.to_dict()
+    theirs = record.get("lora", {})
+    differ = sorted(k for k in ours if ours[k] != theirs.get(k) and k != "dropout")
+    if differ:
+        raise LoRAConfigError(
+            f"--load {folder} holds adapters with other {', '.join(differ)} "
+            f"({ {k: theirs.get(k) for k in differ} }) than this run's "
+            f"({ {k: ours[k] for k in differ} }); resume with the run's own settings"
+        )
+
+
+def parameter_counts(chunks, pg) -> tuple[int, int]:
+    """``(trainable, total)`` parameters of the whole model (each shard counted once)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.utils import unwrap_model
+
+    counts = torch.zeros(4, dtype=torch.float64)  # dense trainable, dense, expert ..., expert
+    for chunk in unwrap_model(list(chunks)):
+        for param in chunk.parameters():
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            base = 0 if getattr(param, "allreduce", True) else 2
+            counts[base + 1] += param.numel()
+            if param.requires_grad:
+                counts[base] += param.numel()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dense, expert = counts[:2].to(device), counts[2:].to(device)
+    torch.distributed.all_reduce(dense, group=pg.mp)
+    torch.distributed.all_reduce(expert, group=pg.tp_ep_pp)
+    return int(dense[0] + expert[0]), int(dense[1] + expert[1])
