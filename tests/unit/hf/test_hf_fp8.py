@@ -230,3 +230,30 @@ def test_stream_after_a_step_requantizes_only_what_changed(fp8_folders, pg):
     assert _same(after[name], q) and _same(after[name + "_scale_inv"], s)
     moved = (after[name + "_scale_inv"] != disk[name + "_scale_inv"]).nonzero().tolist()
     assert moved == [[1, 1]]
+
+
+def test_merged_lora_then_fp8(hf_folders, pg):
+    """merge_lora and quantize compose: LoRA merged per shard, gathered, then quantized (the
+    test quantizer of the merged weights, bitwise); the plain stream afterwards is the base
+    again (no merged value left in the stream's caches)."""
+    from megatron_hybrid.peft import LoRAConfig, apply_lora, lora_parameters
+
+    folder = hf_folders["qwen3_5_moe"][0]
+    base = hf_oracle.read_tensors(folder)
+    model = load_hf_model(folder, params_dtype=torch.float32)
+    assert all(_same(t, base[n]) for n, t in iter_hf_weights(model, quantize="none"))
+    apply_lora(model, LoRAConfig(rank=4, alpha=8))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in lora_parameters(model):
+            param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    merged = dict(iter_hf_weights(model, quantize="none", merge_lora=True))
+    streamed = dict(iter_hf_weights(model, quantize="fp8", merge_lora=True))
+    quantized = 0
+    for name, tensor in merged.items():
+        if fp8_oracle.release_quantizes("qwen3_5_moe", name, tensor):
+            q, s = fp8_oracle.quantize_blocks_loop(tensor, (128, 128))
+            assert _same(streamed[name], q) and _same(streamed[name + "_scale_inv"], s), name
+            quantized += not torch.equal(tensor, base[name])
+    assert quantized > 10  # merged weights (not the base) went through the quantizer
+    assert all(_same(t, base[n]) for n, t in iter_hf_weights(model, quantize="none"))
