@@ -1,21 +1,27 @@
 """Throughput and memory of ``iter_hf_weights`` (what RL weight sync consumes), one device.
 
     python benchmarks/hf_export.py --out benchmarks/results            # GPU if there is one
+    python benchmarks/hf_export.py --quantize fp8 --out benchmarks/results
     python benchmarks/hf_export.py --preset tiny --device cpu          # a quick check
 
 Builds a Qwen3.5-MoE-shaped model (the ``qwen35moe-3b`` preset: hidden 2048, 12 layers
-``([GE]{3}[*E]){3}``, 64 experts of 512, vocab 151936: 3.3 B parameters) in bf16, without
-initialising its weights (values do not change the cost), and streams it out twice per round:
+``([GE]{3}[*E]){3}``, 64 experts of 512, vocab 151936: 3.3 B parameters) in bf16, with random
+weights, and streams it out per round in each mode:
 
 * ``views`` — consume each yielded tensor as it is (where the on-disk layout is a plain slice
   of a parameter, the tensor is a view and nothing is copied: the cost is the plan walk and the
   reorders that QKV and GatedDeltaNet need);
 * ``copies`` — clone every yielded tensor into its own buffer, as a sender that must own its
-  data does, and release it before the next one.
+  data does, and release it before the next one;
+* ``fp8`` (``--quantize fp8``) — ``iter_hf_weights(quantize="fp8")``: the weights the
+  Qwen3.5 FP8 release quantizes come out as ``float8_e4m3fn`` plus ``weight_scale_inv``
+  (128 x 128 blocks, fused kernel on a GPU), a bucket at a time.
 
-Reports GB/s (yielded bytes / wall time; medians over ``--repeats`` rounds) and the peak device
-memory above the model during the stream, against the largest single tensor yielded (the
-"bucket" the exporter works in). Writes ``hf_export_<device>.{json,md}`` to ``--out``.
+Reports GB/s of bf16 input (the bytes of the weights streamed, before quantization; medians
+over ``--repeats`` rounds) and the peak device memory above the model during the stream,
+against the largest single tensor yielded and, for ``fp8``, the bucket size (the target is
+>= 100 GB/s with extra memory within one bucket). Writes ``hf_export[_fp8]_<device>.{json,md}``
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -67,8 +73,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, device, mode: str) -> dict:
-    """One streamed export: seconds, bytes, tensors, largest tensor, peak extra memory."""
+def measure(model, device, mode: str, bucket_size: str = "256MB") -> dict:
+    """One streamed export: seconds, bytes of bf16 input, tensors, largest tensor, peak extra
+    memory."""
     from megatron_hybrid.hf import iter_hf_weights
 
     _sync(device)
@@ -76,11 +83,19 @@ def measure(model, device, mode: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     total, count, largest = 0, 0, 0
+    quantize = "fp8" if mode == "fp8" else "none"
     began = time.perf_counter()
-    for _, tensor in iter_hf_weights(model, device=device):
+    stream = iter_hf_weights(model, device=device, quantize=quantize, bucket_size=bucket_size)
+    for name, tensor in stream:
         if mode == "copies":
             tensor = tensor.clone()
-        size = tensor.numel() * tensor.element_size()
+        if name.endswith("_scale_inv"):
+            del tensor
+            continue
+        # bytes of the weight as the model holds it (an FP8 one was bf16 before quantization)
+        size = tensor.numel() * (
+            2 if tensor.dtype == torch.float8_e4m3fn else tensor.element_size()
+        )
         total, count, largest = total + size, count + 1, max(largest, size)
         del tensor
     _sync(device)
@@ -103,6 +118,14 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen35moe-3b")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default: %(default)s)")
+    parser.add_argument(
+        "--quantize",
+        choices=["none", "fp8"],
+        default="none",
+        help="none: modes views and copies; fp8: FP8 quantization, with views as the baseline "
+        "on the same machine (default: %(default)s)",
+    )
+    parser.add_argument("--bucket-size", default="256MB", help="FP8 bucket (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the results files")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -118,6 +141,7 @@ def main(argv=None) -> int:
 
     from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.config import hf_config_to_megatron
+    from megatron_hybrid.hf.io import parse_size
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
     from megatron_hybrid.runtime import select_backend
 
@@ -126,11 +150,18 @@ def main(argv=None) -> int:
     init_world()
     pg = initialize_model_parallel()
     model = build_model(conversion, pg, perform_initialization=False).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():  # FP8 scales are computed from the values
+            param.normal_(0.0, 0.02, generator=generator)
     params = sum(p.numel() for p in model.parameters())
-    rows = {"views": [], "copies": []}
+    modes = ["views", "fp8"] if args.quantize == "fp8" else ["views", "copies"]
+    rows = {mode: [] for mode in modes}
+    for mode in modes:  # warm-up: the plan, the kernel's compilation
+        measure(model, device, mode, args.bucket_size)
     for _ in range(args.repeats):
         for mode in rows:
-            rows[mode].append(measure(model, device, mode))
+            rows[mode].append(measure(model, device, mode, args.bucket_size))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     result = dict(
         benchmark="hf_export",
@@ -139,6 +170,7 @@ def main(argv=None) -> int:
         device=name,
         preset=args.preset,
         parameters=params,
+        bucket_bytes=parse_size(args.bucket_size) if args.quantize == "fp8" else None,
         modes={},
     )
     for mode, runs in rows.items():
@@ -153,13 +185,14 @@ def main(argv=None) -> int:
             largest_tensor_bytes=runs[0]["largest"],
             peak_extra_bytes=max(peaks) if peaks else None,
         )
+    bucket = f", FP8 bucket {result['bucket_bytes'] / 1e6:.0f} MB" if result["bucket_bytes"] else ""
     lines = [
         f"# iter_hf_weights export ({result['date']}, {name})",
         "",
         f"`{result['command']}`: {args.preset}, {params / 1e9:.2f} B parameters, bf16, "
-        f"{args.repeats} rounds (medians).",
+        f"{args.repeats} rounds (medians){bucket}. GB/s and GB count the weights in bf16.",
         "",
-        "| mode | GB/s | s | GB yielded | tensors | peak extra memory | largest tensor |",
+        "| mode | GB/s | s | GB (bf16) | tensors | peak extra memory | largest tensor |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, m in result["modes"].items():
@@ -177,7 +210,8 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"hf_export_{name.replace(' ', '-')}"
+        kind = "hf_export_fp8" if args.quantize == "fp8" else "hf_export"
+        stem = f"{kind}_{name.replace(' ', '-')}"
         (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
         (args.out / f"{stem}.md").write_text(text)
     return 0

@@ -22,6 +22,9 @@
 #                ../shared/gpu/device_install_te.sh calls into /tmp/site)
 #   hf           tests/functional/test_hf_gpu.py on the folders of tests/functional/hf_fixtures.py
 #                (made on a CPU into .hf_fixtures/, carried) and benchmarks/hf_export.py
+#   hf-fp8       tests/functional/test_hf_fp8_gpu.py (the fused FP8 kernel vs its torch reference,
+#                the *_fp8 folders of hf_fixtures.py, a GPU-sized model through FP8 and back) and
+#                benchmarks/hf_export.py --quantize fp8
 #   lora         tests/functional/test_lora_gpu.py on one GPU (LoRA on TE linears, fused norm +
 #                linear and grouped-GEMM experts against the local backend's math; TE from
 #                /tmp/site as for te) and benchmarks/lora.py ($LORA_BENCH_ARGS)
@@ -157,6 +160,14 @@ for part in "$@"; do
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
+    hf-fp8)
+      NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
+        torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        tests/functional/test_hf_fp8_gpu.py 2>&1 | quiet | tee "$OUT/hf_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      python3 benchmarks/hf_export.py --quantize fp8 --out "$OUT" 2>&1 | quiet \
+        | tee "$OUT/hf_export_fp8.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     lora)
       NVIDIA_TF32_OVERRIDE=0 torchrun --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
         -W ignore tests/functional/test_lora_gpu.py 2>&1 | quiet | tee "$OUT/lora.log"

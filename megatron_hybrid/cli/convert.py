@@ -1,13 +1,16 @@
 """``convert``: Hugging Face checkpoints to and from ``torch_dist``.
 
     python -m megatron_hybrid convert --from-hf HF_DIR --save CKPT
-    python -m megatron_hybrid convert --load CKPT --to-hf OUT_DIR
+    python -m megatron_hybrid convert --load CKPT --to-hf OUT_DIR [--quantize fp8]
     python -m megatron_hybrid convert --from-hf HF_DIR --dry-run
     python -m megatron_hybrid convert --load RUN --to-peft OUT_DIR          # a LoRA run's adapter
     python -m megatron_hybrid convert --load RUN --to-hf OUT_DIR --merge-lora  # base + adapter
 
 ``--from-hf`` checks the conversion first (unsupported config fields, tensors without a source
-or without a use, shapes) and copies nothing if it finds a problem. Runs in one process (CPU or
+or without a use, shapes) and copies nothing if it finds a problem. Block-scaled FP8 folders
+(DeepSeek-V3, the Qwen FP8 releases) are dequantized on load and written as FP8 again by
+``--to-hf`` (``--quantize source``, the default); the vision tower of a multimodal Qwen3.5 is
+carried through untouched. Runs in one process (CPU or
 one GPU) or under ``torchrun`` with TP/PP/EP for models that do not fit one device. Exit codes:
 0 done, 1 the dry run found problems, 2 bad input.
 """
@@ -87,6 +90,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "float32 router biases kept (default: %(default)s)",
     )
     options.add_argument(
+        "--quantize",
+        choices=["source", "fp8", "none"],
+        default="source",
+        help="with --to-hf: 'source' writes the format the model was converted from (FP8 "
+        "weights and scales where it was FP8), 'fp8' the family's FP8 release recipe "
+        "(128 x 128 blocks), 'none' no FP8 (default: %(default)s)",
+    )
+    options.add_argument(
         "--max-shard-size",
         default="5GB",
         help="largest safetensors file with --to-hf (default: %(default)s)",
@@ -128,6 +139,10 @@ def _check(args: argparse.Namespace) -> None:
         raise CommandError("--base-hf goes with --to-peft or --merge-lora (a LoRA run's base)")
     if args.dry_run and not forward:
         raise CommandError("--dry-run checks a --from-hf conversion")
+    if forward and args.quantize != "source":
+        raise CommandError(
+            "--quantize chooses what --to-hf writes; --from-hf dequantizes FP8 folders itself"
+        )
     for flag in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
@@ -228,6 +243,8 @@ def _from_hf(args: argparse.Namespace) -> int:
     except FileExistsError as error:
         raise CommandError(str(error)) from None
     if dist.get_rank() == 0:
+        for line in check.report.notes:
+            print(line)
         print(
             f"converted {args.from_hf} ({conversion.family}, {conversion.pattern.pattern}) "
             f"-> {folder}"
@@ -250,8 +267,8 @@ def _to_hf(args: argparse.Namespace) -> int:
     from megatron_hybrid.hf.api import build_model, save_hf_checkpoint
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
-        hf_dtypes_of_checkpoint,
         load_model_state,
+        restore_hf_source,
     )
     from megatron_hybrid.hf.io import CONFIG_FILE
 
@@ -289,16 +306,19 @@ def _to_hf(args: argparse.Namespace) -> int:
     )
     model = build_model(conversion, pg, transformer_impl=args.transformer_impl)
     load_model_state(model, args.load)
-    model.hf_source_dtypes = hf_dtypes_of_checkpoint(args.load)
+    restore_hf_source(model, args.load)
     out = save_hf_checkpoint(
         model,
         args.to_hf,
+        quantize=args.quantize,
         conversion=conversion,
         dtype=_dtype(args),
         max_shard_size=args.max_shard_size,
     )
     if dist.get_rank() == 0:
-        print(f"wrote {out} ({conversion.family})")
+        carried = len(getattr(model, "hf_carried", None) or {})
+        kept = f"; {carried} tensors carried through untouched" if carried else ""
+        print(f"wrote {out} ({conversion.family}, quantize={args.quantize}{kept})")
     return 0
 
 
@@ -326,8 +346,8 @@ def _model_from_checkpoint(path, args, sizes):
     from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
-        hf_dtypes_of_checkpoint,
         load_model_state,
+        restore_hf_source,
     )
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
     from megatron_hybrid.runtime import select_backend
@@ -341,7 +361,7 @@ def _model_from_checkpoint(path, args, sizes):
     )
     model = build_model(conversion_of_checkpoint(path), pg, transformer_impl=args.transformer_impl)
     load_model_state(model, path)
-    model.hf_source_dtypes = hf_dtypes_of_checkpoint(path)
+    restore_hf_source(model, path)  # stored dtypes, FP8 scales, carried tensors
     return model
 
 
@@ -392,6 +412,7 @@ def _lora_export(args: argparse.Namespace) -> int:
         out = save_hf_checkpoint(
             model,
             args.to_hf,
+            quantize=args.quantize,
             dtype=_dtype(args),
             max_shard_size=args.max_shard_size,
             merge_lora=True,

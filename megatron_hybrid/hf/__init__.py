@@ -8,6 +8,11 @@ Needs ``safetensors`` at run time, not transformers. See ``docs/hf_checkpoints.m
   :func:`dry_run`, :func:`load_hf_weights` are its pieces;
 * :func:`iter_hf_weights` streams ``(hf_name, tensor)`` in the on-disk names and layouts (what
   RL weight sync sends to an inference engine); :func:`save_hf_checkpoint` writes a folder.
+
+Release folders load as downloaded: block-scaled FP8 (DeepSeek-V3, the Qwen FP8 releases) is
+dequantized on load and written back as FP8 (``quantize="source"``), any model can be written or
+streamed with its family's FP8 recipe (``quantize="fp8"``, :mod:`megatron_hybrid.hf.fp8`), and a
+multimodal Qwen3.5's vision tower is carried through untouched.
 """
 
 from megatron_hybrid.hf.api import conversion_for, dry_run, load_hf_model, save_hf_checkpoint

@@ -3,6 +3,7 @@ copying anything, and write a Hugging Face checkpoint back."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -13,16 +14,24 @@ from pathlib import Path
 import torch
 
 from megatron_hybrid.hf.config import (
+    HANDLED_FIELDS,
     HFConfigError,
     HFConversion,
     convert_config,
-    family_for,
+    dtype_name,
     family_named,
     hf_config_to_megatron,
 )
+from megatron_hybrid.hf.fp8 import SCALE_SUFFIX, DequantizingReader, recipe_config
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import Plan, PlanReport, check_plan
-from megatron_hybrid.hf.weights import HFWeightsError, build_plan, iter_hf_weights, model_chunks
+from megatron_hybrid.hf.weights import (
+    HFWeightsError,
+    build_plan,
+    carried_names,
+    iter_hf_weights,
+    model_chunks,
+)
 from megatron_hybrid.runtime import select_backend
 
 __all__ = [
@@ -63,7 +72,7 @@ def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) 
         ignore_config_fields=ignore_config_fields,
         has_tensor=lambda name: name in source,
     )
-    family = family_for(source.config)
+    family = family_named(conversion.family)
     for prefix in family.text_prefixes:
         if f"{prefix}embed_tokens.weight" in source or f"{prefix}embeddings.weight" in source:
             conversion.hf_prefix = prefix
@@ -124,11 +133,15 @@ def check_conversion(
 
     Builds the model the folder describes on the meta device (no memory) and lists unsupported
     config fields, model tensors without a source, Hugging Face tensors the model would not use
-    and shape mismatches. Pass the result's ``source``, ``conversion`` and ``plan`` to
+    and shape mismatches; its notes say how many block-scaled FP8 weights load dequantized and
+    which tensors of declared parts (a multimodal checkpoint's vision tower) are carried
+    through untouched. Pass the result's ``source``, ``conversion`` and ``plan`` to
     :func:`load_hf_model` to load without doing any of it again.
 
     Raises:
-        HFCheckpointError, HFConfigError: the folder or its config is damaged (one message).
+        HFCheckpointError, HFConfigError: the folder or its config is damaged (one message),
+            or its FP8 tensors are inconsistent (a weight without its scale, a scale of the
+            wrong shape, ...).
     """
     source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     report = PlanReport()
@@ -136,14 +149,20 @@ def check_conversion(
         conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
     except HFConfigError:
         conversion = convert_config(source.config, mtp=mtp, has_tensor=lambda n: n in source)
-        report.unsupported_config = [
-            (k, m) for k, m in conversion.unsupported if k not in set(ignore_config_fields)
-        ]
+        ignored = set(ignore_config_fields) - HANDLED_FIELDS
+        report.unsupported_config = [(k, m) for k, m in conversion.unsupported if k not in ignored]
         return ConversionCheck(source, None, None, report)
     plan, unresolved = build_plan(conversion, expected_key_shapes(conversion, backend))
-    info = {name: source.info(name) for name in source.names()}
+    carried = carried_names(source, conversion)
+    reader = DequantizingReader(source, conversion.quantization, skip=carried)
+    info = {name: reader.info(name) for name in reader.names()}
     checked = check_plan(plan, unresolved, info)
     checked.missing_hf = [n for n in checked.missing_hf if n not in plan.shared_copies]
+    if conversion.quantization is not None:
+        count = sum(1 for name in plan.hf_shapes if name in reader.scales)
+        checked.notes.append(f"{conversion.quantization.describe()}: {count} tensors dequantized")
+    checked.carried = carried
+    checked.notes += _carried_notes(conversion, carried)
     return ConversionCheck(source, conversion, plan, checked)
 
 
@@ -157,6 +176,19 @@ def dry_run(path, *, backend: str = "local", mtp: bool | None = None, ignore_con
         path, backend=backend, mtp=mtp, ignore_config_fields=ignore_config_fields
     )
     return check.conversion, check.report
+
+
+def _carried_notes(conversion: HFConversion, carried) -> list[str]:
+    family = family_named(conversion.family)
+    notes = []
+    for key, prefix in family.carried_parts:
+        count = sum(1 for name in carried if name.startswith(prefix))
+        if count:
+            notes.append(
+                f"carried through untouched: {count} tensors under {prefix}* ({key}; the hybrid "
+                "model does not compute them)"
+            )
+    return notes
 
 
 def _ensure_process_groups(tp: int, pp: int, ep: int):
@@ -350,6 +382,7 @@ def save_hf_checkpoint(
     model,
     out,
     *,
+    quantize: str = "source",
     conversion: HFConversion | None = None,
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
@@ -361,12 +394,19 @@ def save_hf_checkpoint(
 
     Call on every rank; rank 0 writes. Tensors stream through :func:`iter_hf_weights`, so no
     rank holds the whole model. Tokenizer and generation files of the source folder are copied.
+    The tensors of declared parts the model does not compute (a multimodal checkpoint's vision
+    tower, ``hf_carried``) are written back as they came, and then config.json is the source's
+    whole (its ``architectures`` and ``vision_config``), so transformers loads the class the
+    model started from.
 
     Args:
         model: the model (chunks) on this rank.
         out: output folder (created).
+        quantize: ``"source"``, ``"fp8"`` or ``"none"``, as :func:`iter_hf_weights`;
+            config.json's ``quantization_config`` says what was written.
         conversion: the model's conversion (default: the one attached by ``load_hf_model``).
-        dtype: output dtype (default: the source checkpoint's dtype per tensor).
+        dtype: output dtype of unquantized tensors (default: the source checkpoint's dtype per
+            tensor).
         max_shard_size: largest safetensors file, e.g. ``"5GB"``.
         group: process group over all model ranks (default: the world).
         source_path: Hugging Face folder whose side files (tokenizer, ...) to copy.
@@ -385,21 +425,38 @@ def save_hf_checkpoint(
     writer_rank = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out)
     writer = HFCheckpointWriter(out, max_shard_size) if writer_rank else None
+    matrices, fp8 = set(), set()
     stream = iter_hf_weights(
-        model, conversion=conversion, dtype=dtype, group=group, merge_lora=merge_lora
+        model,
+        quantize=quantize,
+        conversion=conversion,
+        dtype=dtype,
+        group=group,
+        merge_lora=merge_lora,
     )
     for name, tensor in stream:
+        if name.endswith(SCALE_SUFFIX):
+            fp8.add(name.removesuffix(SCALE_SUFFIX))
+        elif tensor.dim() == 2:
+            matrices.add(name)
         if writer is not None:
             writer.add(name, tensor)
     if writer is None:
         return None
+    carried = getattr(chunks[0], "hf_carried", None) or {}
+    for name, tensor in carried.items():
+        writer.add(name, tensor)
+        if tensor.dim() == 2:
+            matrices.add(name)
     writer.close()
-    config = family_named(conversion.family).to_hf_config(conversion)
-    if dtype is not None:
-        from megatron_hybrid.hf.config import dtype_name
-
-        config["dtype"] = dtype_name(dtype)
-        config.pop("torch_dtype", None)
+    config = export_config(
+        conversion,
+        quantize=quantize,
+        dtype=dtype,
+        whole=bool(carried),
+        unquantized=[n.removesuffix(".weight") for n in matrices - fp8 if n.endswith(".weight")],
+        wrote_fp8=bool(fp8),
+    )
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     source_path = source_path or getattr(chunks[0], "hf_source_path", None)
     if source_path:
@@ -408,3 +465,42 @@ def save_hf_checkpoint(
             if src.is_file() and os.path.realpath(src) != os.path.realpath(out / name):
                 shutil.copyfile(src, out / name)
     return out
+
+
+def export_config(
+    conversion: HFConversion,
+    *,
+    quantize: str = "source",
+    dtype: torch.dtype | None = None,
+    whole: bool = False,
+    unquantized=(),
+    wrote_fp8: bool = False,
+) -> dict:
+    """config.json of an exported folder.
+
+    Args:
+        conversion: the model's conversion.
+        quantize: the ``quantize`` mode the tensors were written with.
+        dtype: the dtype forced on unquantized tensors (None: the source's).
+        whole: write the source's config.json whole (a multimodal one whose other parts were
+            carried through) instead of the language model's.
+        unquantized: modules whose 2-D weights were written unquantized (``"fp8"``: they make
+            ``modules_to_not_convert``).
+        wrote_fp8: whether any FP8 weight was written.
+    """
+    if whole:
+        config = copy.deepcopy(conversion.config_json)
+    else:
+        config = family_named(conversion.family).to_hf_config(conversion)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+    parts = [part for part in (config, text) if part is not None]
+    if quantize != "source" or not wrote_fp8:
+        for part in parts:
+            part.pop("quantization_config", None)
+    if quantize == "fp8" and wrote_fp8:
+        config["quantization_config"] = recipe_config(unquantized)
+    if dtype is not None:
+        for part in parts:
+            part["dtype"] = dtype_name(dtype)
+            part.pop("torch_dtype", None)
+    return config

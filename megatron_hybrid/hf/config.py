@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_hybrid.hf.fp8 import BlockFP8, UnsupportedQuantizationError, block_fp8_format
 from megatron_hybrid.pattern import ParsedPattern
 
 __all__ = [
@@ -62,6 +63,9 @@ COMMON_IGNORED = frozenset(
     }
 )
 
+#: Fields read outside the family tables: ``quantization_config`` by ``megatron_hybrid.hf.fp8``.
+HANDLED_FIELDS = frozenset({"quantization_config"})
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,6 +91,9 @@ class HFConversion:
         notes: things a user should know (e.g. MTP declared but absent).
         mamba_mixer_params: arguments of the torch Mamba2 mixer that reproduce the family's
             Mamba numerics (``dt_limit``, ``norm_eps``); empty for families without Mamba.
+        quantization: the checkpoint's block-scaled FP8 format (None: not quantized).
+        source_config: the whole config.json (a multimodal one with its ``text_config`` and
+            ``vision_config``); None when it is ``hf_config``.
     """
 
     family: str
@@ -101,6 +108,13 @@ class HFConversion:
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     mamba_mixer_params: dict = field(default_factory=dict)
+    quantization: BlockFP8 | None = None
+    source_config: dict | None = None
+
+    @property
+    def config_json(self) -> dict:
+        """The config.json the conversion came from (multimodal ones whole)."""
+        return self.source_config if self.source_config is not None else self.hf_config
 
     def transformer_config(self, **overrides: Any):
         """The ``TransformerConfig`` (or ``MLATransformerConfig``) with ``overrides`` applied."""
@@ -123,6 +137,12 @@ class Family:
         to_hf_config: ``(HFConversion) -> dict``: a config.json transformers loads.
         text_prefixes: prefixes of the decoder names, tried in order (``model.``,
             ``model.language_model.``): the first that the checkpoint uses wins.
+        fp8_unquantized: modules the family's official FP8 release leaves unquantized
+            (``modules_to_not_convert`` patterns); every other 2-D ``.weight`` is FP8 under
+            ``quantize="fp8"``. None: the family has no block-scaled FP8 release to follow.
+        carried_parts: ``(config.json key, tensor name prefix)`` of the parts of a release
+            that the hybrid model does not compute (the vision tower of a multimodal Qwen3.5
+            under ``vision_config``): their tensors are carried through untouched.
         module_prefix: the prefix transformers' modules have in memory where it differs from
             the on-disk one (Nemotron-H: ``model.`` for ``backbone.``); None: the same.
     """
@@ -133,7 +153,13 @@ class Family:
     plan: Callable[..., None]
     to_hf_config: Callable[[HFConversion], dict]
     text_prefixes: tuple[str, ...] = ("model.",)
+    fp8_unquantized: tuple[str, ...] | None = None
+    carried_parts: tuple[tuple[str, str], ...] = ()
     module_prefix: str | None = None
+
+    def carried_prefixes(self, config_json: dict) -> tuple[str, ...]:
+        """Name prefixes of the parts a config.json declares (see ``carried_parts``)."""
+        return tuple(prefix for key, prefix in self.carried_parts if key in config_json)
 
     def module_name(self, name: str, hf_prefix: str) -> str:
         """transformers' in-memory name of the on-disk tensor or module ``name``."""
@@ -202,7 +228,8 @@ def convert_config(
     has_tensor: Callable[[str], bool] | None = None,
 ) -> HFConversion:
     """The family's translation of a config.json dict, its unsupported fields listed in
-    ``conversion.unsupported`` rather than refused (``dry_run`` reports them).
+    ``conversion.unsupported`` rather than refused (``dry_run`` reports them); a
+    ``quantization_config`` other than block-scaled FP8 is one of them.
 
     Raises:
         HFConfigError: the family is unknown, a required field is missing, or a field has a
@@ -210,7 +237,7 @@ def convert_config(
     """
     family = family_for(hf_config)
     try:
-        return family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
+        conversion = family.to_megatron(text_config(hf_config), mtp=mtp, has_tensor=has_tensor)
     except HFConfigError as error:
         raise HFConfigError(f"the {family.name} config cannot be converted: {error}") from None
     except (TypeError, ValueError, KeyError, ZeroDivisionError) as error:
@@ -218,6 +245,13 @@ def convert_config(
             f"the {family.name} config has a field of the wrong kind or value "
             f"({type(error).__name__}: {error}); is config.json complete and unedited?"
         ) from None
+    if isinstance(hf_config.get("text_config"), dict):
+        conversion.source_config = hf_config
+    try:
+        conversion.quantization = block_fp8_format(hf_config)
+    except UnsupportedQuantizationError as error:
+        conversion.unsupported.append(("quantization_config", str(error)))
+    return conversion
 
 
 def hf_config_to_megatron(
@@ -240,7 +274,8 @@ def hf_config_to_megatron(
     """
     family = family_for(hf_config)
     conversion = convert_config(hf_config, mtp=mtp, has_tensor=has_tensor)
-    ignored = set(ignore_config_fields)
+    # A quantization the package cannot read would load wrong values: never ignorable.
+    ignored = set(ignore_config_fields) - HANDLED_FIELDS
     conversion.unsupported = [(k, m) for k, m in conversion.unsupported if k not in ignored]
     if conversion.unsupported:
         lines = "\n".join(f"  {k}: {m}" for k, m in conversion.unsupported)
@@ -258,7 +293,7 @@ class ConfigReader:
 
     def __init__(self, config: dict, ignored: Iterable[str] = ()) -> None:
         self.config = config
-        self.used: set[str] = set(COMMON_IGNORED) | set(ignored)
+        self.used: set[str] = set(COMMON_IGNORED) | HANDLED_FIELDS | set(ignored)
         self.unsupported: list[tuple[str, str]] = []
 
     def get(self, name: str, default: Any = None) -> Any:

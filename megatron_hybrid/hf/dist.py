@@ -7,6 +7,14 @@ store.HF_RECORD_FILE`: its ``config.json``, per-tensor dtypes and pattern), so t
 can be turned back into a Hugging Face folder, and ``train --load`` starts fine-tuning from it
 (iteration 0, fresh optimizer). ``train`` writes the same record into the checkpoints of a model
 that started from Hugging Face weights.
+
+What the source was beyond the model's weights travels in the checkpoint too, so that it stays
+self-contained and the export writes the source format again: the record holds the whole
+config.json (with its ``quantization_config`` and ``vision_config``), each tensor's stored dtype
+and the names' prefix, and the checkpoint's state holds, outside the model's keys
+(:func:`hf_source_state`), the source's FP8 scales (``hf_source.scales.<name>``) and the tensors
+of parts the model does not compute (``hf_source.carried.<name>``: a multimodal checkpoint's
+vision tower), which :func:`restore_hf_source` gives back to a model loaded from it.
 """
 
 from __future__ import annotations
@@ -22,14 +30,23 @@ from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
 from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
+    "HF_SOURCE_KEY",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
     "hf_record",
+    "hf_source_state",
     "read_hf_record",
+    "restore_hf_source",
     "load_model_state",
     "save_model_state",
 ]
+
+#: Where a checkpoint's state holds the source's tensors that are no model weight (outside the
+#: model's key roots): FP8 scales and carried tensors.
+HF_SOURCE_KEY = "hf_source"
+_SCALES = f"{HF_SOURCE_KEY}.scales."
+_CARRIED = f"{HF_SOURCE_KEY}.carried."
 
 
 def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool = False) -> dict:
@@ -46,12 +63,43 @@ def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool
         return {}
     dtypes = getattr(first, "hf_source_dtypes", None) or {}
     return {
-        "hf_config": conversion.hf_config,
+        # The whole config.json (a multimodal one with its vision_config), quantization_config
+        # included: export writes the source format again from it.
+        "hf_config": getattr(conversion, "config_json", conversion.hf_config),
+        "hf_prefix": getattr(conversion, "hf_prefix", None),
         # Each tensor's dtype in the source folder, so that the export writes it back so.
         "hf_dtypes": {name: str(d).removeprefix("torch.") for name, d in dtypes.items()},
         "hybrid_layer_pattern": conversion.pattern.pattern,
+        "carried": sorted(getattr(first, "hf_carried", None) or {}),
         "model_only": model_only,
     }
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def hf_source_state(model) -> dict:
+    """The checkpoint entries of the source's tensors that are no model weight: the FP8 scales
+    (held by every rank; the first writes them) and the carried tensors (held by global rank
+    0), as ``ShardedTensor`` under keys outside the model's roots ({} when there are none)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    first = model_chunks(model)[0]
+    rank = _rank()
+    entries = {}
+    for prefix, tensors, replica in (
+        (_SCALES, getattr(first, "hf_fp8_scales", None) or {}, rank),
+        (_CARRIED, getattr(first, "hf_carried", None) or {}, 0),
+    ):
+        for name, tensor in tensors.items():
+            data = tensor.detach().to("cpu").contiguous()
+            entries[prefix + name] = ShardedTensor.from_rank_offsets(
+                prefix + name, data, replica_id=replica
+            )
+    return entries
 
 
 def read_hf_record(root) -> dict:
@@ -74,6 +122,7 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
             "format": MODEL_ONLY_FORMAT,
             "hybrid_layer_pattern": conversion.pattern.pattern,
         },
+        HF_SOURCE_KEY: hf_source_state(model),
     }
     record = hf_record(model, conversion, model_only=True)
     return store.write(root, store.RELEASE, state, {HF_RECORD_FILE: record}, overwrite=overwrite)
@@ -107,7 +156,52 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
     # The stored pattern says whether MTP layers were converted (HF configs declare them even
     # where the weights were dropped).
     mtp = None if pattern is None else "/" in pattern
-    return hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
+    conversion = hf_config_to_megatron(config, mtp=mtp, has_tensor=lambda name: True, **kwargs)
+    if hf_config is None and stored.get("hf_prefix"):
+        conversion.hf_prefix = stored["hf_prefix"]
+    return conversion
+
+
+def restore_hf_source(model, root) -> None:
+    """Give a model loaded from the checkpoint ``root`` what it keeps of its Hugging Face source
+    (as ``load_hf_weights`` does): each tensor's stored dtype, the FP8 scales, and on global
+    rank 0 the carried tensors. Collective (every rank calls it).
+
+    Raises:
+        CheckpointDamagedError: the record names carried tensors the checkpoint does not hold.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    record = read_hf_record(root)
+    dtypes = {name: getattr(torch, d) for name, d in record.get("hf_dtypes", {}).items()}
+    folder = store.resolve_checkpoint_dir(root)
+    saved = {
+        key: meta
+        for key, meta in dist_checkpointing.load_tensors_metadata(str(folder)).items()
+        if key.startswith(HF_SOURCE_KEY + ".")
+    }
+    missing = sorted(set(record.get("carried", ())) - {k[len(_CARRIED) :] for k in saved})
+    if missing:
+        raise store.CheckpointDamagedError(
+            f"{folder} records {len(missing)} carried tensors ({missing[0]}, ...) that it does "
+            "not hold; the checkpoint is incomplete"
+        )
+    # Every rank reads the scales (as replicas: one main replica per tensor), rank 0 the rest.
+    request = {
+        key: ShardedTensor.from_rank_offsets(
+            key, torch.empty(tuple(meta.global_shape), dtype=meta.dtype), replica_id=_rank()
+        )
+        for key, meta in saved.items()
+        if key.startswith(_SCALES) or _rank() == 0
+    }
+    loaded = store.read(folder, {HF_SOURCE_KEY: request}).get(HF_SOURCE_KEY, {}) if saved else {}
+    scales = {k[len(_SCALES) :]: t for k, t in loaded.items() if k.startswith(_SCALES)}
+    carried = {k[len(_CARRIED) :]: t for k, t in loaded.items() if k.startswith(_CARRIED)}
+    for chunk in model_chunks(model):
+        chunk.hf_source_dtypes = dtypes
+        chunk.hf_fp8_scales = scales
+        chunk.hf_carried = carried
 
 
 def load_model_state(model, root) -> Path:

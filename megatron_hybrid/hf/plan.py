@@ -77,6 +77,9 @@ class PlanReport:
         shape_errors: ``(name, message)`` for tensors whose shapes do not fit.
         unsupported_config: ``(field, message)`` for config fields that cannot be mapped.
         shared_copies: Hugging Face tensors that duplicate another one (checked, not loaded).
+        carried: Hugging Face tensors of declared parts the model does not compute (a vision
+            tower), carried through untouched.
+        notes: what the conversion does besides mapping (FP8 dequantized, parts carried).
     """
 
     unmapped_model: list[str] = field(default_factory=list)
@@ -85,6 +88,8 @@ class PlanReport:
     shape_errors: list[tuple[str, str]] = field(default_factory=list)
     unsupported_config: list[tuple[str, str]] = field(default_factory=list)
     shared_copies: dict[str, str] = field(default_factory=dict)
+    carried: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -98,8 +103,8 @@ class PlanReport:
         )
 
     def lines(self, limit: int = 20) -> list[str]:
-        """The report as text lines (at most ``limit`` entries per list)."""
-        out = []
+        """The report as text lines (at most ``limit`` entries per list), notes first."""
+        out = list(self.notes)
         sections = (
             ("unsupported config fields", [f"{k}: {m}" for k, m in self.unsupported_config]),
             ("Hugging Face tensors missing", self.missing_hf),

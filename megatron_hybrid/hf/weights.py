@@ -13,15 +13,28 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hybrid.hf.config import HFConversion
-from megatron_hybrid.hf.io import HFCheckpoint, require_finite
+from megatron_hybrid.hf.fp8 import FP8_DTYPE, SCALE_SUFFIX, DequantizingReader
+from megatron_hybrid.hf.fp8_stream import BucketQuantizer, FP8Spec, fp8_specs
+from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
 
-__all__ = ["LORA_DELTA", "HFWeightsError", "build_plan", "iter_hf_weights", "load_hf_weights"]
+__all__ = [
+    "LORA_DELTA",
+    "QUANTIZE_MODES",
+    "HFWeightsError",
+    "build_plan",
+    "carried_names",
+    "iter_hf_weights",
+    "load_hf_weights",
+]
+
+#: ``quantize=`` of :func:`iter_hf_weights`: as loaded, the family's FP8 recipe, unquantized.
+QUANTIZE_MODES = ("source", "fp8", "none")
 
 #: Name of the attribute through which a parameter takes part in merged exports: a parameter
 #: that has it is exported by ``iter_hf_weights(merge_lora=True)`` as ``param + delta`` where
@@ -126,12 +139,33 @@ def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
     return out
 
 
+def carried_names(source, conversion: HFConversion) -> list[str]:
+    """The folder's tensors under the parts its config declares but the model does not compute
+    (a multimodal Qwen3.5's vision tower): carried through untouched."""
+    from megatron_hybrid.hf.config import family_named
+
+    prefixes = family_named(conversion.family).carried_prefixes(conversion.config_json)
+    return [name for name in source.names() if prefixes and name.startswith(prefixes)]
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def load_hf_weights(
     model, path, conversion: HFConversion | None = None, *, progress=None, plan: Plan | None = None
 ):
     """Load a Hugging Face checkpoint into ``model`` (its chunks on this rank), strictly.
 
-    Each rank reads only the Hugging Face rows behind its own shards.
+    Each rank reads only the Hugging Face rows behind its own shards. Block-scaled FP8 weights
+    (``conversion.quantization``) are dequantized on the way, ``q.float() * s`` block by block,
+    and cast to the parameters' dtype; each rank reads the FP8 bytes and scales of its own
+    blocks only. The model keeps what export needs to write the source format again: each
+    tensor's stored dtype (``hf_source_dtypes``), the FP8 scales (``hf_fp8_scales``), and on
+    global rank 0 the tensors of declared parts it does not compute (``hf_carried``: a
+    multimodal checkpoint's vision tower).
 
     Args:
         model: a HybridModel, a list of model chunks, or wrapped ones (DDP, Float16Module).
@@ -151,8 +185,10 @@ def load_hf_weights(
 
     from megatron_hybrid.hf.api import conversion_for
 
-    source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
-    conversion = conversion or conversion_for(source)
+    folder = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    conversion = conversion or conversion_for(folder)
+    carried = carried_names(folder, conversion)
+    source = DequantizingReader(folder, conversion.quantization, skip=carried)
     chunks = model_chunks(model)
     states = [_sharded_tensors(chunk) for chunk in chunks]
     key_shapes = {
@@ -214,8 +250,14 @@ def load_hf_weights(
                 else:
                     raise HFWeightsError(f"model tensor {name} has no Hugging Face source")
             chunk.load_state_dict(state, strict=True)
+    dtypes = {name: source.info(name)[0] for name in source.names()}
+    dtypes.update({scale: folder.info(scale)[0] for scale in source.scales.values()})
+    scales = source.scale_tensors()
+    kept = {name: folder.get(name) for name in carried} if _global_rank() == 0 else {}
     for chunk in chunks:
-        chunk.hf_source_dtypes = {name: dtype for name, (dtype, _) in info.items()}
+        chunk.hf_source_dtypes = dtypes
+        chunk.hf_fp8_scales = scales
+        chunk.hf_carried = kept
         chunk.hf_conversion = conversion
     return model
 
@@ -236,7 +278,8 @@ def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece
     if dtype is not None:
         return dtype
     if source_dtypes and name in source_dtypes:
-        return source_dtypes[name]
+        # An FP8 source tensor written unquantized: in the parameters' dtype.
+        return piece_dtype if source_dtypes[name] == FP8_DTYPE else source_dtypes[name]
     if piece_dtype == torch.float32 and conversion.dtype != torch.float32:
         return torch.float32  # kept in fp32 by the model (moe_router_dtype, expert bias)
     return conversion.dtype
@@ -299,6 +342,8 @@ class _ExportState:
     params: list
     ptrs: list
     indices: dict
+    views: dict = field(default_factory=dict)
+    device_scales: dict = field(default_factory=dict)
 
     def valid(self) -> bool:
         return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.ptrs, strict=True))
@@ -355,10 +400,12 @@ def _export_state(chunks, conversion, group, world: bool, rank: int) -> _ExportS
 def iter_hf_weights(
     model,
     *,
+    quantize: str = "source",
     conversion: HFConversion | None = None,
     dtype: torch.dtype | None = None,
     group=None,
     device=None,
+    bucket_size: int | str = "256MB",
     merge_lora: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
@@ -372,21 +419,40 @@ def iter_hf_weights(
     optimizer step. The plan is built on the first call and reused while the parameters stay
     where they are.
 
+    FP8 (``quantize``): a weight to be FP8 is quantized after it is gathered (a block may span
+    shards), on ``device``, and yielded as ``name`` (``float8_e4m3fn``) followed by
+    ``name + "_scale_inv"`` (one scale per block); consecutive weights are quantized a bucket at
+    a time (``bucket_size`` bounds the memory that takes; :mod:`megatron_hybrid.hf.fp8_stream`).
+
     Args:
         model: a HybridModel or a list of (wrapped) model chunks built by this package.
+        quantize: ``"source"``: the weights the model was loaded from FP8 are FP8 again, with
+            the source's blocks and scale dtype, a block keeping its source scale while its
+            values are still FP8 multiples of it (an unchanged model streams back its
+            source bytes); ``"fp8"``: the family's FP8 release recipe (128 x 128 blocks,
+            ``s = amax / 448``, the modules the release keeps unquantized left so) for any
+            model; ``"none"``: no FP8 (weights loaded from FP8 in the parameters' dtype).
         conversion: the :class:`HFConversion` (default: the one ``load_hf_model`` attached).
-        dtype: output dtype (default: each tensor's dtype in the source checkpoint, else the
-            config's; router expert biases stay float32 always).
+        dtype: output dtype of unquantized tensors (default: each tensor's dtype in the source
+            checkpoint, else the config's; router expert biases stay float32 always).
         group: process group spanning all ranks that hold the model (default: the world).
         device: where tensors are assembled and yielded (default: the current CUDA device, or
             CPU without CUDA).
+        bucket_size: most memory FP8 quantization holds at once, e.g. ``"256MB"``.
         merge_lora: yield the weights with their LoRA adapters merged: ``W + (alpha / rank)
             B A``, computed in float32 on each rank's shard before anything is gathered, then
-            cast to the usual dtype; same names, dtypes and order as without, and tensors
-            without an adapter bitwise the same. Raises if no weight has an adapter.
+            cast to the usual dtype (or quantized: merged per shard, gathered, then quantized);
+            same names, dtypes and order as without, and tensors without an adapter bitwise the
+            same. Raises if no weight has an adapter.
+
+    Raises:
+        ValueError: an unknown ``quantize``; ``UnsupportedQuantizationError`` (a ValueError):
+            ``quantize="fp8"`` for a family without an FP8 release recipe.
     """
     import torch.distributed as dist
 
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize={quantize!r}: choose one of {', '.join(QUANTIZE_MODES)}")
     chunks = model_chunks(model)
     conversion = conversion or getattr(chunks[0], "hf_conversion", None)
     if conversion is None:
@@ -401,6 +467,13 @@ def iter_hf_weights(
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = _export_state(chunks, conversion, group, world, rank)
     plan, key_shapes, pieces, local = state.plan, state.key_shapes, state.pieces, state.local
+    specs = fp8_specs(plan, quantize, conversion, source_dtypes or {})
+    quantizer = BucketQuantizer(parse_size(bucket_size)) if specs else None
+    scales = getattr(chunks[0], "hf_fp8_scales", None) or {}
+    where = str(device)
+    # Parameter slices found once are reused by later calls; merged pieces are new tensors
+    # each call, so a merging stream neither reads nor fills that cache.
+    views = {} if merge_lora else state.views
     if merge_lora:
         local = _MergedPieces(local, state.params)
         adapted = torch.tensor([local.count], dtype=torch.float64, device=device)
@@ -433,7 +506,8 @@ def iter_hf_weights(
         return out, only.dtype
 
     def local_rows(link: Link):
-        """The link's rows as a view of one local piece, or None (world > 1, or split)."""
+        """``(rows, dtype, whether they are a view of the parameter)`` of the link from one
+        local piece, or None (world > 1, or split)."""
         if world:
             return None
         shape = key_shapes[link.key][1:] if link.expert is not None else key_shapes[link.key]
@@ -444,8 +518,12 @@ def iter_hf_weights(
                 and link.key_rows.stop <= start + piece.shape[0]
                 and tuple(piece.shape[1:]) == tuple(shape[1:])
             ):
-                data = local[(link.key, link.expert, offset)].to(device)
-                return data[link.key_rows.start - start : link.key_rows.stop - start], piece.dtype
+                data = local[(link.key, link.expert, offset)]
+                moved = data.to(device)
+                # detach(): a view kept across calls must not carry autograd's view record,
+                # which refuses any use in grad mode once an optimizer step changed the base.
+                rows = moved.detach()[link.key_rows.start - start : link.key_rows.stop - start]
+                return rows, piece.dtype, moved is data
         return None
 
     cache: dict[tuple[str, int | None], tuple[torch.Tensor, torch.dtype]] = {}
@@ -455,7 +533,7 @@ def iter_hf_weights(
     def rows_of(link: Link):
         found = local_rows(link)
         if found is not None:
-            return found
+            return found[:2]
         k = (link.key, link.expert)
         if k not in cache:
             cache[k] = assemble(*k)
@@ -468,8 +546,25 @@ def iter_hf_weights(
             state.indices[k] = torch.tensor(link.hf_rows, device=device)
         return state.indices[k]
 
-    @torch.no_grad()
-    def make(name: str) -> torch.Tensor:
+    def source_scales(name: str, spec: FP8Spec) -> torch.Tensor | None:
+        scale = scales.get(name + SCALE_SUFFIX) if spec.keep_source_scales else None
+        if scale is None:
+            return None
+        k = (name, where)
+        if k not in state.device_scales:
+            state.device_scales[k] = scale.to(device)
+        return state.device_scales[k]
+
+    def make(name: str, quantized: bool = False) -> torch.Tensor:
+        view = views.get((name, where))
+        if view is not None:
+            # A slice of a parameter found on an earlier call (of the detached parameter: no
+            # grad-mode switch needed; most tensors of a sync come this way).
+            return finish(name, *view, quantized)
+        with torch.no_grad():
+            return build(name, quantized)
+
+    def build(name: str, quantized: bool) -> torch.Tensor:
         if name in plan.shared_copies:
             return produced.pop(plan.shared_copies[name]).clone()
         links = plan.by_hf[name]
@@ -487,7 +582,13 @@ def iter_hf_weights(
             and isinstance(first.hf_rows, slice)
             and first.hf_rows.stop - first.hf_rows.start == shape[0]
         ):
-            tensor, piece_dtype = rows_of(first)
+            found = local_rows(first)
+            if found is None:
+                tensor, piece_dtype = rows_of(first)
+            else:
+                tensor, piece_dtype, is_view = found
+                if is_view:
+                    views[(name, where)] = (tensor, piece_dtype)
         else:
             values = [rows_of(link) for link in links]
             piece_dtype = values[0][1]
@@ -497,11 +598,24 @@ def iter_hf_weights(
                     tensor[link.hf_rows] = value
                 else:
                     tensor.index_copy_(0, index_of(link, tensor.device), value)
-        target = _target_dtype(name, plan, conversion, dtype, source_dtypes, piece_dtype)
-        tensor = tensor.to(target)
+        return finish(name, tensor, piece_dtype, quantized)
+
+    def finish(name: str, tensor, piece_dtype, quantized: bool) -> torch.Tensor:
+        if not quantized:  # a weight to be FP8 goes to the quantizer in the parameters' dtype
+            target = _target_dtype(name, plan, conversion, dtype, source_dtypes, piece_dtype)
+            tensor = tensor.to(target)
         if name in copies_of:
             produced[name] = tensor
         return tensor
 
     for name in plan.hf_names():
-        yield name, make(name)
+        spec = specs.get(name)
+        if spec is None:
+            if quantizer is not None:
+                yield from quantizer.flush()
+            yield name, make(name)
+        else:
+            tensor = make(name, quantized=True)
+            yield from quantizer.add(name, tensor, spec, source_scales(name, spec))
+    if quantizer is not None:
+        yield from quantizer.flush()

@@ -144,7 +144,7 @@ def save_checkpoint(
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
         NonFiniteCheckpointError: a tensor is NaN or infinite (named; nothing is written).
     """
-    from megatron_hybrid.hf.dist import hf_record
+    from megatron_hybrid.hf.dist import HF_SOURCE_KEY, hf_record, hf_source_state
 
     model = _model_state(chunks, metadata=None)
     record = {"format": TRAIN_FORMAT, "hybrid_layer_pattern": pattern}
@@ -163,8 +163,11 @@ def save_checkpoint(
     if layout is not None:
         state["parallel_layout"] = dict(layout)
     # A model started from Hugging Face weights: which one, so that the checkpoint resumes
-    # without model flags and exports with convert --to-hf.
+    # without model flags and exports with convert --to-hf (its FP8 scales and carried tensors
+    # travel in the state, outside the model's keys).
     from_hf = hf_record(_unwrapped(chunks))
+    if from_hf:
+        state[HF_SOURCE_KEY] = hf_source_state(_unwrapped(chunks))
     all_records = {**({HF_RECORD_FILE: from_hf} if from_hf else {}), **(records or {})}
     if _adapted(chunks):
         # The adapters' config, and where their base came from with its fingerprint: a resume

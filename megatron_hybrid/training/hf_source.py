@@ -53,12 +53,15 @@ class HFSource:
             run then initialises from it instead of resuming ``--load``.
         resumed: the run resumes a ``train`` checkpoint of a model that started from Hugging
             Face weights (the checkpoint records the config; the resume loads the weights).
+        recorded_in: the checkpoint whose record of the Hugging Face source (stored dtypes,
+            FP8 scales, carried tensors) the model takes on (a resumed run's ``--load``).
     """
 
     conversion: HFConversion
     hf_path: str | None = None
     checkpoint: str | None = None
     resumed: bool = False
+    recorded_in: str | None = None
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -119,7 +122,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
             if recorded.get("model_only"):
                 source = HFSource(conversion, checkpoint=args.load)
             else:
-                source = HFSource(conversion, resumed=True)
+                source = HFSource(conversion, resumed=True, recorded_in=args.load)
     if source is not None and getattr(args, "moe_grouped_gemm", False):
         raise ValueError(
             "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
@@ -159,19 +162,17 @@ def model_kwargs(source: HFSource) -> dict:
 
 
 def load_initial_weights(source: HFSource, chunks) -> None:
-    """Copy the source's weights into the (wrapped) model chunks of this rank."""
+    """Copy the source's weights into the (wrapped) model chunks of this rank, with what the
+    model keeps of its Hugging Face source (stored dtypes, FP8 scales, carried tensors) for the
+    checkpoints it saves and the folders it exports."""
+    from megatron_hybrid.hf.dist import load_model_state, restore_hf_source
     from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
 
-    if source.resumed:
-        for chunk in model_chunks(chunks):  # the resume loads the weights
-            chunk.hf_conversion = source.conversion
-        return
     if source.hf_path is not None:
         load_hf_weights(chunks, source.hf_path, source.conversion)
-    else:
-        from megatron_hybrid.hf.dist import hf_dtypes_of_checkpoint, load_model_state
-
+        return
+    if not source.resumed:  # a resume loads the weights itself
         load_model_state(chunks, source.checkpoint)
-        for chunk in model_chunks(chunks):
-            chunk.hf_conversion = source.conversion
-            chunk.hf_source_dtypes = hf_dtypes_of_checkpoint(source.checkpoint)
+    restore_hf_source(chunks, source.checkpoint or source.recorded_in)
+    for chunk in model_chunks(chunks):
+        chunk.hf_conversion = source.conversion

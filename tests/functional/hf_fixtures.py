@@ -5,7 +5,9 @@
 The GPU machines have no transformers and no network, so the oracle runs where it can: every
 family's tiny randomised checkpoint (tests/unit/hf/hf_oracle.py) goes to ``OUT_DIR/<family>``
 with ``reference.pt`` (input ids, transformers' float32 logits, the logits bound of the CPU
-tests). Point ``MH_HF_FIXTURES`` at ``OUT_DIR`` on the GPU machine.
+tests). The block-scaled FP8 folders (tests/unit/hf/fp8_oracle.py) go to
+``OUT_DIR/<family>_fp8``, their ``reference.pt`` holding transformers' logits on the
+dequantized weights. Point ``MH_HF_FIXTURES`` at ``OUT_DIR`` on the GPU machine.
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ HERE = Path(__file__).resolve().parent
 #: megatron-core's Mamba kernels compute (a step floor that never binds, gated-norm eps 1e-5),
 #: so kernels and transformers can agree on it; the oracle's ``nemotron_h`` clamps the step.
 VARIANTS = {"nemotron_h_mcore": ("nemotron_h", {"time_step_min": 1e-4, "layer_norm_epsilon": 1e-5})}
+#: FP8 folders: ``name -> (family, scale dtype)`` (DeepSeek-V3 stores float32 scales).
+FP8_FOLDERS = {
+    "deepseek_v3_fp8": ("deepseek_v3", torch.float32),
+    "qwen3_5_moe_fp8": ("qwen3_5_moe", torch.bfloat16),
+}
 
 
 def main(out: str) -> None:
     sys.path.insert(0, str(HERE.parent / "unit" / "hf"))
+    import fp8_oracle
     import hf_oracle
     from hf_oracle import CONVERTED, SEQ, logits_bound
 
@@ -33,6 +41,17 @@ def main(out: str) -> None:
         folder = hf_oracle.make_hf_checkpoint(family, Path(out) / name, **overrides)
         reference = hf_oracle.hf_logits(folder, input_ids)
         bound = logits_bound(folder, input_ids, reference)
+        torch.save(
+            {"input_ids": input_ids, "logits": reference, "bound": bound}, folder / "reference.pt"
+        )
+        print(f"{name}: {folder} (bound {bound:.2e})")
+    for name, (family, scale_dtype) in FP8_FOLDERS.items():
+        folder = fp8_oracle.make_fp8_folder(
+            Path(out) / family, Path(out) / name, scale_dtype=scale_dtype
+        )
+        values = fp8_oracle.make_dequantized_folder(folder, Path(out) / f"{name}_values")
+        reference = hf_oracle.hf_logits(values, input_ids)
+        bound = max(1e-3, logits_bound(values, input_ids, reference))
         torch.save(
             {"input_ids": input_ids, "logits": reference, "bound": bound}, folder / "reference.pt"
         )

@@ -41,6 +41,15 @@ from megatron_hybrid.pattern import parse_pattern
 __all__ = ["DEEPSEEK_V3"]
 
 _MTP_FIELDS = ("num_nextn_predict_layers", "num_mtp_layers")
+
+# What the official FP8 checkpoint keeps unquantized. Its quantization_config names no
+# modules: deepseek-ai/DeepSeek-V3 README_WEIGHTS.md ("FP8 Weight Documentation") and
+# inference/model.py (every `Linear` of attention and MLP, experts and shared experts included,
+# is float8 with a 128 x 128 float32 `scale`; `ParallelEmbedding`, `Gate` and the output head
+# are bfloat16) give the rest; the MTP layer's `eh_proj` is bfloat16 too (vLLM's
+# deepseek_mtp.py builds it as a plain nn.Linear with no quantization), and its
+# `shared_head.head` is a copy of lm_head.
+_FP8_UNQUANTIZED = ("embed_tokens", "lm_head", "mlp.gate", "eh_proj", "shared_head.head")
 _YARN = {
     "factor": "rotary_scaling_factor",
     "original_max_position_embeddings": "original_max_position_embeddings",
@@ -299,5 +308,6 @@ DEEPSEEK_V3 = Family(
     to_megatron=_to_megatron,
     plan=_plan,
     to_hf_config=_to_hf_config,
+    fp8_unquantized=_FP8_UNQUANTIZED,
 )
 register_family(DEEPSEEK_V3)

@@ -40,6 +40,36 @@ from megatron_hybrid.pattern import parse_pattern
 __all__ = ["QWEN3_5", "QWEN3_5_MOE", "QWEN3_NEXT"]
 
 _IGNORED = ("router_aux_loss_coef", "mtp_use_dedicated_embeddings", "full_attention_interval")
+
+# The modules the official FP8 releases keep unquantized, from their config.json's
+# quantization_config.modules_to_not_convert (per-layer entries reduced to module names; the
+# lists also name norms, conv1d, A_log and dt_bias, which are not 2-D and never FP8):
+# - Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 (transformers 5.7.0 config): lm_head,
+#   linear_attn.in_proj_ba, mlp.gate, mlp.shared_expert_gate, mtp.fc;
+# - Qwen/Qwen3.6-35B-A3B-FP8 (model_type qwen3_5_moe, the Qwen3.5 architecture):
+#   lm_head, embed_tokens, linear_attn.in_proj_a, linear_attn.in_proj_b, mlp.gate,
+#   mlp.shared_expert_gate, mtp.fc and the vision tower (model.visual.blocks.*).
+# The embedding is listed for all: it is no linear layer, and no release quantizes it.
+_FP8_QWEN3_NEXT = (
+    "embed_tokens",
+    "lm_head",
+    "linear_attn.in_proj_ba",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "mtp.fc",
+)
+_FP8_QWEN3_5 = (
+    "embed_tokens",
+    "lm_head",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "mtp.fc",
+)
+# The vision tower of the multimodal Qwen3.5 checkpoints (Qwen3_5*ForConditionalGeneration,
+# transformers 5.23: model.visual.*, described by config.json's vision_config).
+_VISION = (("vision_config", "model.visual."),)
 _MTP_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
 
@@ -362,7 +392,16 @@ def _to_hf_config(conversion: HFConversion, *, model_type: str, architecture: st
     return {**out, **source, "model_type": model_type}
 
 
-def _family(name: str, model_types: tuple[str, ...], *, moe: bool, grouped: bool, arch: str):
+def _family(
+    name: str,
+    model_types: tuple[str, ...],
+    *,
+    moe: bool,
+    grouped: bool,
+    arch: str,
+    fp8: tuple[str, ...],
+    carried=(),
+):
     return Family(
         name=name,
         model_types=model_types,
@@ -374,11 +413,19 @@ def _family(name: str, model_types: tuple[str, ...], *, moe: bool, grouped: bool
             conversion, model_type=model_types[0], architecture=arch
         ),
         text_prefixes=("model.", "model.language_model."),
+        fp8_unquantized=fp8,
+        carried_parts=carried,
     )
 
 
 QWEN3_5 = _family(
-    "qwen3_5", ("qwen3_5_text", "qwen3_5"), moe=False, grouped=False, arch="Qwen3_5ForCausalLM"
+    "qwen3_5",
+    ("qwen3_5_text", "qwen3_5"),
+    moe=False,
+    grouped=False,
+    arch="Qwen3_5ForCausalLM",
+    fp8=_FP8_QWEN3_5,
+    carried=_VISION,
 )
 QWEN3_5_MOE = _family(
     "qwen3_5_moe",
@@ -386,9 +433,16 @@ QWEN3_5_MOE = _family(
     moe=True,
     grouped=False,
     arch="Qwen3_5MoeForCausalLM",
+    fp8=_FP8_QWEN3_5,
+    carried=_VISION,
 )
 QWEN3_NEXT = _family(
-    "qwen3_next", ("qwen3_next",), moe=True, grouped=True, arch="Qwen3NextForCausalLM"
+    "qwen3_next",
+    ("qwen3_next",),
+    moe=True,
+    grouped=True,
+    arch="Qwen3NextForCausalLM",
+    fp8=_FP8_QWEN3_NEXT,
 )
 for _f in (QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT):
     register_family(_f)

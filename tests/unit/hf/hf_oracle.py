@@ -518,6 +518,68 @@ def to_vlm_layout(path: str | Path) -> Path:
     return path
 
 
+#: A tiny vision tower for the multimodal Qwen3.5 classes (transformers 5.23
+#: ``Qwen3_5*VisionConfig``): two blocks, hidden 32, patches of 4, merged into hidden 64.
+_TINY_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "patch_size": 4,
+    "out_hidden_size": 64,
+    "num_position_embeddings": 64,
+}
+_VLM_CONFIGS = {"qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig"}
+
+
+def make_vlm_checkpoint(
+    family: str, out_dir: str | Path, *, seed: int = 0, max_shard_size: str | None = None
+) -> Path:
+    """Save a tiny randomised multimodal Qwen3.5 (``*ForConditionalGeneration``: the text model
+    of :func:`tiny_config` under ``model.language_model.``, a vision tower under
+    ``model.visual.``) with ``save_pretrained``, as the hub releases are laid out."""
+    if family not in _VLM_ARCHITECTURES:
+        raise ValueError(f"{family}: no multimodal class (one of {sorted(_VLM_ARCHITECTURES)})")
+    module = modeling_module(family)
+    config_cls = getattr(importlib.import_module("transformers"), _VLM_CONFIGS[family])
+    text = tiny_config(family).to_dict()
+    config = config_cls(
+        text_config=text,
+        vision_config=dict(_TINY_VISION),
+        image_token_id=250,
+        video_token_id=251,
+        vision_start_token_id=252,
+        vision_end_token_id=253,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = getattr(module, _VLM_ARCHITECTURES[family])._from_config(config, dtype=torch.float32)
+    _randomise(model, torch.Generator().manual_seed(seed))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.eval().save_pretrained(out, **kwargs)
+    return out
+
+
+def vlm_logits(path: str | Path, input_ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """``(class name, float32 logits)`` of a multimodal folder loaded as the class its
+    config.json's ``architectures`` names (text-only input)."""
+    family = _family_of(Path(path))
+    module = modeling_module(family)
+    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    model = (
+        getattr(module, architecture)
+        .from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        )
+        .eval()
+    )
+    with torch.no_grad():
+        out = model(input_ids=input_ids, use_cache=False)
+    return type(model).__name__, out.logits.float()
+
+
 # --- MTP tensors (transformers drops them on load, so save_pretrained never writes them) ------
 #
 # On-disk names of the real checkpoints, as mapped by NVIDIA-NeMo/Megatron-Bridge:
