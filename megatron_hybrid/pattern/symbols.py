@@ -2,8 +2,9 @@
 
 The facts about each layer type (name, slot, GPT role, THD rule, colour) live in one table,
 :mod:`megatron_hybrid.pattern.layer_types`, which also takes registrations of new types; this
-module holds the characters the table and the parser are written with. Vocabulary used across
-the package:
+module holds the characters the table and the parser are written with (``SYMBOL_NAMES`` and
+``SLOT_OF_SYMBOL`` are views of that table: import them from it, or from
+:mod:`megatron_hybrid.pattern`). Vocabulary used across the package:
 
 * *layer* (or *physical layer*): one symbol, one module with its own ``layer_number``;
 * *group*: ``[...]``, several physical layers that form one Transformer-equivalent layer;
@@ -18,7 +19,6 @@ the package:
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 __all__ = [
     "ATTENTION",
@@ -95,12 +95,3 @@ MAX_NESTING_DEPTH = 32
 #: Version of the grammar; bumped on any change to what a pattern string means.
 GRAMMAR_VERSION = 1
 
-
-def __getattr__(name: str) -> Any:
-    # SYMBOL_NAMES and SLOT_OF_SYMBOL were defined here before the layer-type table existed;
-    # they are now live views of that table (importing it here eagerly would be a cycle).
-    if name in ("SYMBOL_NAMES", "SLOT_OF_SYMBOL"):
-        from megatron_hybrid.pattern import layer_types
-
-        return getattr(layer_types, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

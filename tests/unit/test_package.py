@@ -38,8 +38,7 @@ def test_any_import_path_of_the_model_has_its_schedule_plan():
     """The plan builder is imported by the model module itself: no import order can lose it
     (it used to be registered only when megatron_hybrid.schedule had been imported)."""
     out = _run(
-        "import warnings, sys; warnings.simplefilter('ignore'); "
-        "from megatron_hybrid.modules import HybridModel; "
+        "from megatron_hybrid.model import HybridModel; "
         "from megatron_hybrid.model import hybrid_model as hm; "
         "import megatron_hybrid.schedule.plan as plan; "
         "print(HybridModel is hm.HybridModel, "
@@ -49,13 +48,13 @@ def test_any_import_path_of_the_model_has_its_schedule_plan():
     assert out == "True True True"
 
 
-def test_modules_hybrid_model_is_a_deprecated_alias():
+def test_modules_has_no_hybrid_model():
+    """The 0.1 alias ``megatron_hybrid.modules.HybridModel`` (an import back up) is gone."""
     import megatron_hybrid.modules as modules
-    from megatron_hybrid.model import HybridModel
 
-    with pytest.warns(DeprecationWarning, match="from megatron_hybrid import HybridModel"):
-        alias = modules.HybridModel
-    assert alias is HybridModel
+    assert "HybridModel" not in dir(modules)
+    with pytest.raises(AttributeError, match="no attribute 'HybridModel'"):
+        modules.HybridModel  # noqa: B018 - the attribute access is the test
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         modules.NoSuchName  # noqa: B018 - the attribute access is the test
 
