@@ -15,8 +15,9 @@ streamed with its family's FP8 recipe (``quantize="fp8"``, :mod:`megatron_hybrid
 multimodal Qwen3.5's vision tower is carried through untouched.
 """
 
-from megatron_hybrid.hf.api import conversion_for, dry_run, load_hf_model, save_hf_checkpoint
-from megatron_hybrid.hf.config import FAMILIES, HFConfigError, HFConversion
+from megatron_hybrid.hf import families  # noqa: F401 - each family registers itself
+from megatron_hybrid.hf.api import dry_run, load_hf_model, save_hf_checkpoint
+from megatron_hybrid.hf.config import FAMILIES, HFConfigError, HFConversion, conversion_for
 from megatron_hybrid.hf.io import HFCheckpoint, HFCheckpointError
 from megatron_hybrid.hf.plan import PlanReport
 from megatron_hybrid.hf.weights import HFWeightsError, iter_hf_weights, load_hf_weights

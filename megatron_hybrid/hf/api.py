@@ -17,17 +17,16 @@ from megatron_hybrid.hf.config import (
     HANDLED_FIELDS,
     HFConfigError,
     HFConversion,
+    conversion_for,
     convert_config,
     dtype_name,
     family_named,
-    hf_config_to_megatron,
 )
 from megatron_hybrid.hf.fp8 import SCALE_SUFFIX, DequantizingReader, recipe_config
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
-from megatron_hybrid.hf.plan import Plan, PlanReport, check_plan
+from megatron_hybrid.hf.plan import Plan, PlanReport, build_plan, check_plan
 from megatron_hybrid.hf.weights import (
     HFWeightsError,
-    build_plan,
     carried_names,
     iter_hf_weights,
     model_chunks,
@@ -37,7 +36,6 @@ from megatron_hybrid.runtime import select_backend
 __all__ = [
     "ConversionCheck",
     "check_conversion",
-    "conversion_for",
     "dry_run",
     "expected_key_shapes",
     "load_hf_model",
@@ -57,27 +55,6 @@ _SIDE_FILES = (
     "chat_template.json",
     "preprocessor_config.json",
 )
-
-
-def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) -> HFConversion:
-    """The :class:`HFConversion` of a Hugging Face folder (or an open ``HFCheckpoint``).
-
-    Raises:
-        HFConfigError: the family is unknown or a config field cannot be mapped.
-    """
-    source = source if isinstance(source, HFCheckpoint) else HFCheckpoint(source)
-    conversion = hf_config_to_megatron(
-        source.config,
-        mtp=mtp,
-        ignore_config_fields=ignore_config_fields,
-        has_tensor=lambda name: name in source,
-    )
-    family = family_named(conversion.family)
-    for prefix in family.text_prefixes:
-        if f"{prefix}embed_tokens.weight" in source or f"{prefix}embeddings.weight" in source:
-            conversion.hf_prefix = prefix
-            break
-    return conversion
 
 
 def expected_key_shapes(

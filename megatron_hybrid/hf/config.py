@@ -5,6 +5,10 @@ knowingly leaves out (token ids, cache switches, initialisation ranges: nothing 
 forward math). Any other field is *unsupported*: it is reported by name, and loading refuses it
 unless the caller names it in ``ignore_config_fields``, so no knob that changes the math is
 dropped silently (``routed_scaling_factor``, ``n_group``, ``topk_group`` and the like are mapped).
+
+Registration runs one way: each family module imports this one and calls :func:`register_family`
+when it is imported, and the ``megatron_hybrid.hf`` package imports the families, so any import
+of this module has them registered and this module imports none of them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from megatron_hybrid.hf.fp8 import BlockFP8, UnsupportedQuantizationError, block_fp8_format
+from megatron_hybrid.hf.io import HFCheckpoint
 from megatron_hybrid.pattern import ParsedPattern
 
 __all__ = [
@@ -23,6 +28,7 @@ __all__ = [
     "Family",
     "HFConfigError",
     "HFConversion",
+    "conversion_for",
     "convert_config",
     "family_for",
     "family_named",
@@ -180,13 +186,8 @@ def register_family(family: Family) -> None:
         FAMILIES[model_type] = family
 
 
-def _load_families() -> None:
-    import megatron_hybrid.hf.families  # noqa: F401 - registers the families
-
-
 def family_named(name: str) -> Family:
     """The registered family called ``name`` (an ``HFConversion.family``)."""
-    _load_families()
     for family in FAMILIES.values():
         if family.name == name:
             return family
@@ -199,7 +200,6 @@ def family_for(hf_config: dict) -> Family:
     Raises:
         HFConfigError: unknown ``model_type``.
     """
-    _load_families()
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
         raise HFConfigError(
@@ -285,6 +285,27 @@ def hf_config_to_megatron(
             "ignore_config_fields=[...] (CLI: --ignore-hf-config-field NAME) only if you know "
             "a field does not matter"
         )
+    return conversion
+
+
+def conversion_for(source, *, mtp: bool | None = None, ignore_config_fields=()) -> HFConversion:
+    """The :class:`HFConversion` of a Hugging Face folder (or an open ``HFCheckpoint``).
+
+    Raises:
+        HFConfigError: the family is unknown or a config field cannot be mapped.
+    """
+    source = source if isinstance(source, HFCheckpoint) else HFCheckpoint(source)
+    conversion = hf_config_to_megatron(
+        source.config,
+        mtp=mtp,
+        ignore_config_fields=ignore_config_fields,
+        has_tensor=lambda name: name in source,
+    )
+    family = family_named(conversion.family)
+    for prefix in family.text_prefixes:
+        if f"{prefix}embed_tokens.weight" in source or f"{prefix}embeddings.weight" in source:
+            conversion.hf_prefix = prefix
+            break
     return conversion
 
 

@@ -11,9 +11,9 @@ Documentation"), which the FP8 releases of Qwen3, Qwen3-Next and Qwen3.5 share a
 
 Reading (:class:`DequantizingReader`) gives each rank the dequantized values of the boxes it
 asks for, reading only the FP8 bytes and the scales of the blocks behind them. Writing
-(:func:`quantize_reference`, and the fused kernel of :mod:`megatron_hybrid.hf.fp8_kernel`)
-follows the releases' recipe: ``s = amax(block) / 448`` in float32, ``q = (w / s)`` cast to
-``float8_e4m3fn``.
+(:func:`quantize_reference`, and the fused kernel of :mod:`megatron_hybrid.hf.fp8_kernel`, which
+:func:`megatron_hybrid.hf.fp8_stream.quantize` picks for CUDA tensors) follows the releases'
+recipe: ``s = amax(block) / 448`` in float32, ``q = (w / s)`` cast to ``float8_e4m3fn``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "block_fp8_format",
     "dequantize",
     "module_matches",
-    "quantize",
     "quantize_reference",
     "recipe_config",
     "recipe_quantizes",
@@ -383,20 +382,3 @@ def quantize_reference(
         s = torch.where(exact, c, s)
     q = (x / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nrb * bo, ncb * bi)[:rows, :cols].contiguous(), s
-
-
-def quantize(
-    w: torch.Tensor,
-    block: tuple[int, int],
-    candidate: torch.Tensor | None = None,
-    scale_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_reference`'s result; on a CUDA device by the fused Triton kernel.
-
-    ``w`` must be 2-D with unit column stride (a row-major matrix or a block of its rows).
-    """
-    if w.device.type == "cuda":
-        from megatron_hybrid.hf.fp8_kernel import quantize_blocks
-
-        return quantize_blocks(w, block, candidate, scale_dtype)
-    return quantize_reference(w, block, candidate, scale_dtype)

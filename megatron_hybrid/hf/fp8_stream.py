@@ -25,12 +25,31 @@ from megatron_hybrid.hf.fp8 import (
     RECIPE_BLOCK,
     SCALE_SUFFIX,
     UnsupportedQuantizationError,
-    quantize,
+    quantize_reference,
     recipe_quantizes,
     scale_shape,
 )
 
-__all__ = ["BucketQuantizer", "FP8Spec", "fp8_specs"]
+__all__ = ["BucketQuantizer", "FP8Spec", "fp8_specs", "quantize"]
+
+
+def quantize(
+    w: torch.Tensor,
+    block: tuple[int, int],
+    candidate: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~megatron_hybrid.hf.fp8.quantize_reference`'s result; on a CUDA device by the
+    fused Triton kernel.
+
+    ``w`` must be 2-D with unit column stride (a row-major matrix or a block of its rows).
+    """
+    if w.device.type == "cuda":
+        # lazy: Triton loads only to quantize CUDA tensors (and after TRITON_INTERPRET is set)
+        from megatron_hybrid.hf.fp8_kernel import quantize_blocks
+
+        return quantize_blocks(w, block, candidate, scale_dtype)
+    return quantize_reference(w, block, candidate, scale_dtype)
 
 
 @dataclass(frozen=True)

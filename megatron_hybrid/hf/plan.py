@@ -20,7 +20,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["FusedExperts", "Link", "Plan", "PlanBuilder", "PlanReport", "RowIndex"]
+from megatron_hybrid.hf.config import HFConversion, family_named
+
+__all__ = [
+    "FusedExperts",
+    "Link",
+    "Plan",
+    "PlanBuilder",
+    "PlanReport",
+    "RowIndex",
+    "build_plan",
+    "check_plan",
+]
 
 #: Rows of a tensor: a step-1 ``slice`` or an explicit tuple of row indices.
 RowIndex = slice | tuple[int, ...]
@@ -256,6 +267,17 @@ class PlanBuilder:
             keep_fp32=frozenset(self.keep_fp32),
             fused_experts=dict(self.fused_experts),
         )
+
+
+def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple[Plan, list[str]]:
+    """The conversion plan for a model with checkpoint tensors ``key_shapes``.
+
+    Returns:
+        ``(plan, unresolved)``: unresolved are key variants no model tensor matched.
+    """
+    builder = PlanBuilder(key_shapes)
+    (family or family_named(conversion.family)).plan(builder, conversion)
+    return builder.build(), builder.unresolved
 
 
 def check_plan(plan: Plan, unresolved: Sequence[str], hf_info: dict | None) -> PlanReport:

@@ -17,17 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_hybrid.hf.config import HFConversion
+from megatron_hybrid.hf.config import HFConversion, conversion_for, family_named
 from megatron_hybrid.hf.fp8 import FP8_DTYPE, SCALE_SUFFIX, DequantizingReader
 from megatron_hybrid.hf.fp8_stream import BucketQuantizer, FP8Spec, fp8_specs
 from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite
-from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, PlanBuilder, check_plan
+from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, build_plan, check_plan
 
 __all__ = [
     "LORA_DELTA",
     "QUANTIZE_MODES",
     "HFWeightsError",
-    "build_plan",
     "carried_names",
     "iter_hf_weights",
     "load_hf_weights",
@@ -86,19 +85,6 @@ def _expert(st) -> int | None:
     return None
 
 
-def build_plan(conversion: HFConversion, key_shapes: dict, family=None) -> tuple[Plan, list[str]]:
-    """The conversion plan for a model with checkpoint tensors ``key_shapes``.
-
-    Returns:
-        ``(plan, unresolved)``: unresolved are key variants no model tensor matched.
-    """
-    from megatron_hybrid.hf.config import family_named
-
-    builder = PlanBuilder(key_shapes)
-    (family or family_named(conversion.family)).plan(builder, conversion)
-    return builder.build(), builder.unresolved
-
-
 def _read_rows(source: HFCheckpoint, name: str, rows, rest: tuple[slice, ...]) -> torch.Tensor:
     if isinstance(rows, slice):
         values = source.read(name, (rows, *rest))
@@ -142,8 +128,6 @@ def _fill_box(st, plan: Plan, source: HFCheckpoint) -> torch.Tensor:
 def carried_names(source, conversion: HFConversion) -> list[str]:
     """The folder's tensors under the parts its config declares but the model does not compute
     (a multimodal Qwen3.5's vision tower): carried through untouched."""
-    from megatron_hybrid.hf.config import family_named
-
     prefixes = family_named(conversion.family).carried_prefixes(conversion.config_json)
     return [name for name in source.names() if prefixes and name.startswith(prefixes)]
 
@@ -182,8 +166,6 @@ def load_hf_weights(
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
-
-    from megatron_hybrid.hf.api import conversion_for
 
     folder = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     conversion = conversion or conversion_for(folder)

@@ -7,7 +7,10 @@ HybridModel``.
 
 from typing import Any
 
-from megatron_hybrid.modules import registry
+from megatron_hybrid.modules import (
+    layer_types,  # noqa: F401 - registers the built-in types
+    registry,
+)
 from megatron_hybrid.modules.hybrid_stack import HybridStack
 from megatron_hybrid.modules.norms import TorchNorm
 from megatron_hybrid.modules.registry import (

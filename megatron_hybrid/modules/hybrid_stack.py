@@ -25,10 +25,11 @@ from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_
 from torch import Tensor, nn
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, stack_sharded_state_dict
+from megatron_hybrid.modules.layer_types.common import layer_quant_context
 from megatron_hybrid.modules.registry import LayerBuildArgs, LayerInputs, layer_runtime
 from megatron_hybrid.pattern import item_physical_count
 
-__all__ = ["HybridStack", "layer_quant_context", "layer_spec", "sequence_parallel_rng_context"]
+__all__ = ["HybridStack", "layer_spec", "sequence_parallel_rng_context"]
 
 
 def layer_spec(submodules, spec_field: str, symbol: str):
@@ -54,15 +55,6 @@ def _init_quant_context(config, physical_index: int):
         return get_fp8_context(config, physical_index, is_init=True)
     if config.fp4:
         return get_fp4_context(config, physical_index, is_init=True)
-    return nullcontext()
-
-
-def layer_quant_context(config, physical_index: int):
-    """Per-layer context: FP8 recipes other than 'delayed' and FP4 are applied layer by layer."""
-    if config.fp8 and config.fp8_recipe != Fp8Recipe.delayed:
-        return get_fp8_context(config, physical_index)
-    if config.fp4:
-        return get_fp4_context(config, physical_index)
     return nullcontext()
 
 

@@ -207,32 +207,24 @@ class LayerRuntime:
 
 
 class _LiveTable(Mapping[str, LayerRuntime]):
-    """Symbol -> LayerRuntime, read-only; the built-in types load on first use."""
+    """Symbol -> LayerRuntime, read-only and live (registrations show at once)."""
 
     def __getitem__(self, symbol: str) -> LayerRuntime:
-        return _loaded()[symbol]
+        return _runtimes[symbol]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_loaded())
+        return iter(_runtimes)
 
     def __len__(self) -> int:
-        return len(_loaded())
+        return len(_runtimes)
 
 
+# The built-in types are registered by megatron_hybrid.modules.layer_types, which the modules
+# package imports: registration runs from the types to this module, never back.
 _runtimes: dict[str, LayerRuntime] = {}
-_builtins_loaded = [False]
 
 #: Symbol -> LayerRuntime of every layer type (read-only, live).
 LAYER_RUNTIMES: Mapping[str, LayerRuntime] = _LiveTable()
-
-
-def _loaded() -> dict[str, LayerRuntime]:
-    if not _builtins_loaded[0]:
-        _builtins_loaded[0] = True
-        # Each built-in type's module registers its runtime through register_builtin_runtime;
-        # imported here, not at the top, because those modules import this one.
-        import megatron_hybrid.modules.layer_types  # noqa: F401
-    return _runtimes
 
 
 def register_builtin_runtime(runtime: LayerRuntime) -> None:
@@ -245,7 +237,7 @@ def register_builtin_runtime(runtime: LayerRuntime) -> None:
 def _replace_runtime(runtime: LayerRuntime) -> None:
     """Swap the runtime of an existing type (the deprecated hooks that patch one piece)."""
     runtime.check(layer_facts(runtime.symbol))
-    _loaded()[runtime.symbol] = runtime
+    _runtimes[runtime.symbol] = runtime
 
 
 def layer_runtime(symbol: str) -> LayerRuntime:
@@ -254,7 +246,7 @@ def layer_runtime(symbol: str) -> LayerRuntime:
     Raises:
         ValueError: no layer type has that symbol, or it has facts but no runtime.
     """
-    runtimes = _loaded()
+    runtimes = _runtimes
     if symbol not in runtimes:
         facts = layer_facts(symbol)  # raises for an unknown symbol
         raise ValueError(
@@ -275,7 +267,7 @@ def register_layer_type(facts: LayerTypeFacts, runtime: LayerRuntime) -> None:
     Raises:
         ValueError: the symbol is taken, or a field of either record is invalid.
     """
-    runtimes = _loaded()
+    runtimes = _runtimes
     facts.check()
     if facts.symbol in layer_symbols():
         raise ValueError(
@@ -302,12 +294,12 @@ def unregister_layer_type(symbol: str) -> None:
         ValueError: ``symbol`` is built in or not registered.
     """
     unregister_layer_facts(symbol)
-    _loaded().pop(symbol, None)
+    _runtimes.pop(symbol, None)
 
 
 def registered_symbols() -> tuple[str, ...]:
     """Symbols with both facts and runtime, in table order."""
-    runtimes = _loaded()
+    runtimes = _runtimes
     return tuple(s for s in layer_symbols() if s in runtimes)
 
 

@@ -94,4 +94,3 @@ MAX_NESTING_DEPTH = 32
 
 #: Version of the grammar; bumped on any change to what a pattern string means.
 GRAMMAR_VERSION = 1
-

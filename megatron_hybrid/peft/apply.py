@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hybrid.hf.weights import LORA_DELTA, SHARDED_METADATA, build_plan, model_chunks
+from megatron_hybrid.hf.plan import build_plan
+from megatron_hybrid.hf.weights import LORA_DELTA, SHARDED_METADATA, model_chunks
 from megatron_hybrid.peft.adapter import LoRAAdapter, lora_grouped_linear, lora_hook
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
 from megatron_hybrid.peft.targets import Candidate, find_candidates, select_pieces

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from megatron.core.utils import make_viewless_tensor
 from torch import nn
 
-from megatron_hybrid.modules.hybrid_stack import layer_quant_context
+from megatron_hybrid.modules.layer_types.common import layer_quant_context
 from megatron_hybrid.modules.registry import (
     LAYER_RUNTIMES,
     LayerRuntime,

@@ -23,81 +23,16 @@ from megatron_hybrid.peft.checkpoint import (
     config_of_record,
 )
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
-from megatron_hybrid.training.settings import Settings, SettingsError, rule
+from megatron_hybrid.training.lora_rules import lora_config_from_flags
 
 __all__ = [
-    "LORA_RULES",
     "BaseMismatchError",
     "LoRARun",
     "adapter_record",
     "check_resumable",
     "lora_run",
     "parameter_counts",
-    "validate_lora_flags",
 ]
-
-_OPTIONS = ("--lora-alpha", "--lora-targets", "--lora-exclude", "--lora-dropout")
-
-
-def _dest(option: str) -> str:
-    return option.lstrip("-").replace("-", "_")
-
-
-def _lora_flags(s: Settings) -> str | None:
-    enabled = s.lora_rank is not None or s.load_peft
-    given = [o for o in _OPTIONS if getattr(s.args, _dest(o), None) is not None]
-    if given and not enabled and not s.load:
-        return f"{', '.join(given)} set(s) up LoRA adapters: add --lora-rank R"
-    if s.load_peft and s.lora_rank is not None:
-        return f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop --lora-rank"
-    if s.load_base and not enabled and not s.load:
-        return "--load-base gives the frozen base of a LoRA run: add --lora-rank R"
-    if s.load_base and s.load_hf:
-        return "--load-base and --load-hf both give the base: choose one"
-    if enabled and not (s.load_hf or s.load_base or s.load):
-        return "LoRA trains adapters on a pretrained base: add --load-hf HF_DIR or --load-base CKPT"
-    try:
-        _config_from_flags(s.args) if s.lora_rank is not None else None
-    except LoRAConfigError as error:
-        return (
-            str(error)
-            .replace("LoRAConfig: rank", "--lora-rank")
-            .replace("LoRAConfig: alpha", "--lora-alpha")
-            .replace("LoRAConfig: dropout", "--lora-dropout")
-        )
-    return None
-
-
-#: The LoRA flags' rules (checked with the others, before anything is built).
-LORA_RULES = (
-    rule("train", "--lora-rank --load-base --load-peft " + " ".join(_OPTIONS), _lora_flags),
-)
-
-
-def validate_lora_flags(args: argparse.Namespace) -> None:
-    """Check the LoRA flags (:data:`LORA_RULES`) before they decide where the base comes from.
-
-    Raises:
-        SettingsError: naming the flag and the fix.
-    """
-    from megatron_hybrid.training.arguments import with_defaults
-
-    settings = Settings(with_defaults(args), 1, False)
-    for each in LORA_RULES:
-        problem = each.problem(settings)
-        if problem:
-            raise SettingsError(problem)
-
-
-def _config_from_flags(args: argparse.Namespace) -> LoRAConfig:
-    return LoRAConfig(
-        rank=args.lora_rank,
-        alpha=args.lora_alpha if args.lora_alpha is not None else args.lora_rank,
-        dropout=args.lora_dropout or 0.0,
-        targets=args.lora_targets or "all-linear",
-        exclude=args.lora_exclude or (),
-    )
-
 
 def adapter_record(load: str | None) -> dict | None:
     """The adapter record of the checkpoint ``--load`` resolves to (None: not an adapter
@@ -217,7 +152,7 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
                 f"give {config.rank}"
             )
     elif args.lora_rank is not None:
-        config = _config_from_flags(args)
+        config = lora_config_from_flags(args)
     peft = None if record is not None else args.load_peft
     return LoRARun(config, peft, hf_path, checkpoint, conversion, fingerprint, record)
 

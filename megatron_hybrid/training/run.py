@@ -172,7 +172,8 @@ def run_training(
     from megatron_hybrid.process_groups import init_world
     from megatron_hybrid.training.hf_source import hf_source
     from megatron_hybrid.training.loop import build_optimizer
-    from megatron_hybrid.training.lora import lora_run, validate_lora_flags
+    from megatron_hybrid.training.lora import lora_run
+    from megatron_hybrid.training.lora_rules import validate_lora_flags
     from megatron_hybrid.training.validation import validate_settings
 
     validate_lora_flags(args)  # first: they decide where the model comes from

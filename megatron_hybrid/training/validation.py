@@ -21,7 +21,7 @@ import os
 
 from megatron_hybrid.training import capabilities
 from megatron_hybrid.training.arguments import PATTERN_REQUIRED, dest_of, with_defaults
-from megatron_hybrid.training.lora import LORA_RULES
+from megatron_hybrid.training.lora_rules import LORA_RULES
 from megatron_hybrid.training.model_rules import DEVICE_RULES, MODEL_RULES
 from megatron_hybrid.training.parallel_rules import PARALLEL_RULES, TRAIN_RULES
 from megatron_hybrid.training.settings import SCOPES, Rule, Settings, SettingsError, rule

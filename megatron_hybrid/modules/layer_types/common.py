@@ -8,8 +8,12 @@ pre-dispatch slot and the delayed weight-gradient wrapper that ``TransformerLaye
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
+from megatron.core.enums import Fp8Recipe
+from megatron.core.fp4_utils import get_fp4_context
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor, nn
 
@@ -28,12 +32,22 @@ __all__ = [
     "delayed_wgrad_reason",
     "mixer_graph_pieces",
     "forward_transformer_layer",
+    "layer_quant_context",
     "pre_layer_backward_dw",
     "run_attention_half",
 ]
 
 PRE_DISPATCH = "pre_dispatch_computation"
 MLP_SLOT = "mlp"
+
+
+def layer_quant_context(config, physical_index: int):
+    """Per-layer context: FP8 recipes other than 'delayed' and FP4 are applied layer by layer."""
+    if config.fp8 and config.fp8_recipe != Fp8Recipe.delayed:
+        return get_fp8_context(config, physical_index)
+    if config.fp4:
+        return get_fp4_context(config, physical_index)
+    return nullcontext()
 
 
 def build_transformer_layer(*, attention: bool) -> Callable[[Any, LayerBuildArgs], nn.Module]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from megatron_hybrid.modules.flops import SequenceBatch, linear_flops
-from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
     build_transformer_layer,
     delayed_wgrad_reason,
     forward_transformer_layer,
+    layer_quant_context,
 )
 from megatron_hybrid.modules.registry import (
     GraphPiece,

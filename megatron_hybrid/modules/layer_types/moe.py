@@ -20,13 +20,13 @@ from megatron.core.utils import make_viewless_tensor
 from torch import Tensor, nn
 
 from megatron_hybrid.modules.flops import SequenceBatch, linear_flops
-from megatron_hybrid.modules.hybrid_stack import layer_quant_context
 from megatron_hybrid.modules.layer_types.common import (
     MLP_SLOT,
     PRE_DISPATCH,
     build_transformer_layer,
     delayed_wgrad_reason,
     forward_transformer_layer,
+    layer_quant_context,
 )
 from megatron_hybrid.modules.layer_types.mlp import mlp_flops
 from megatron_hybrid.modules.registry import (

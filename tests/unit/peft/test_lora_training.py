@@ -177,7 +177,7 @@ def test_load_peft_trains_from_a_peft_adapter(base, tmp_path):
 )
 def test_lora_flags_are_checked_first(argv, message):
     from megatron_hybrid.cli.main import build_parser, load_commands
-    from megatron_hybrid.training.lora import validate_lora_flags
+    from megatron_hybrid.training.lora_rules import validate_lora_flags
     from megatron_hybrid.training.settings import SettingsError
 
     args = build_parser(load_commands()).parse_args(["train", *argv])
