@@ -26,11 +26,18 @@ from megatron_hybrid.hf.fp8 import SCALE_SUFFIX, DequantizingReader, recipe_conf
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import Plan, PlanReport, build_plan, check_plan
 from megatron_hybrid.hf.weights import (
+    SHARDED_METADATA,
     HFWeightsError,
     carried_names,
     iter_hf_weights,
+    load_hf_weights,
     model_chunks,
 )
+from megatron_hybrid.model import HybridModel, expected_checkpoint_tensors
+from megatron_hybrid.modules import hybrid_stack_spec
+from megatron_hybrid.modules.mamba_torch import with_mixer_params
+from megatron_hybrid.pattern import MAMBA
+from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import select_backend
 
 __all__ = [
@@ -67,9 +74,6 @@ def expected_key_shapes(
         backend: ``"local"`` or ``"te"`` (the key names differ).
         metadata: sharded-state-dict metadata (default: the indexed form conversion uses).
     """
-    from megatron_hybrid.hf.weights import SHARDED_METADATA
-    from megatron_hybrid.model import expected_checkpoint_tensors
-
     runtime = select_backend()
     runtime.activate()  # the meta-device build calls megatron's CUDA-only functions
     config = conversion.transformer_config(**runtime.config_overrides(), params_dtype=torch.float32)
@@ -174,8 +178,6 @@ def _ensure_process_groups(tp: int, pp: int, ep: int):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_hybrid.process_groups import init_world, initialize_model_parallel
-
     select_backend().activate()
     init_world()
     if parallel_state.model_parallel_is_initialized():
@@ -206,10 +208,6 @@ def stack_spec_for(conversion: HFConversion, backend: str, config, mamba_impl: s
     megatron-core's ``MambaMixer`` takes neither argument, so where it is chosen the
     conversion's notes on what then differs are issued as a warning.
     """
-    from megatron_hybrid.modules import hybrid_stack_spec
-    from megatron_hybrid.modules.mamba_torch import with_mixer_params
-    from megatron_hybrid.pattern import MAMBA
-
     base_spec = hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
     spec = with_mixer_params(base_spec, conversion.mamba_mixer_params)
     uses_mamba = conversion.pattern.layer_counts.get(MAMBA)
@@ -231,8 +229,6 @@ def build_model(
     **config_overrides,
 ):
     """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
-    from megatron_hybrid.model import HybridModel
-
     if transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(
             f"transformer_impl={transformer_impl!r}: choose 'local' or 'transformer_engine'"
@@ -347,8 +343,6 @@ def load_hf_model(
         mamba_impl=mamba_impl,
         **(config_overrides or {}),
     )
-    from megatron_hybrid.hf.weights import load_hf_weights
-
     load_hf_weights(model, source, conversion, progress=progress, plan=plan)
     for chunk in model_chunks(model):
         chunk.hf_source_path = str(source.path)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_hybrid.padding import PaddingConfig, pack_thd, pad_bshd
+from megatron_hybrid.padding import PaddingConfig, equalize_bshd, equalize_thd, pack_thd, pad_bshd
 
 __all__ = ["MicroBatch", "micro_batch_groups", "build_micro_batch", "dummy_micro_batch"]
 
@@ -115,8 +115,6 @@ def micro_batch_groups(
 def _thd(tokens, indices, padding, force_total, equalize_group):
     plan = padding.thd([len(tokens[i]) for i in indices], force_total=force_total)
     if equalize_group is not None and padding.needs_group_equalize:
-        from megatron_hybrid.padding import equalize_thd
-
         plan = equalize_thd(plan, equalize_group)
     packed = pack_thd([{"input_ids": tokens[i]} for i in indices], plan, pad_token_id=PAD_TOKEN_ID)
     labels = torch.zeros(plan.total_tokens, dtype=torch.long)
@@ -140,8 +138,6 @@ def _bshd(tokens, indices, padding, force_len, rows, equalize_group):
     longest = max(lengths)
     plan = padding.bshd(cur_len=longest, batch_size=count, force_len=force_len)
     if equalize_group is not None and padding.needs_group_equalize:
-        from megatron_hybrid.padding import equalize_bshd
-
         plan = equalize_bshd(plan, equalize_group)
     batch = torch.full((count, longest), PAD_TOKEN_ID, dtype=torch.long)
     real = [0] * count

@@ -29,6 +29,11 @@ from megatron_hybrid.logprobs.batches import (
     micro_batch_groups,
 )
 from megatron_hybrid.logprobs.vocab import check_temperature, token_entropy, token_logprobs
+from megatron_hybrid.padding import (
+    packed_seq_params_to,
+    padding_config_from,
+    thd_unsupported_reason_for,
+)
 
 __all__ = ["forward_logprobs"]
 
@@ -114,8 +119,6 @@ def _symbols(inner, config) -> set[str] | None:
 
 def _packs(inner, config, packed: bool | None) -> bool:
     """Whether to pack: the caller's choice, else whenever every layer type packs."""
-    from megatron_hybrid.padding import thd_unsupported_reason_for
-
     symbols = _symbols(inner, config)
     if symbols is None:  # a model without a pattern (GPTModel): TE's attention packs
         reason = None if config.transformer_impl == "transformer_engine" else "local attention"
@@ -148,8 +151,6 @@ def _forward_step(data_iterator, model, *, reduce, device):
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
     params = inputs["packed_seq_params"]
     if params is not None:
-        from megatron_hybrid.padding import packed_seq_params_to
-
         params = packed_seq_params_to(params, device)
     output = model(
         input_ids=inputs["input_ids"],
@@ -197,8 +198,6 @@ def forward_logprobs(
             alignment, ``packed=True`` for a model that cannot pack, or context parallelism.
     """
     from megatron.core.utils import get_model_config, unwrap_model
-
-    from megatron_hybrid.padding import padding_config_from
 
     chunks = _chunks(model)
     inner = [unwrap_model(chunk) for chunk in chunks]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_hybrid.checkpointing.equivalence import gpt_role_symbols, is_gpt_equivalent_group
+from megatron_hybrid.modules.norms import TorchNorm
 from megatron_hybrid.pattern import MLA, MOE, GptRole, ParsedPattern, parse_pattern
 
 __all__ = ["NotGPTEquivalentError", "gpt_config_for_pattern", "gpt_decoder_spec_for_pattern"]
@@ -115,8 +116,6 @@ def _use_sequence_parallel_norms(block_spec) -> None:
     megatron-core's local GPT spec otherwise cannot run with sequence parallelism at all.
     """
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_hybrid.modules.norms import TorchNorm
 
     for layer_spec in block_spec.layer_specs:
         for name in ("input_layernorm", "pre_mlp_layernorm"):

@@ -21,6 +21,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_hybrid.modules.registry import layer_runtime
+from megatron_hybrid.pattern import layer_facts, parse_pattern
+
 __all__ = [
     "ModelFlops",
     "SequenceBatch",
@@ -108,9 +111,6 @@ class ModelFlops:
 
 
 def _formula(symbol: str):
-    from megatron_hybrid.modules.registry import layer_runtime
-    from megatron_hybrid.pattern import layer_facts
-
     formula = layer_runtime(symbol).flops
     if formula is None:
         raise ValueError(
@@ -136,8 +136,6 @@ def model_flops(
     Raises:
         ValueError: a layer type in the pattern has no FLOP formula.
     """
-    from megatron_hybrid.pattern import parse_pattern
-
     parsed = parse_pattern(pattern) if isinstance(pattern, str) else pattern
     hidden, tokens = config.hidden_size, batch.tokens
     layers = []

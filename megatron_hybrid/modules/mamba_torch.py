@@ -38,7 +38,9 @@ from megatron.core.transformer.utils import (
 )
 from torch import nn
 
+from megatron_hybrid.modules.registry import layer_runtime
 from megatron_hybrid.modules.ssd import causal_conv1d, gated_rms_norm, ssd_chunk_scan
+from megatron_hybrid.pattern import MAMBA
 
 __all__ = [
     "MAMBA_IMPLS",
@@ -482,9 +484,6 @@ def with_mixer_params(stack_spec, params: dict):
     a spec that uses it is returned unchanged: the conversion's notes say what then differs.
     """
     import dataclasses
-
-    from megatron_hybrid.modules.registry import layer_runtime
-    from megatron_hybrid.pattern import MAMBA
 
     field = layer_runtime(MAMBA).spec_field
     layer = getattr(stack_spec.submodules, field, None)

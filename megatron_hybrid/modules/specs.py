@@ -36,6 +36,14 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
+from megatron_hybrid.modules.fast.selection import resolve_local_impl
+from megatron_hybrid.modules.fast.specs import fast_layer_specs
+from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
+from megatron_hybrid.modules.hybrid_stack import HybridStack
+from megatron_hybrid.modules.mamba_torch import TorchMambaMixer, resolve_mamba_impl
+from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
+from megatron_hybrid.modules.registry import LAYER_RUNTIMES
 from megatron_hybrid.modules.router import PaddingAwareTopKRouter
 
 __all__ = [
@@ -172,8 +180,6 @@ def _with_mamba_impl(mamba_layer: ModuleSpec, mamba_impl: str) -> ModuleSpec:
     """
     if mamba_impl == "kernels":
         return mamba_layer
-    from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
-
     mixer = dataclasses.replace(mamba_layer.submodules.mixer, module=TorchMambaMixer)
     submodules = dataclasses.replace(mamba_layer.submodules, mixer=mixer)
     return dataclasses.replace(mamba_layer, submodules=submodules)
@@ -186,10 +192,6 @@ def _local_layers(opts: _SpecOptions) -> dict:
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
-    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
-    from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 
     norm = local_norm_impl()
 
@@ -250,8 +252,6 @@ def _local_layers(opts: _SpecOptions) -> dict:
     layers["final_norm"] = norm
     layers["mtp_block_spec"] = _mtp_block_spec(norm, ColumnParallelLinear)
     if opts.local_impl == "fast":
-        from megatron_hybrid.modules.fast.specs import fast_layer_specs
-
         layers = fast_layer_specs(layers)
     return layers
 
@@ -275,13 +275,9 @@ def _te_layers(opts: _SpecOptions) -> dict:
     layers = _gpt_derived_layers(get_gpt_layer_with_transformer_engine_submodules, opts)
     layers["dsa_layer"] = _dsa_layer(TESpecProvider(), TENorm, opts)
     # Mamba and GatedDeltaNet have no GPT counterpart: megatron-core's hybrid TE specs.
-    from megatron_hybrid.modules.norms import plain_gamma_norm
-
     layers["mamba_layer"] = _with_mamba_impl(mcore_spec.submodules.mamba_layer, opts.mamba_impl)
     # GatedDeltaNet's gated output norm is a plain gain in fla and transformers, also when the
     # model's other norms are zero-centred (Qwen3.5, Qwen3-Next).
-    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
-
     gdn = copy.deepcopy(mcore_spec.submodules.gdn_layer)
     gdn.submodules.self_attention.submodules.out_norm = plain_gamma_norm(
         gdn.submodules.self_attention.submodules.out_norm
@@ -312,8 +308,6 @@ def register_backend(name: str, build_layers: Callable[[_SpecOptions], dict]) ->
 def _registered_layer_specs(backend: str, extra: dict) -> dict:
     """``extra`` (specs a backend built beyond the built-in fields) plus the default spec of
     every registered layer type the backend did not build."""
-    from megatron_hybrid.modules.registry import LAYER_RUNTIMES
-
     defaults = {
         runtime.spec_field: runtime.default_spec(backend)
         for runtime in LAYER_RUNTIMES.values()
@@ -405,9 +399,6 @@ def hybrid_stack_spec(
             return value
         return getattr(config, attr, default) if config is not None else default
 
-    from megatron_hybrid.modules.fast.selection import resolve_local_impl
-    from megatron_hybrid.modules.mamba_torch import resolve_mamba_impl
-
     resolve_local_impl(local_impl)  # validated for every backend; only "local" has two paths
     opts = _SpecOptions(
         moe_grouped_gemm=bool(pick(moe_grouped_gemm, "moe_grouped_gemm", False)),
@@ -417,8 +408,6 @@ def hybrid_stack_spec(
         mamba_impl=resolve_mamba_impl(mamba_impl),
         local_impl=resolve_local_impl(local_impl) if backend == "local" else "reference",
     )
-    from megatron_hybrid.modules.hybrid_stack import HybridStack
-
     layers = BACKENDS[backend](opts)
     names = {f.name for f in fields(HybridStackSubmodules)} - {"extra_layers"}
     missing = names - set(layers)

@@ -18,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_hybrid.checkpointing.store import (
+    HF_RECORD_FILE,
+    INTEGRITY_FILE,
+    resolve_checkpoint_dir,
+)
+from megatron_hybrid.hf.io import CONFIG_FILE
 from megatron_hybrid.hf.weights import model_chunks
 from megatron_hybrid.peft.apply import lora_state
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
@@ -97,8 +103,6 @@ def _sha(data: bytes) -> str:
 
 
 def _hf_fingerprint(folder: Path) -> dict:
-    from megatron_hybrid.hf.io import CONFIG_FILE
-
     config = json.loads((folder / CONFIG_FILE).read_text())
     digest = hashlib.sha256()
     for file in sorted(folder.glob("*.safetensors")):
@@ -114,12 +118,6 @@ def _hf_fingerprint(folder: Path) -> dict:
 
 
 def _checkpoint_fingerprint(path) -> dict:
-    from megatron_hybrid.checkpointing.store import (
-        HF_RECORD_FILE,
-        INTEGRITY_FILE,
-        resolve_checkpoint_dir,
-    )
-
     folder = resolve_checkpoint_dir(path)
     record = folder / HF_RECORD_FILE
     config = _sha(record.read_bytes()) if record.is_file() else None

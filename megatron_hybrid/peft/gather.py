@@ -16,6 +16,7 @@ import torch
 
 from megatron_hybrid.hf.plan import FusedExperts
 from megatron_hybrid.hf.weights import model_chunks
+from megatron_hybrid.peft.apply import lora_parameters, lora_state
 from megatron_hybrid.peft.layout import adapter_entries
 
 __all__ = ["AdapterRecord", "AdapterTensors", "adapter_tensors"]
@@ -110,8 +111,6 @@ class AdapterTensors:
     def __init__(self, model, group=None) -> None:
         import torch.distributed as dist
 
-        from megatron_hybrid.peft.apply import lora_parameters
-
         self.group = group
         self.world = dist.is_initialized() and dist.get_world_size(group) > 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -183,8 +182,6 @@ class AdapterTensors:
 
 def adapter_tensors(model, group=None) -> AdapterTensors:
     """The model's :class:`AdapterTensors`, built once and reused while valid."""
-    from megatron_hybrid.peft.apply import lora_state
-
     state = lora_state(model)
     cached = getattr(state, "_tensors", None)
     if cached is not None and cached.group is group and cached.valid():

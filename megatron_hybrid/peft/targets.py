@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hybrid.hf.plan import FusedExperts, Plan
+from megatron_hybrid.modules.hybrid_stack import HybridStack
 from megatron_hybrid.peft.config import ALL_LINEAR, MEGATRON_TARGETS, LoRAConfig, LoRAConfigError
-from megatron_hybrid.peft.layout import RowChunk, lora_key, row_chunks
+from megatron_hybrid.peft.layout import RowChunk, lora_key, row_chunks, weight_entries
 from megatron_hybrid.peft.linears import LinearInfo, linear_info
 
 __all__ = ["Candidate", "WeightPieces", "find_candidates", "select_pieces"]
@@ -101,8 +102,6 @@ class Candidate:
 
 def _physical_layers(model: torch.nn.Module) -> dict[int, str]:
     """``id(layer) -> symbol`` of every physical layer of every hybrid stack in ``model``."""
-    from megatron_hybrid.modules.hybrid_stack import HybridStack
-
     symbols = {}
     for module in model.modules():
         if isinstance(module, HybridStack):
@@ -156,8 +155,6 @@ def find_candidates(chunks: list, sharded: list[dict], plan: Plan | None) -> lis
         sharded: each chunk's sharded state dict (indexed key form).
         plan: the conversion plan (None for a model without a Hugging Face conversion).
     """
-    from megatron_hybrid.peft.layout import weight_entries
-
     found = []
     for index, (chunk, state) in enumerate(zip(chunks, sharded, strict=True)):
         symbols = _physical_layers(chunk)

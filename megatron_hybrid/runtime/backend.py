@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_hybrid.runtime.cpu import cpu_config_overrides, enable_cpu_emulation
+
 __all__ = ["BACKEND_NAMES", "RuntimeBackend", "select_backend"]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu")
@@ -32,16 +34,12 @@ class RuntimeBackend:
         entry point should call this, before it builds a model.
         """
         if not self.on_gpu:
-            from megatron_hybrid.runtime.cpu import enable_cpu_emulation
-
             enable_cpu_emulation()
 
     def config_overrides(self) -> dict:
         """``TransformerConfig`` fields this back-end needs (none on GPUs)."""
         if self.on_gpu:
             return {}
-        from megatron_hybrid.runtime.cpu import cpu_config_overrides
-
         return cpu_config_overrides()
 
     def device(self):

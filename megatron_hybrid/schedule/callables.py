@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from megatron.core.utils import make_viewless_tensor
 from torch import nn
 
+from megatron_hybrid.modules import registry
 from megatron_hybrid.modules.layer_types.common import layer_quant_context
 from megatron_hybrid.modules.registry import (
     LAYER_RUNTIMES,
@@ -218,6 +219,4 @@ def register_pre_layer_runner(symbol: str, runner: Callable) -> None:
         DeprecationWarning,
         stacklevel=2,
     )
-    from megatron_hybrid.modules import registry
-
     registry._replace_runtime(replace(layer_runtime(symbol), run_pre_dispatch=runner))

@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
+from megatron_hybrid.model import HybridModel
+from megatron_hybrid.model.gpt_interop import gpt_config_for_pattern, gpt_decoder_spec_for_pattern
+from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.runtime.cpu import cpu_config_overrides
 
 __all__ = ["build_gpt_twin", "build_hybrid", "model_inputs", "small_config"]
 
@@ -25,8 +29,6 @@ def small_config(pattern: str, **overrides: Any):
 
     parsed = parse_pattern(pattern)
     symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
-    from megatron_hybrid.runtime.cpu import cpu_config_overrides
-
     # CPU initialisation also on GPUs: the same seed then gives the same weights in any layout.
     kwargs: dict[str, Any] = dict(
         cpu_config_overrides(),
@@ -95,9 +97,6 @@ def build_hybrid(
     :func:`build_gpt_twin`'s GPTModel also uses, so the twins compute alike on GPUs too; pass
     ``"fast"`` or ``"auto"`` for the fast path (:mod:`megatron_hybrid.modules.fast`).
     """
-    from megatron_hybrid.model import HybridModel
-    from megatron_hybrid.modules import hybrid_stack_spec
-
     first, last = _stage_flags(pg_collection, config, vp_stage)
     kwargs.setdefault("position_embedding_type", "rope")
     return HybridModel(
@@ -127,11 +126,6 @@ def build_gpt_twin(
 ):
     """The GPTModel that shares checkpoints (and math) with ``build_hybrid(config, pattern)``."""
     from megatron.core.models.gpt import GPTModel
-
-    from megatron_hybrid.model.gpt_interop import (
-        gpt_config_for_pattern,
-        gpt_decoder_spec_for_pattern,
-    )
 
     gpt_config = gpt_config_for_pattern(config, pattern)
     first, last = _stage_flags(pg_collection, gpt_config, vp_stage)

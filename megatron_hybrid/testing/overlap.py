@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_hybrid.schedule.steps import lm_forward_step
+
 __all__ = ["compare_overlap", "parameter_grad", "rel_error", "run_schedule"]
 
 
@@ -59,8 +61,6 @@ def _batches(count: int, micro_batch_size: int, seq_length: int, vocab: int, see
 def run_schedule(models, batches, config, *, seq_length, micro_batch_size, optimizer=None):
     """One training step over ``batches`` with megatron-core's schedule for ``config``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_hybrid.schedule.steps import lm_forward_step
 
     for model in models:
         model.config.finalize_model_grads_func = None

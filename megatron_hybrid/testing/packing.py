@@ -15,6 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_hybrid.padding import pack_thd, packed_seq_params_to, thd_pack
+from megatron_hybrid.padding.batch import packed_seq_params_from
+
 __all__ = [
     "PACKING_LENGTHS",
     "pack_with_gaps",
@@ -44,8 +47,6 @@ def pack_with_gaps(sequences: Sequence[torch.Tensor], *, tp: int = 1, chunk: int
     Returns:
         A :class:`~megatron_hybrid.padding.PackedBatch`.
     """
-    from megatron_hybrid.padding import pack_thd, thd_pack
-
     plan = thd_pack(
         [len(s) for s in sequences],
         tp=max(4, tp),
@@ -81,17 +82,12 @@ def packing_errors(
         leak: negative control: tell the model the packed row is one sequence (every state,
             conv window and attention mask then runs across the boundaries).
     """
-    from megatron_hybrid.padding import packed_seq_params_to
-
     packed = pack_with_gaps(sequences) if packed is None else packed
     device = next(model.parameters()).device
     tensors = {k: v.to(device) for k, v in packed.tensors.items()}
     positions = tensors["position_ids"] if packed_position_ids is None else packed_position_ids
     params = packed.packed_seq_params
     if leak:
-        from megatron_hybrid.padding import thd_pack
-        from megatron_hybrid.padding.batch import packed_seq_params_from
-
         params = packed_seq_params_from(thd_pack([packed.plan.total_tokens], tp=1, cp=1, sp=False))
     with torch.no_grad():
         together = model(

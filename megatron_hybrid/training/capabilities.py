@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 
+from megatron_hybrid.modules import hybrid_stack_spec
+from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
+
 __all__ = [
     "fla_gated_backward_refused",
     "fla_installed",
@@ -32,8 +35,6 @@ def fla_installed() -> bool:
 def mamba_kernels_usable() -> tuple[bool, str | None]:
     """Whether megatron-core's Mamba kernels (mamba_ssm, causal_conv1d, CUDA) can run here, and
     if not, why; 'M' layers run on the package's torch Mamba2 path otherwise."""
-    from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
-
     return mamba_kernels_available()
 
 
@@ -45,8 +46,6 @@ def mla_core_attention_usable(backend: str) -> bool:
     check reads the spec, so it holds as soon as the local spec gets a core attention that does.
     """
     import inspect
-
-    from megatron_hybrid.modules import hybrid_stack_spec
 
     try:
         spec = hybrid_stack_spec(backend)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from megatron_hybrid.checkpointing import store
+from megatron_hybrid.checkpointing.sharded import model_sharded_state
 from megatron_hybrid.checkpointing.store import (
     COMMON_RECORD,
     HF_RECORD_FILE,
@@ -28,6 +29,21 @@ from megatron_hybrid.checkpointing.store import (
     TRAIN_FORMAT,
     CheckpointExistsError,
     NonFiniteCheckpointError,
+)
+from megatron_hybrid.hf.dist import HF_SOURCE_KEY, hf_record, hf_source_state
+from megatron_hybrid.peft.apply import lora_state
+from megatron_hybrid.peft.checkpoint import (
+    LORA_RECORD,
+    load_adapter_state,
+    lora_record,
+    lora_sharded_state,
+)
+from megatron_hybrid.training.loop import CPUOptimizer
+from megatron_hybrid.training.optimizer_state import (
+    LayoutChangeError,
+    check_layout,
+    cpu_optimizer_sharded_state,
+    load_cpu_optimizer_state,
 )
 
 __all__ = [
@@ -49,17 +65,12 @@ def _unwrapped(chunks) -> list:
 
 
 def _adapted(chunks) -> bool:
-    from megatron_hybrid.peft.apply import lora_state
-
     return lora_state(_unwrapped(chunks)) is not None
 
 
 def _model_state(chunks, metadata):
     """The model part of a checkpoint: the weights, or a LoRA run's adapters only (keyed like
     the weights they adapt, so they reshard as the base does)."""
-    from megatron_hybrid.checkpointing.sharded import model_sharded_state
-    from megatron_hybrid.peft.checkpoint import lora_sharded_state
-
     if _adapted(chunks):
         return lora_sharded_state(_unwrapped(chunks), metadata)
     return model_sharded_state(_unwrapped(chunks), metadata)
@@ -99,9 +110,6 @@ def _per_rank_object(key: str, value):
 
 
 def _optimizer_state(optimizer, model_state, *, loading: bool, per_rank: bool = False):
-    from megatron_hybrid.training.loop import CPUOptimizer
-    from megatron_hybrid.training.optimizer_state import cpu_optimizer_sharded_state
-
     if isinstance(optimizer, CPUOptimizer):
         if per_rank:  # format megatron_hybrid/1: one pickled AdamW state per rank
             return _per_rank_object("optimizer.cpu_adamw", None)
@@ -144,8 +152,6 @@ def save_checkpoint(
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
         NonFiniteCheckpointError: a tensor is NaN or infinite (named; nothing is written).
     """
-    from megatron_hybrid.hf.dist import HF_SOURCE_KEY, hf_record, hf_source_state
-
     model = _model_state(chunks, metadata=None)
     record = {"format": TRAIN_FORMAT, "hybrid_layer_pattern": pattern}
     if model_settings is not None:
@@ -172,9 +178,6 @@ def save_checkpoint(
     if _adapted(chunks):
         # The adapters' config, and where their base came from with its fingerprint: a resume
         # or export needs nothing else and refuses another base.
-        from megatron_hybrid.peft.apply import lora_state
-        from megatron_hybrid.peft.checkpoint import LORA_RECORD, lora_record
-
         base = lora_state(_unwrapped(chunks)).base_info or {}
         all_records[LORA_RECORD] = lora_record(_unwrapped(chunks), base=base)
     return store.write(root, iteration, state, all_records, overwrite=overwrite)
@@ -239,13 +242,6 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
         LayoutChangeError: the checkpoint cannot be resumed on this layout (before any load).
         CheckpointDamagedError: a file cannot be read.
     """
-    from megatron_hybrid.training.loop import CPUOptimizer
-    from megatron_hybrid.training.optimizer_state import (
-        LayoutChangeError,
-        check_layout,
-        load_cpu_optimizer_state,
-    )
-
     folder = store.resolve_checkpoint_dir(root)
     common = store.read_common(folder)
     cpu = isinstance(optimizer, CPUOptimizer)
@@ -268,8 +264,6 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
             ) from None
         raise
     if _adapted(chunks):
-        from megatron_hybrid.peft.checkpoint import load_adapter_state
-
         load_adapter_state(_unwrapped(chunks), state)
     else:
         for i, chunk in enumerate(_unwrapped(chunks)):

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, ParsedPattern
 from megatron_hybrid.training.arguments import (
+    add_hybrid_args,
     required_pattern,
     vpp_size_from_pattern,
     with_defaults,
@@ -151,8 +152,6 @@ def config_from_flags(pattern: str, *flags: str, **overrides: Any):
     Raises:
         ValueError: inconsistent flags, with what to change.
     """
-    from megatron_hybrid.training.arguments import add_hybrid_args
-
     parser = argparse.ArgumentParser()
     add_hybrid_args(parser)
     args = parser.parse_args(["--hybrid-layer-pattern", pattern, *flags])

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from megatron_hybrid.padding import PaddingConfig, pack_thd, pad_bshd
+from megatron_hybrid.padding import PaddingConfig, equalize_bshd, pack_thd, pad_bshd
 
 __all__ = ["MicroBatchBuilder", "SyntheticTokens"]
 
@@ -116,8 +116,6 @@ class MicroBatchBuilder:
         force = self.seq_length if self.padding.fixed_length_required else None
         plan = self.padding.bshd(cur_len=cur_len, batch_size=len(sequences), force_len=force)
         if self.equalize_group is not None and self.padding.needs_group_equalize:
-            from megatron_hybrid.padding import equalize_bshd
-
             plan = equalize_bshd(plan, self.equalize_group)
         tokens = torch.full((len(sequences), cur_len + 1), PAD_TOKEN_ID, dtype=torch.long)
         for row, sequence in enumerate(sequences):

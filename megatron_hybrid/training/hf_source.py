@@ -14,7 +14,14 @@ import argparse
 import dataclasses
 from typing import Any
 
-from megatron_hybrid.hf.config import HFConversion
+from megatron_hybrid.hf.config import HFConversion, conversion_for
+from megatron_hybrid.hf.dist import (
+    conversion_of_checkpoint,
+    load_model_state,
+    read_hf_record,
+    restore_hf_source,
+)
+from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
 from megatron_hybrid.training.config import training_fields
 
 __all__ = ["HFSource", "hf_source", "hf_training_config"]
@@ -97,8 +104,6 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
         ValueError: both ``--load-hf`` and ``--load`` are given, ``--moe-grouped-gemm`` (whose
             expert keys the conversion does not map), or the config is refused.
     """
-    from megatron_hybrid.hf.api import conversion_for
-
     load_hf = getattr(args, "load_hf", None)
     source = None
     if load_hf:
@@ -111,8 +116,6 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
     elif args.load:
         recorded = _recorded(args.load)
         if recorded.get("hf_config") is not None:
-            from megatron_hybrid.hf.dist import conversion_of_checkpoint
-
             if args.hybrid_layer_pattern:
                 raise ValueError(
                     f"--load {args.load} records the Hugging Face model it trains; drop "
@@ -134,8 +137,6 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
 def _recorded(load: str) -> dict:
     """The Hugging Face record of the checkpoint ``load`` names ({} if none can be read: the
     resume logic then reports what is wrong with the checkpoint)."""
-    from megatron_hybrid.hf.dist import read_hf_record
-
     try:
         return read_hf_record(load)
     except (OSError, ValueError):
@@ -165,9 +166,6 @@ def load_initial_weights(source: HFSource, chunks) -> None:
     """Copy the source's weights into the (wrapped) model chunks of this rank, with what the
     model keeps of its Hugging Face source (stored dtypes, FP8 scales, carried tensors) for the
     checkpoints it saves and the folders it exports."""
-    from megatron_hybrid.hf.dist import load_model_state, restore_hf_source
-    from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
-
     if source.hf_path is not None:
         load_hf_weights(chunks, source.hf_path, source.conversion)
         return

@@ -16,6 +16,21 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_hybrid.hf.dist import load_model_state
+from megatron_hybrid.logprobs import forward_logprobs
+from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.process_groups import init_world
+from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.training.hf_source import hf_source
+from megatron_hybrid.training.resume import prepare_resume
+from megatron_hybrid.training.run import (
+    build_chunks,
+    check_resume_compatible,
+    model_config,
+    parallel_setup,
+)
+from megatron_hybrid.training.validation import validate_settings
+
 __all__ = ["read_sequences", "run_logprobs"]
 
 
@@ -57,10 +72,6 @@ def _load_weights(args, chunks, source, rank: int) -> None:
     """A ``train`` checkpoint's model weights (no optimizer), checked against the model first."""
     if source is not None and not source.resumed:
         return  # build_chunks loaded the Hugging Face weights (or the converted checkpoint's)
-    from megatron_hybrid.hf.dist import load_model_state
-    from megatron_hybrid.training.resume import prepare_resume
-    from megatron_hybrid.training.run import check_resume_compatible
-
     try:
         target = prepare_resume(args.load, None)
     except FileNotFoundError as error:
@@ -81,14 +92,6 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
         order (every rank returns them; rank 0 also writes them).
     """
     import torch
-
-    from megatron_hybrid.logprobs import forward_logprobs
-    from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.process_groups import init_world
-    from megatron_hybrid.runtime import select_backend
-    from megatron_hybrid.training.hf_source import hf_source
-    from megatron_hybrid.training.run import build_chunks, model_config, parallel_setup
-    from megatron_hybrid.training.validation import validate_settings
 
     sequences = read_sequences(args.input)  # before any process group or model exists
     if args.load_hf is None and args.load is None:

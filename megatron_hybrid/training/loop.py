@@ -19,7 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_any_rank
+from megatron_hybrid.model import HybridModel
+from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
+from megatron_hybrid.schedule.steps import lm_forward_step
 
 __all__ = [
     "CPUOptimizer",
@@ -57,9 +60,6 @@ def build_model_chunks(
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
-
-    from megatron_hybrid.model import HybridModel
-    from megatron_hybrid.modules import hybrid_stack_spec
 
     # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
     # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
@@ -255,8 +255,6 @@ def train_step(
         global batch.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_hybrid.schedule.steps import lm_forward_step
 
     _configure_hooks(chunks, config, pg_collection)
     for chunk in chunks:

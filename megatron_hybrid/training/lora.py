@@ -15,6 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.checkpointing.store import read_model_state, read_record
+from megatron_hybrid.hf.config import conversion_for
+from megatron_hybrid.hf.dist import conversion_of_checkpoint, read_hf_record
+from megatron_hybrid.hf.weights import model_chunks
+from megatron_hybrid.peft import apply_lora, load_peft_adapter
+from megatron_hybrid.peft.apply import lora_state
 from megatron_hybrid.peft.checkpoint import (
     LORA_RECORD,
     BaseMismatchError,
@@ -23,6 +29,7 @@ from megatron_hybrid.peft.checkpoint import (
     config_of_record,
 )
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
+from megatron_hybrid.training.hf_source import HFSource
 from megatron_hybrid.training.lora_rules import lora_config_from_flags
 
 __all__ = [
@@ -34,11 +41,10 @@ __all__ = [
     "parameter_counts",
 ]
 
+
 def adapter_record(load: str | None) -> dict | None:
     """The adapter record of the checkpoint ``--load`` resolves to (None: not an adapter
     checkpoint, or nothing saved there yet)."""
-    from megatron_hybrid.checkpointing.store import read_record
-
     if not load:
         return None
     try:
@@ -77,17 +83,12 @@ class LoRARun:
     def source(self):
         """The :class:`~megatron_hybrid.training.hf_source.HFSource` of an HF-converted base
         (None for a base without a conversion)."""
-        from megatron_hybrid.training.hf_source import HFSource
-
         if self.conversion is None:
             return None
         return HFSource(self.conversion, hf_path=self.hf_path, checkpoint=self.checkpoint)
 
     def attach(self, models: list) -> None:
         """Adapters on the bare model chunks (before DDP wraps them)."""
-        from megatron_hybrid.hf.weights import model_chunks
-        from megatron_hybrid.peft import apply_lora, load_peft_adapter
-
         for chunk in model_chunks(models):
             if self.conversion is not None:
                 chunk.hf_conversion = self.conversion
@@ -102,8 +103,6 @@ class LoRARun:
 
     def load_base(self, chunks) -> None:
         """The base weights of a base without a Hugging Face conversion (a plain checkpoint)."""
-        from megatron_hybrid.checkpointing.store import read_model_state
-
         if self.conversion is None:
             read_model_state(self.checkpoint, chunks)
 
@@ -122,8 +121,6 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
         BaseMismatchError: ``--load`` holds adapters trained on another base.
         LoRAConfigError: flags that contradict the adapters being resumed.
     """
-    from megatron_hybrid.hf.api import conversion_for
-
     record = adapter_record(args.load)
     if args.lora_rank is None and not args.load_peft and record is None:
         return None
@@ -138,8 +135,6 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
         conversion = conversion_for(hf_path)
         fingerprint = base_fingerprint(hf_path=hf_path)
     else:
-        from megatron_hybrid.hf.dist import conversion_of_checkpoint, read_hf_record
-
         conversion = conversion_of_checkpoint(checkpoint) if read_hf_record(checkpoint) else None
         fingerprint = base_fingerprint(checkpoint=checkpoint)
     config = None
@@ -159,9 +154,6 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
 
 def check_resumable(run: LoRARun, chunks, folder) -> None:
     """Refuse, before loading, adapters whose configuration differs from this run's."""
-    from megatron_hybrid.checkpointing.store import read_record
-    from megatron_hybrid.peft.apply import lora_state
-
     record = read_record(folder, LORA_RECORD)
     if record is None:
         raise LoRAConfigError(

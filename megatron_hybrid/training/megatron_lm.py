@@ -35,6 +35,8 @@ import sys
 
 import torch
 
+from megatron_hybrid.model import HybridModel
+from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
 from megatron_hybrid.schedule.steps import lm_forward_step
 from megatron_hybrid.training.arguments import (
@@ -43,6 +45,7 @@ from megatron_hybrid.training.arguments import (
     required_pattern,
     spec_backend,
 )
+from megatron_hybrid.training.data import SyntheticTokens
 
 __all__ = [
     "SyntheticLMDataset",
@@ -131,9 +134,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_hybrid.model import HybridModel
-    from megatron_hybrid.modules import hybrid_stack_spec
-
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     backend = spec_backend(args)
@@ -161,8 +161,6 @@ class SyntheticLMDataset(torch.utils.data.Dataset):
     """The package's synthetic variable-length data as fixed-length samples (pads masked)."""
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
-        from megatron_hybrid.training.data import SyntheticTokens
-
         self.num_samples = num_samples
         self.seq_length = seq_length
         self.tokens = SyntheticTokens(vocab_size=vocab_size, max_length=seq_length, seed=seed)

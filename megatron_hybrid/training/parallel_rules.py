@@ -8,7 +8,9 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from megatron_hybrid.pattern import MOE
+from megatron_hybrid.pattern import MOE, pipeline_segments
+from megatron_hybrid.pattern.pipeline import with_option_names
+from megatron_hybrid.training.arguments import vpp_size_from_pattern
 from megatron_hybrid.training.settings import Rule, Settings, rule
 
 __all__ = ["PARALLEL_RULES", "TRAIN_RULES"]
@@ -142,10 +144,6 @@ def _recompute(s: Settings) -> str | None:
 
 
 def _pipeline(s: Settings) -> str | None:
-    from megatron_hybrid.pattern import pipeline_segments
-    from megatron_hybrid.pattern.pipeline import with_option_names
-    from megatron_hybrid.training.arguments import vpp_size_from_pattern
-
     pp = s.pipeline_model_parallel_size
     parsed = s.parsed
     try:

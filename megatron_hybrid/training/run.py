@@ -17,7 +17,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
+from megatron_hybrid.checkpointing.settings import mismatched_flags
+from megatron_hybrid.checkpointing.store import iteration_folders
+from megatron_hybrid.hf.api import stack_spec_for
+from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
+from megatron_hybrid.pattern import GDN, parse_pattern
+from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import RuntimeBackend, select_backend
+from megatron_hybrid.training import resume
+from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
+from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
+from megatron_hybrid.training.config import hybrid_config_from_args
+from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+from megatron_hybrid.training.guard import check_step, describe
+from megatron_hybrid.training.hf_source import hf_source, hf_training_config, load_initial_weights
+from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
+from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
+from megatron_hybrid.training.lora_rules import validate_lora_flags
+from megatron_hybrid.training.validation import validate_settings
 
 __all__ = [
     "TrainingError",
@@ -83,8 +102,6 @@ def check_resume_compatible(chunks, folder, args=None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.utils import unwrap_model
 
-    from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
-
     local = {}
     for chunk in unwrap_model(list(chunks)):  # checkpoint keys of the model, not its DDP wrapper
         local.update(sharded_tensor_shapes(chunk.sharded_state_dict()))
@@ -93,8 +110,6 @@ def check_resume_compatible(chunks, folder, args=None) -> None:
     expected = {k: v for part in gathered for k, v in part.items()}
     result = compare_with_checkpoint(folder, lambda metadata: expected)
     if not result.loads:
-        from megatron_hybrid.checkpointing.settings import mismatched_flags
-
         flags = mismatched_flags(result.shape_mismatches, args)
         if flags and not (result.missing or result.unexpected):
             raise TrainingError(f"--load {folder} does not fit the model: {'; '.join(flags)}")
@@ -168,14 +183,6 @@ def run_training(
         backend: where to run (the CLI passes its choice); by default CUDA when a GPU is
             visible, else the CPU emulation.
     """
-    from megatron_hybrid.pattern import GDN, parse_pattern
-    from megatron_hybrid.process_groups import init_world
-    from megatron_hybrid.training.hf_source import hf_source
-    from megatron_hybrid.training.loop import build_optimizer
-    from megatron_hybrid.training.lora import lora_run
-    from megatron_hybrid.training.lora_rules import validate_lora_flags
-    from megatron_hybrid.training.validation import validate_settings
-
     validate_lora_flags(args)  # first: they decide where the model comes from
     lora = lora_run(args)  # adapters on a frozen base: where it comes from, what resumes
     # --load-hf (or a LoRA base): the architecture comes from the Hugging Face config
@@ -215,8 +222,6 @@ def run_training(
     )
     start, consumed = _resume(setup, chunks, optimizer)
     _refuse_overwrite(args, start)
-    from megatron_hybrid.training.lora import parameter_counts
-
     counts = parameter_counts(chunks, pg)  # collective: before rank 0 alone prints
     if rank == 0:
         print(_start_line(setup, world, start, counts), flush=True)
@@ -226,8 +231,6 @@ def run_training(
 def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) -> str:
     """``training PATTERN on DEVICE | layout | iterations``: what runs where, said once."""
     import torch
-
-    from megatron_hybrid.training import resume
 
     args = setup.args
     comm = torch.distributed.get_backend()
@@ -247,9 +250,6 @@ def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) 
 def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
     conversion and the training flags."""
-    from megatron_hybrid.training.config import hybrid_config_from_args
-    from megatron_hybrid.training.hf_source import hf_training_config
-
     overrides = backend.config_overrides()
     if source is not None:
         return hf_training_config(source, args, **overrides)
@@ -258,8 +258,6 @@ def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
 
 def parallel_setup(args: argparse.Namespace, config, world: int):
     """Process groups, the global batch and the number of micro-batches per step."""
-    from megatron_hybrid.process_groups import initialize_model_parallel
-
     model_parallel = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size
@@ -291,9 +289,6 @@ def parallel_setup(args: argparse.Namespace, config, world: int):
 
 def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend):
     """The (aligned) sequence length and the builder of padded or packed micro-batches."""
-    from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
-    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
-
     padding = padding_config_from(config, pg)
     seq_length = args.seq_length
     if padding.fixed_length_required:
@@ -328,14 +323,8 @@ def build_chunks(
 ) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any, with
     the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`)."""
-    from megatron_hybrid.training.arguments import spec_backend
-    from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
-    from megatron_hybrid.training.loop import build_model_chunks
-
     stack_spec = None
     if source is not None:
-        from megatron_hybrid.hf.api import stack_spec_for
-
         stack_spec = stack_spec_for(source.conversion, spec_backend(args), config, args.mamba_impl)
     chunks = build_model_chunks(
         config,
@@ -357,8 +346,6 @@ def build_chunks(
     if source is not None:
         # Before the optimizer: megatron's distributed optimizer copies the weights it starts
         # from.
-        from megatron_hybrid.training.hf_source import load_initial_weights
-
         load_initial_weights(source, chunks)
         if rank == 0 and not source.resumed:
             where = source.hf_path or source.checkpoint
@@ -368,9 +355,6 @@ def build_chunks(
 
 def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed)``."""
-    from megatron_hybrid.training import resume
-    from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint
-
     args = setup.args
     try:
         point = resume.prepare_resume(setup.load, args.save)
@@ -382,8 +366,6 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
         return 0, 0
     folder = point.folder
     if setup.lora is not None:
-        from megatron_hybrid.training.lora import check_resumable
-
         check_resumable(setup.lora, chunks, folder)
     else:
         check_resume_compatible(chunks, folder, args)
@@ -399,8 +381,6 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
 def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
     """The model settings a checkpoint records (``model_setting_dests``), as this run used
     them: ``--max-position-embeddings`` defaults to the sequence length here."""
-    from megatron_hybrid.training.arguments import model_setting_dests
-
     settings = {dest: getattr(args, dest, None) for dest in model_setting_dests()}
     settings["max_position_embeddings"] = args.max_position_embeddings or seq_length
     return settings
@@ -410,8 +390,6 @@ def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
     """Refuse before training, not after hours of it, if a save would replace a checkpoint."""
     if not args.save or args.overwrite_checkpoint:
         return
-    from megatron_hybrid.checkpointing.store import iteration_folders
-
     planned = {args.train_iters} | (
         set(range(args.save_interval, args.train_iters + 1, args.save_interval))
         if args.save_interval
@@ -427,11 +405,6 @@ def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
 
 def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> TrainingSummary:
     """The steps from ``start`` to ``--train-iters``, with periodic and final saves."""
-    from megatron_hybrid.training import resume
-    from megatron_hybrid.training.checkpoint import save_checkpoint
-    from megatron_hybrid.training.guard import check_step, describe
-    from megatron_hybrid.training.loop import train_step
-
     args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
     dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)

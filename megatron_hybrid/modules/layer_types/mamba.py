@@ -19,6 +19,7 @@ from megatron_hybrid.modules.layer_types.common import (
     ModuleBackwardDW,
     mixer_graph_pieces,
 )
+from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
 from megatron_hybrid.modules.registry import (
     LayerBuildArgs,
     LayerInputs,
@@ -69,8 +70,6 @@ def backward_dw(layer: nn.Module) -> dict[str, list]:
 def _mixer_defaults() -> dict:
     """The mixer's constructor defaults (``d_conv``, ``expand``, ``chunk_size``), which the
     specs leave as they are; the torch mixer keeps megatron-core's ``MambaMixer`` values."""
-    from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
-
     parameters = inspect.signature(TorchMambaMixer.__init__).parameters
     return {name: parameters[name].default for name in ("d_conv", "expand", "chunk_size")}
 
