@@ -14,7 +14,18 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
+from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
+from megatron_hybrid.checkpointing.settings import mismatched_flags, settings_from_checkpoint
 from megatron_hybrid.cli.main import Command, CommandError
+from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.training.arguments import (
+    MODEL_SHAPE_GROUPS,
+    add_hybrid_args,
+    model_setting_dests,
+    spec_backend,
+    with_defaults,
+)
 
 __all__ = ["COMMAND"]
 
@@ -26,12 +37,6 @@ _HELP = {"max_position_embeddings": "maximum sequence length of learned absolute
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from megatron_hybrid.training.arguments import (
-        MODEL_SHAPE_GROUPS,
-        add_hybrid_args,
-        model_setting_dests,
-    )
-
     parser.add_argument(
         "--load",
         required=True,
@@ -76,10 +81,9 @@ def _settings(args: argparse.Namespace, folder):
         checkpoint (those that are not the flags' defaults), the given ones its record
         contradicts, and the ``dest`` of those that equal the checkpoint's.
     """
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing.inspect import checkpoint_model_tensors
-    from megatron_hybrid.checkpointing.settings import settings_from_checkpoint
     from megatron_hybrid.checkpointing.store import common_record, read_common
-    from megatron_hybrid.training.arguments import model_setting_dests, with_defaults
 
     dests = model_setting_dests()
     defaults = vars(with_defaults(argparse.Namespace()))
@@ -121,8 +125,8 @@ def _listing(title: str, entries: list[str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
-    from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
     from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
 
     try:
@@ -131,8 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         verified = verify_checkpoint_files(folder)  # a damaged file raises (exit 2)
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.hf.dist import read_hf_record
-    from megatron_hybrid.runtime import select_backend
 
     from_hf = read_hf_record(folder).get("hf_config") is not None
     if from_hf and args.hybrid_layer_pattern is None:
@@ -175,8 +179,6 @@ def _run(args: argparse.Namespace) -> int:
             [f"{key}: {exp} vs {found}" for key, exp, found in result.shape_mismatches],
         )
     print("\n".join(lines))
-    from megatron_hybrid.checkpointing.settings import mismatched_flags
-
     flags = mismatched_flags(result.shape_mismatches, args, agreed)
     if flags and not (result.missing or result.unexpected):
         print(f"NOT LOADABLE: {'; '.join(flags)}")
@@ -188,8 +190,8 @@ def _run(args: argparse.Namespace) -> int:
 def _flag_model(args: argparse.Namespace, folder):
     """The model of the flags, completed from the checkpoint: ``(build, args, read, differ,
     agreed)``."""
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.model import expected_keys
-    from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.config import hybrid_config_from_args
     from megatron_hybrid.training.validation import validate_settings
 
@@ -207,10 +209,10 @@ def _flag_model(args: argparse.Namespace, folder):
 def _hf_model(args: argparse.Namespace, folder):
     """The model of the Hugging Face config the checkpoint records (train --load-hf,
     convert --from-hf): ``(build, args, read, differ, agreed)``; model flags are refused."""
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing.store import common_record, read_common
     from megatron_hybrid.hf.api import expected_key_shapes
     from megatron_hybrid.hf.dist import conversion_of_checkpoint
-    from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 
     conversion = conversion_of_checkpoint(folder)
     ignored = [_flag_text(d, getattr(args, d)) for d in model_setting_dests()
@@ -231,8 +233,6 @@ def _hf_model(args: argparse.Namespace, folder):
 
 
 def _expected(build, config, args, metadata):
-    from megatron_hybrid.training.arguments import spec_backend
-
     return build(
         config,
         args.hybrid_layer_pattern,

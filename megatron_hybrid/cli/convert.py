@@ -21,6 +21,7 @@ import argparse
 import sys
 
 from megatron_hybrid.cli.main import Command, CommandError
+from megatron_hybrid.runtime import select_backend
 
 __all__ = ["COMMAND"]
 
@@ -185,6 +186,7 @@ class _Progress:
 
 def _check_conversion(args: argparse.Namespace):
     """``--from-hf`` opened, its config converted and its weights planned, once."""
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.hf.api import check_conversion
 
     return check_conversion(
@@ -211,6 +213,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _from_hf(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.hf import HFWeightsError, load_hf_model
     from megatron_hybrid.hf.dist import save_model_state
 
@@ -264,6 +267,7 @@ def _to_hf(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.hf.api import build_model, save_hf_checkpoint
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
@@ -288,8 +292,8 @@ def _to_hf(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     if args.no_mtp and conversion.mtp_layers:
         raise CommandError("--no-mtp: the checkpoint holds MTP layers; they are always exported")
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
-    from megatron_hybrid.runtime import select_backend
 
     select_backend().activate()
     _, world = init_world()
@@ -324,6 +328,7 @@ def _to_hf(args: argparse.Namespace) -> int:
 
 def _is_lora_run(args: argparse.Namespace) -> bool:
     """Whether ``--load`` is a LoRA run's adapter checkpoint (refusing what does not fit)."""
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.training.lora import adapter_record
 
     adapters = adapter_record(args.load) is not None
@@ -343,6 +348,7 @@ def _is_lora_run(args: argparse.Namespace) -> bool:
 
 def _model_from_checkpoint(path, args, sizes):
     """The model of a converted (or Hugging Face started) ``torch_dist`` checkpoint."""
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
@@ -350,7 +356,6 @@ def _model_from_checkpoint(path, args, sizes):
         restore_hf_source,
     )
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
-    from megatron_hybrid.runtime import select_backend
 
     select_backend().activate()
     init_world()
@@ -370,6 +375,7 @@ def _lora_export(args: argparse.Namespace) -> int:
     (or ``--base-hf``), its adapters, written as a PEFT folder or merged."""
     import torch.distributed as dist
 
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing import store
     from megatron_hybrid.hf.api import load_hf_model, save_hf_checkpoint
     from megatron_hybrid.peft import apply_lora, save_peft_adapter

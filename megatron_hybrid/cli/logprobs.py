@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 
 from megatron_hybrid.cli.main import Command
+from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
+from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.training.arguments import add_hybrid_args
 
 __all__ = ["COMMAND"]
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
-    from megatron_hybrid.training.arguments import add_hybrid_args
-
     parser.usage = "%(prog)s --input FILE.jsonl (--load-hf HF_DIR | --load CKPT) [options]"
     group = parser.add_argument_group("megatron_hybrid: logprobs command")
     group.add_argument(
@@ -56,7 +56,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_hybrid.runtime import select_backend
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.training.logprobs_job import run_logprobs
 
     started_world = not torch.distributed.is_initialized()

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hybrid.package_info import __version__
+from megatron_hybrid.pattern import HybridPatternError, layer_symbols
+from megatron_hybrid.training.settings import SettingsError
 
 __all__ = ["COMMAND_MODULES", "Command", "CommandError", "build_parser", "main"]
 
@@ -42,8 +44,6 @@ USAGE_ERROR = 2
 
 def _pattern_chars() -> frozenset[str]:
     """Characters of patterns (and repetition counts); no option name is made of these alone."""
-    from megatron_hybrid.pattern import layer_symbols
-
     return frozenset("".join(layer_symbols()) + "[](){}|/0123456789")
 
 
@@ -178,9 +178,6 @@ def _quiet_upstream() -> None:
 
 def _is_settings_error(error: Exception) -> bool:
     """Whether every rank of a job reaches ``error`` alike (bad flags or a bad pattern)."""
-    from megatron_hybrid.pattern import HybridPatternError
-    from megatron_hybrid.training.validation import SettingsError
-
     return isinstance(error, (SettingsError, HybridPatternError))
 
 

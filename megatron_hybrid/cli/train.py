@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_hybrid.cli.main import Command, CommandError
+from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.training.arguments import PATTERN_REQUIRED, add_hybrid_args
 
 __all__ = ["COMMAND", "add_train_only_args", "closing_line"]
 
@@ -48,8 +50,6 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from megatron_hybrid.training.arguments import add_hybrid_args
-
     # The full list is in --help; a usage line of 60 flags would bury argparse's message.
     parser.usage = "%(prog)s --hybrid-layer-pattern PATTERN [options]"
     add_hybrid_args(parser)
@@ -59,9 +59,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing.store import CheckpointExistsError
-    from megatron_hybrid.runtime import select_backend
-    from megatron_hybrid.training.arguments import PATTERN_REQUIRED
     from megatron_hybrid.training.run import run_training
 
     if not (args.hybrid_layer_pattern or args.load_hf or args.load or args.load_base):

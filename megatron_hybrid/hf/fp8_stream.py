@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.hf.config import family_named
 from megatron_hybrid.hf.fp8 import (
     FP8_DTYPE,
     RECIPE_BLOCK,
@@ -181,8 +182,6 @@ def fp8_specs(plan, quantize: str, conversion, source_dtypes: dict) -> dict[str,
         UnsupportedQuantizationError: ``"fp8"`` for a family with no FP8 release recipe, or
             ``"source"`` with FP8 source tensors but no source format.
     """
-    from megatron_hybrid.hf.config import family_named
-
     if quantize == "none":
         return {}
     if quantize == "source":

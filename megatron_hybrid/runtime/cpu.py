@@ -227,6 +227,7 @@ def _patch_torch_norm() -> None:
     # in tests need the same tolerance.
     from megatron.core.transformer import torch_norm
 
+    # lazy: the CLI imports runtime for --help, which must not load megatron
     from megatron_hybrid.modules.norms import TorchNorm
 
     def build_torch_norm(cls, config, hidden_size, eps=1e-5, **kwargs):
@@ -260,6 +261,7 @@ def _patch_te_free_recompute() -> None:
 def _patch_gated_delta_net() -> None:
     # fla's kernels are Triton (no CPU driver): megatron's GatedDeltaNet calls torch functions
     # with fla's contract instead, packed rows (cu_seqlens) included.
+    # lazy: the CLI imports runtime for --help, which must not load megatron
     from megatron_hybrid.modules.gdn_torch import install
 
     install()
