@@ -2,9 +2,10 @@
 
 Each module defines ``RUNTIME``, a :class:`~megatron_hybrid.modules.registry.LayerRuntime`; the
 facts of the same types are in :mod:`megatron_hybrid.pattern.layer_types`. This package is the
-one place the built-ins are registered (the registry imports it on first use). A new layer type
-does not go here: it calls :func:`~megatron_hybrid.modules.registry.register_layer_type` with its
-own facts and runtime.
+one place the built-ins are registered, in table order; :mod:`megatron_hybrid.modules` imports
+it, so every import of the modules package has them (the registry never imports its entries). A
+new layer type does not go here: it calls
+:func:`~megatron_hybrid.modules.registry.register_layer_type` with its own facts and runtime.
 """
 
 from megatron_hybrid.modules.layer_types import attention, dsa, gdn, mamba, mla, mlp, moe
