@@ -228,7 +228,8 @@ _RATIOS = {  # name: (numerator variant, denominator variant, key)
 
 
 def summarize(results: dict) -> dict:
-    """The ratios DESIGN.md section 7 sets targets for (None where a variant is missing)."""
+    """The ratios ``docs/architecture.md`` ("Guarantees and targets") sets targets for (None
+    where a variant is missing)."""
     ratios = {}
     for name, (a, b, key) in _RATIOS.items():
         ok = a in results and b in results and results[b][key]

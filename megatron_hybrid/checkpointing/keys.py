@@ -1,6 +1,8 @@
 """Checkpoint key prefixes of hybrid layers (pure Python: no torch, no megatron).
 
-The rules (``DESIGN.md`` §4.2), independent of the pipeline split because indices are global:
+The rules (``docs/checkpoints.md`` section 1; the guarantee they keep is in
+``docs/architecture.md``, "Guarantees and targets"), independent of the pipeline split because
+indices are global:
 
 * a pattern whose main part holds a group uses Transformer-style logical keys: every physical
   layer of logical layer ``L`` is stored under ``decoder.layers.{L}.`` (group members differ

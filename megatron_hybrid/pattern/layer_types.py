@@ -73,7 +73,7 @@ class GptRole(StrEnum):
     """The half of a GPT ``TransformerLayer`` a layer type is exactly equivalent to.
 
     A group of one ``ATTENTION``-role member followed by one ``MLP``-role member has the
-    parameters and keys of a GPT layer (``DESIGN.md`` §4.2).
+    parameters and keys of a GPT layer (``docs/architecture.md``, "Guarantees and targets").
     """
 
     ATTENTION = "attention"

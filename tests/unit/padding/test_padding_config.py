@@ -184,7 +184,8 @@ def test_thd_support_rejects_bad_input(symbols, options, match):
 
 
 def test_planners_import_without_torch():
-    """Importing the planners must not import torch (DESIGN §5: the pure part stays pure)."""
+    """Importing the planners must not import torch (docs/architecture.md, "Guarantees and
+    targets": the pure part stays pure)."""
     code = (
         "import sys\n"
         "from megatron_hybrid.padding import seq_divisible_by, bshd_pad, thd_pack, group_equalize\n"

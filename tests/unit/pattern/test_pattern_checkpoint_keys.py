@@ -1,4 +1,5 @@
-"""Checkpoint key prefixes (DESIGN.md §4.2): logical for grouped patterns, physical otherwise."""
+"""Checkpoint key prefixes (docs/checkpoints.md section 1): logical for grouped patterns,
+physical otherwise."""
 
 from __future__ import annotations
 
