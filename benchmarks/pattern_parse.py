@@ -2,7 +2,8 @@
 
 Each figure is the median over ``--repeats`` parses with the parse cache cleared before every
 parse, so it measures the work a first ``parse_pattern`` call does (tokenize, parse, size check,
-expand, build the logical layers). Target (``docs/architecture.md``, "Guarantees and targets"): under 50 ms at 10k layers.
+expand, build the logical layers). Target (``docs/architecture.md``, "Guarantees and
+targets"): under 50 ms at 10k layers.
 
 Usage::
 

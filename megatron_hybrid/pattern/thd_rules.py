@@ -21,12 +21,13 @@ citing the megatron-core 0.19.2 source it rests on (paths relative to ``megatron
     (transformer/experimental_attention_variant/dsa.py, ``DSAttention.forward``). Only the TE
     backend builds it (its indexer needs TE's plain linear layer), so ``local`` refuses it by name.
 ``G`` GatedDeltaNet
-    Accepts THD (ssm/gated_delta_net/gdn.py L95-127; ``cu_seqlens_*_padded`` win, their last
-    entry must equal the packed length and every length must divide by cp: common.py
-    L448-472), but not in deterministic mode: ``deterministic_mode`` selects
-    ``torch_chunk_gated_delta_rule`` (gdn.py L59-62), which asserts ``cu_seqlens is None``
-    (common.py L821-823), and ``forward`` asserts "Packed sequence does not support
-    deterministic mode." (gdn.py L97-99). Outside deterministic mode megatron passes
+    Accepts THD (ssm/gated_delta_net/gdn.py, ``GatedDeltaNet.forward``; ``cu_seqlens_*_padded``
+    win, their last entry must equal the packed length and every length must divide by cp:
+    common.py, ``_GDNBase._resolve_cu_seqlens``), but not in deterministic mode:
+    ``deterministic_mode`` selects ``torch_chunk_gated_delta_rule`` (gdn.py,
+    ``GatedDeltaNet._setup_variant_attrs``), which asserts ``cu_seqlens is None`` (common.py,
+    ``torch_chunk_gated_delta_rule``), and ``GatedDeltaNet.forward`` asserts "Packed sequence does
+    not support deterministic mode." Outside deterministic mode megatron passes
     ``cu_seqlens`` to fla's ``causal_conv1d`` and ``chunk_gated_delta_rule``, which restart the
     conv window and the recurrent state at every boundary on GPUs; the package's CPU runtime
     gives megatron torch stand-ins with that contract (:mod:`megatron_hybrid.modules.gdn_torch`)
@@ -34,12 +35,14 @@ citing the megatron-core 0.19.2 source it rests on (paths relative to ``megatron
 ``M`` Mamba
     Accepts THD in training only on the memory-efficient path: with
     ``use_mamba_mem_eff_path=False`` it asserts "Training with packed sequences is not supported
-    in the non-memory-efficient code path." (ssm/mamba_mixer.py L502-507). It needs
-    ``causal_conv1d >= 1.4.0`` and ``mamba_ssm >= 2.0.0`` (mamba_mixer.py L745-750,
-    L1490-1506) and ``packed_seq_params.seq_idx``, which ``PackedSeqParams.__post_init__``
-    builds only when ``total_tokens`` is set (packed_seq_params.py L30-70; our packer always sets
-    it). With cp > 1 it partitions through TE's ``thd_get_partitioned_indices`` and asserts
-    TE >= 1.10 (ssm/mamba_context_parallel.py L377-380), so CP needs TransformerEngine. The
+    in the non-memory-efficient code path." (ssm/mamba_mixer.py, ``MambaMixer.forward``). It
+    needs ``causal_conv1d >= 1.4.0`` and ``mamba_ssm >= 2.0.0`` (mamba_mixer.py,
+    ``MambaMixer._ssm_training`` and ``_check_mamba_sequence_packing_support``) and
+    ``packed_seq_params.seq_idx``, which ``PackedSeqParams.__post_init__`` builds only when
+    ``total_tokens`` is set (packed_seq_params.py; our packer always sets it). With cp > 1 it
+    partitions through TE's ``thd_get_partitioned_indices`` and asserts TE >= 1.10
+    (ssm/mamba_context_parallel.py, ``_undo_attention_load_balancing`` and
+    ``_redo_attention_load_balancing``), so CP needs TransformerEngine. The
     package's torch Mamba2 path (``modules/mamba_torch.py``, used where mamba_ssm cannot run)
     reads the same ``seq_idx`` and restarts its conv and scan at every sequence start; the
     ``use_mamba_mem_eff_path`` rule above is the kernels' and is kept for both paths.
@@ -137,8 +140,9 @@ def gated_delta_net_thd(opts: ThdOptions) -> str | None:
     if opts.deterministic_mode:
         return (
             "GatedDeltaNet ('G') in deterministic mode runs torch_chunk_gated_delta_rule, which "
-            "takes no cu_seqlens (ssm/gated_delta_net/common.py L821-823; gdn.py L97-99 asserts "
-            "'Packed sequence does not support deterministic mode.'); turn deterministic_mode off"
+            "takes no cu_seqlens (megatron/core/ssm/gated_delta_net/common.py, "
+            "torch_chunk_gated_delta_rule; GatedDeltaNet.forward in gdn.py asserts 'Packed "
+            "sequence does not support deterministic mode.'); turn deterministic_mode off"
         )
     return None
 
@@ -148,12 +152,14 @@ def mamba_thd(opts: ThdOptions) -> str | None:
     if not opts.use_mamba_mem_eff_path:
         return (
             "Mamba ('M') trains packed sequences only on the memory-efficient path "
-            "(ssm/mamba_mixer.py L502-507); drop --disable-mamba-mem-eff-path"
+            "(megatron/core/ssm/mamba_mixer.py, MambaMixer.forward); drop "
+            "--disable-mamba-mem-eff-path"
         )
     if opts.cp_size > 1 and opts.transformer_impl != "transformer_engine":
         return (
             "Mamba ('M') with cp > 1 partitions packed sequences with TransformerEngine's "
-            "thd_get_partitioned_indices (ssm/mamba_context_parallel.py L377-380); use "
+            "thd_get_partitioned_indices (megatron/core/ssm/mamba_context_parallel.py, "
+            "_undo_attention_load_balancing); use "
             "transformer_impl='transformer_engine'"
         )
     return None
