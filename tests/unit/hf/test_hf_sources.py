@@ -245,6 +245,7 @@ def test_load_hf_settings_are_read_once_and_the_flags_left_alone(source, monkeyp
         raise AssertionError("a config of the flags was built")
 
     monkeypatch.setattr(training_config, "hybrid_config_from_args", refuse)
+    monkeypatch.setattr(run, "hybrid_config_from_args", refuse)  # the name run.py calls
     config = run.model_config(effective, hf, select_backend("cpu"))
     assert config.num_moe_experts == experts and config.moe_aux_loss_coeff == 0.01
     assert config.expert_model_parallel_size == 3

@@ -22,11 +22,11 @@ def train_worker(rank: int, world_size: int, argv: list[str], forget_optimizer: 
 
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
-    from megatron_hybrid.training import optimizer_state
+    from megatron_hybrid.training import checkpoint
     from megatron_hybrid.training.run import run_training
 
-    if forget_optimizer:  # a resume that drops the AdamW moments
-        optimizer_state.load_cpu_optimizer_state = lambda optimizer, loaded: None
+    if forget_optimizer:  # a resume that drops the AdamW moments (where the loader calls it)
+        checkpoint.load_cpu_optimizer_state = lambda optimizer, loaded: None
     return run_training(build_parser(load_commands()).parse_args(["train", *argv]))
 
 
