@@ -4,7 +4,8 @@ The torch reference (:func:`megatron_hybrid.hf.fp8.quantize_reference`) makes ab
 over a weight (float32 copy, padding, abs, amax, division, clamp, cast, and the candidate check
 again); this kernel reads each ``bo x bi`` block once, keeps it in registers and writes its FP8
 bytes and its scale, computing bit for bit what the reference computes: IEEE division
-(``tl.fdiv(..., ieee_rounding=True)``, as torch divides), round-to-nearest-even casts, the same
+(``tl.math.div_rn``: Triton's ``/`` is ``div.full.f32``, within 2 ulp, and Triton 3.6's ``tl.fdiv``
+ignores ``ieee_rounding``), round-to-nearest-even casts, the same
 all-zero-block and candidate-scale rules. Blocks of any size (powers of two or not) and partial
 edge blocks are masked. Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the same
 kernel runs on CPU tensors in Triton's interpreter, which is how the unit tests check it against
@@ -36,7 +37,8 @@ def _round_e4m3(v):
     # Subnormal FP8: multiples of 2**-9; adding and subtracting 1.5 * 2**23 rounds x < 8 to an
     # integer, ties to even.
     x = magnitude.to(tl.float32, bitcast=True) * 512.0
-    subnormal = (((x + 12582912.0) - 12582912.0) / 512.0).to(tl.int32, bitcast=True)
+    # (* 2**-9 divides by 512 exactly, where Triton's ``/`` would not be IEEE.)
+    subnormal = (((x + 12582912.0) - 12582912.0) * 0.001953125).to(tl.int32, bitcast=True)
     rounded = tl.where(magnitude >= 0x3C800000, normal, subnormal)  # 0x3C800000 = 2**-6
     return (rounded | sign).to(tl.float32, bitcast=True)
 
@@ -77,16 +79,16 @@ def _quantize_blocks(
     w = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + c[None, :], mask=mask, other=0.0)
     x = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = tl.where(amax > 0, tl.fdiv(amax, FP8_LIMIT, ieee_rounding=True), 1.0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
     if SCALE_BF16:
         s = _round_bf16(s)
     if HAS_CANDIDATE:
         cand = tl.load(c_ptr + pid).to(tl.float32)
-        qc = _round_e4m3(tl.clamp(tl.fdiv(x, cand, ieee_rounding=True), -FP8_LIMIT, FP8_LIMIT))
+        qc = _round_e4m3(tl.clamp(tl.math.div_rn(x, cand), -FP8_LIMIT, FP8_LIMIT))
         misses = tl.where(mask & (_round_bf16(qc * cand) != _round_bf16(x)), 1, 0)
         misses = tl.sum(tl.sum(misses, axis=1), axis=0)
         s = tl.where(misses == 0, cand, s)
-    q = _round_e4m3(tl.clamp(tl.fdiv(x, s, ieee_rounding=True), -FP8_LIMIT, FP8_LIMIT))
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -FP8_LIMIT, FP8_LIMIT))
     q = q.to(tl.float8e4nv)
     tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q, mask=mask)
     tl.store(s_ptr + pid, s)
