@@ -104,6 +104,42 @@ def measure(model, device, mode: str, bucket_size: str = "256MB") -> dict:
     return dict(seconds=seconds, bytes=total, tensors=count, largest=largest, peak_extra=peak)
 
 
+def profile_round(model, device, bucket_size: str) -> dict:
+    """One more FP8 round under torch.profiler: where its wall time goes (host or GPU) and
+    its kernels (``trace_summary.py``)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from trace_summary import kernel_breakdown, summarize_trace
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("mh_step"):
+            measure(model, device, "fp8", bucket_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return dict(summary=summarize_trace(events), kernels=kernel_breakdown(events, top=8))
+
+
+def profile_lines(found: dict) -> list[str]:
+    """Markdown of :func:`profile_round` (profiled, so slower than the timed rounds)."""
+    summary = found["summary"]
+    lines = [
+        "",
+        f"Profiled FP8 round: {summary['window_ms']:.1f} ms, GPU busy "
+        f"{summary['gpu_busy_ms']:.1f} ms, {summary['compute_kernels']} kernels, "
+        f"{summary['cpu_launches']} launches.",
+        "",
+        "| kernel | category | ms | count | mean µs |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for k in found["kernels"]["kernels"]:
+        lines.append(f"| `{k['name'][:90]}` | {k['category']} | {k['ms']:.2f} | {k['count']} | "
+                     f"{k['mean_us']:.1f} |")  # fmt: skip
+    return lines
+
+
 def _command(argv: list[str]) -> str:
     """The command line, without the machine's output folder."""
     shown = list(argv)
@@ -206,6 +242,9 @@ def main(argv=None) -> int:
             f"{m['bytes'] / 1e9:.2f} | {m['tensors']} | {peak} | "
             f"{m['largest_tensor_bytes'] / 1e6:.1f} MB |"
         )
+    if device.type == "cuda" and "fp8" in rows:
+        result["fp8_profile"] = profile_round(model, device, args.bucket_size)
+        lines += profile_lines(result["fp8_profile"])
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -372,7 +372,9 @@ def quantize_reference(
     padded = torch.nn.functional.pad(w, pad)
     x = padded.float().view(nrb, bo, ncb, bi)
     amax = x.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor
+    # (``div_true_kernel_cuda``), which is not IEEE division and differs from the CPU's.
+    s = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     s = s.to(scale_dtype).float()
     if candidate is not None:
         c = candidate.float()

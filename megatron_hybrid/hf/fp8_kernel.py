@@ -4,7 +4,8 @@ The torch reference (:func:`megatron_hybrid.hf.fp8.quantize_reference`) makes ab
 over a weight (float32 copy, padding, abs, amax, division, clamp, cast, and the candidate check
 again); this kernel reads each ``bo x bi`` block once, keeps it in registers and writes its FP8
 bytes and its scale, computing bit for bit what the reference computes: IEEE division
-(``tl.fdiv(..., ieee_rounding=True)``, as torch divides), round-to-nearest-even casts, the same
+(``tl.math.div_rn``: Triton's ``/`` is ``div.full.f32``, within 2 ulp, and Triton 3.6's ``tl.fdiv``
+ignores ``ieee_rounding``), round-to-nearest-even casts, the same
 all-zero-block and candidate-scale rules. Blocks of any size (powers of two or not) and partial
 edge blocks are masked. Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the same
 kernel runs on CPU tensors in Triton's interpreter, which is how the unit tests check it against
@@ -12,6 +13,8 @@ the reference without a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -36,7 +39,8 @@ def _round_e4m3(v):
     # Subnormal FP8: multiples of 2**-9; adding and subtracting 1.5 * 2**23 rounds x < 8 to an
     # integer, ties to even.
     x = magnitude.to(tl.float32, bitcast=True) * 512.0
-    subnormal = (((x + 12582912.0) - 12582912.0) / 512.0).to(tl.int32, bitcast=True)
+    # (* 2**-9 divides by 512 exactly, where Triton's ``/`` would not be IEEE.)
+    subnormal = (((x + 12582912.0) - 12582912.0) * 0.001953125).to(tl.int32, bitcast=True)
     rounded = tl.where(magnitude >= 0x3C800000, normal, subnormal)  # 0x3C800000 = 2**-6
     return (rounded | sign).to(tl.float32, bitcast=True)
 
@@ -77,19 +81,28 @@ def _quantize_blocks(
     w = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + c[None, :], mask=mask, other=0.0)
     x = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = tl.where(amax > 0, tl.fdiv(amax, FP8_LIMIT, ieee_rounding=True), 1.0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
     if SCALE_BF16:
         s = _round_bf16(s)
     if HAS_CANDIDATE:
         cand = tl.load(c_ptr + pid).to(tl.float32)
-        qc = _round_e4m3(tl.clamp(tl.fdiv(x, cand, ieee_rounding=True), -FP8_LIMIT, FP8_LIMIT))
+        qc = _round_e4m3(tl.clamp(tl.math.div_rn(x, cand), -FP8_LIMIT, FP8_LIMIT))
         misses = tl.where(mask & (_round_bf16(qc * cand) != _round_bf16(x)), 1, 0)
         misses = tl.sum(tl.sum(misses, axis=1), axis=0)
         s = tl.where(misses == 0, cand, s)
-    q = _round_e4m3(tl.clamp(tl.fdiv(x, s, ieee_rounding=True), -FP8_LIMIT, FP8_LIMIT))
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -FP8_LIMIT, FP8_LIMIT))
     q = q.to(tl.float8e4nv)
     tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q, mask=mask)
     tl.store(s_ptr + pid, s)
+
+
+#: Warps per block program: which is fastest depends on the GPU and the block's registers, and
+#: every choice computes the same bytes, so the first launch per block shape times them.
+_WARPS = (2, 4, 8, 16)
+_tuned = triton.autotune(
+    [triton.Config({}, num_warps=w) for w in _WARPS],
+    key=["BO_P", "BI_P", "HAS_CANDIDATE", "SCALE_BF16"],
+)(_quantize_blocks)
 
 
 def quantize_blocks(
@@ -126,7 +139,11 @@ def quantize_blocks(
         candidate = candidate.contiguous()
     bo_p, bi_p = triton.next_power_of_2(bo), triton.next_power_of_2(bi)
     tile = bo_p * bi_p
-    _quantize_blocks[(nrb * ncb,)](
+    # Triton's interpreter (the CPU tests) has no timer to tune with: one fixed launch there.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    kernel = _quantize_blocks if interpreted else _tuned
+    launch = {"num_warps": 8 if tile >= 8192 else (4 if tile >= 2048 else 1)} if interpreted else {}
+    kernel[(nrb * ncb,)](
         w,
         q,
         s,
@@ -142,6 +159,6 @@ def quantize_blocks(
         BI_P=bi_p,
         HAS_CANDIDATE=candidate is not None,
         SCALE_BF16=scale_dtype == torch.bfloat16,
-        num_warps=8 if tile >= 8192 else (4 if tile >= 2048 else 1),
+        **launch,
     )
     return q, s

@@ -326,6 +326,7 @@ class _ExportState:
     indices: dict
     views: dict = field(default_factory=dict)
     device_scales: dict = field(default_factory=dict)
+    specs: dict = field(default_factory=dict)
 
     def valid(self) -> bool:
         return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.ptrs, strict=True))
@@ -449,7 +450,9 @@ def iter_hf_weights(
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = _export_state(chunks, conversion, group, world, rank)
     plan, key_shapes, pieces, local = state.plan, state.key_shapes, state.pieces, state.local
-    specs = fp8_specs(plan, quantize, conversion, source_dtypes or {})
+    if quantize not in state.specs:  # one regex pass over the names per mode, not per call
+        state.specs[quantize] = fp8_specs(plan, quantize, conversion, source_dtypes or {})
+    specs = state.specs[quantize]
     quantizer = BucketQuantizer(parse_size(bucket_size)) if specs else None
     scales = getattr(chunks[0], "hf_fp8_scales", None) or {}
     where = str(device)

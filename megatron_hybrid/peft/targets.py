@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_hybrid.checkpointing.finite import collective_device
 from megatron_hybrid.hf.plan import FusedExperts, Plan
 from megatron_hybrid.modules.hybrid_stack import HybridStack
 from megatron_hybrid.peft.config import ALL_LINEAR, MEGATRON_TARGETS, LoRAConfig, LoRAConfigError
@@ -243,7 +244,11 @@ def select_pieces(candidates: list[Candidate], config: LoRAConfig, group=None) -
             hits[len(config.targets) + j] += len(pieces)
             cand.active -= pieces
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(hits, group=group)
+        # NCCL reduces only CUDA tensors.
+        device = collective_device(group)
+        reduced = hits.to(device)
+        torch.distributed.all_reduce(reduced, group=group)
+        hits = reduced.cpu()
     missing = [name for name, count in zip(names, hits.tolist(), strict=True) if not count]
     if missing:
         leaves = sorted(index.by_leaf)

@@ -19,7 +19,9 @@ fla's other float32 dots IEEE; the solve kernel's TTIR for this GPU must ask for
 Cauchy-Schwarz bound of the ``dg`` and ``g`` its kernel had, else the gates reach the kernel
 wrongly), and each path's ``dg`` must be within its precision's bound: IEEE float32 fla within
 ``max(1e-3, 8 x`` the float32 torch path's own ``dg`` error ``)``, bf16 fla within 8x the bf16
-torch path's ``dg`` error + 1e-2.
+torch path's ``dg`` error + 1e-2, and the bf16 torch path within 5e-2 + twice the float32 torch
+rule's own ``dg`` error against float64 (the reference's rule and the bf16 run's, both float32,
+each cancel that much at strong decays).
 
 The float32 model's GatedDeltaNet calls are replayed rule by rule (same inputs and output
 gradients) against a float64 step-by-step recurrence: megatron's torch rule, fla in IEEE float32,
@@ -382,7 +384,12 @@ def test_gated_delta_net_group_forward_backward(world):
                 for run, ref in zip(gates[path], gates["float32"], strict=True)]  # fmt: skip
 
     layers = len(gates["float32"])
-    reports = {"torch bf16": (gate_check("torch", 2**-7), [5e-2] * layers)}
+    # The float32 reference's own dg carries its rule's float32 cancellation error (the replays
+    # measure it against float64: 7.7e-2 at a strongly decaying layer on one H100), and the bf16
+    # run's rule, also float32, carries as much again: both add to what bf16 rounding explains.
+    torch_bounds = ([5e-2 + 2 * e["torch float32"]["g"] for e in errors] if errors
+                    else [5e-2] * layers)  # fmt: skip
+    reports = {"torch bf16": (gate_check("torch", 2**-7), torch_bounds)}
     torch_dg = max(r.dg_error for r in reports["torch bf16"][0])
     for path, name in (("fla", "fla bf16"), ("fla ieee", "fla bf16 ieee")):
         if path in gates:

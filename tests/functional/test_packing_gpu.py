@@ -132,7 +132,8 @@ def test_packed_equals_separate_with_gpu_kernels(world, backend):
             rows.append((name, pattern, f"{worst:.2e}", f"{bound:.2e}", f"{control:.2e}"))
             if not worst <= bound:
                 failures.append(f"{name} {pattern}: packed error {worst:.2e} > {bound:.2e}")
-            if not control >= 10 * bound:
+            # The deliberate leak must fail this very bound, clearly (bf16's floor is 2e-2).
+            if not control >= 2 * bound:
                 failures.append(f"{name} {pattern}: the leaking control moved only {control:.2e}")
     dtype = "bf16" if backend == "te" else "float32"
     report(f"packed == separate, {backend} backend, {dtype}, Mamba {_mamba_path()}, "
