@@ -38,6 +38,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -250,7 +251,12 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
     from megatron_hybrid.testing.overlap import run_schedule
 
     pattern = f"{PATTERNS[name]}{{{shape.layers}}}"
-    deterministic = gdn_deterministic(args)
+    # deterministic_mode selects megatron's torch GatedDeltaNet; other patterns run without it.
+    deterministic = "G" in PATTERNS[name] and gdn_deterministic(args)
+    if deterministic and impl in ("te", "gpt-te"):
+        # megatron's TE attention refuses deterministic_mode unless TE's attention is told to
+        # pick deterministic algorithms too (megatron.core.extensions.transformer_engine).
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     config = build_config(shape, pattern, impl, deterministic)
     pg = initialize_model_parallel(seed=1234)
     compiled_before = dict(COMPILE_SECONDS)

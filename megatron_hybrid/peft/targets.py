@@ -159,13 +159,16 @@ def find_candidates(chunks: list, sharded: list[dict], plan: Plan | None) -> lis
     found = []
     for index, (chunk, state) in enumerate(zip(chunks, sharded, strict=True)):
         symbols = _physical_layers(chunk)
+        linears = []
         for path, name, symbol, module in _walk(chunk, "", "", symbols):
             if name not in MEGATRON_TARGETS:
                 continue
             info = linear_info(module)
-            if info is None:
-                continue
-            entries = weight_entries(state, info.weights)
+            if info is not None:
+                linears.append((path, name, symbol, module, info))
+        # One walk of the sharded state dict per chunk (a 256-expert model has ~20k linears).
+        entries = weight_entries(state, [w for *_, info in linears for w in info.weights])
+        for path, name, symbol, module, info in linears:
             weights = []
             for weight in info.weights:
                 entry = entries.get(id(weight))

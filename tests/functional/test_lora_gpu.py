@@ -14,6 +14,8 @@ skip with the reason where TransformerEngine is not installed.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import ON_CPU, device_inputs, exact_float32, report
@@ -79,6 +81,10 @@ def test_te_lora_equals_local_math(world, shared_dir):
         local = apply_lora(_model(config, pg, "local", device), lora)
         _randomise_adapters(local)
         te = _model(config, pg, "te", device)
+        # dist_checkpointing.save writes into an existing, empty folder.
+        for sub in ("base", "adapters"):
+            os.makedirs(f"{shared_dir}/{sub}", exist_ok=True)
+        torch.distributed.barrier()
         dist_checkpointing.save(local.sharded_state_dict(), f"{shared_dir}/base")
         state = dist_checkpointing.load(te.sharded_state_dict(), f"{shared_dir}/base")
         missing, unexpected = te.load_state_dict(state, strict=False)
