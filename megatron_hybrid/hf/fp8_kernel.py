@@ -4,8 +4,8 @@ The torch reference (:func:`megatron_hybrid.hf.fp8.quantize_reference`) makes ab
 over a weight (float32 copy, padding, abs, amax, division, clamp, cast, and the candidate check
 again); this kernel reads each ``bo x bi`` block once, keeps it in registers and writes its FP8
 bytes and its scale, computing bit for bit what the reference computes: IEEE division
-(``tl.math.div_rn``: Triton's ``/`` is ``div.full.f32``, within 2 ulp, and Triton 3.6's ``tl.fdiv``
-ignores ``ieee_rounding``), round-to-nearest-even casts, the same
+(``tl.math.div_rn``: Triton's ``/`` is not correctly rounded, and on an H100 with Triton
+3.6 ``tl.fdiv(..., ieee_rounding=True)`` was not either), round-to-nearest-even casts, the same
 all-zero-block and candidate-scale rules. Blocks of any size (powers of two or not) and partial
 edge blocks are masked. Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the same
 kernel runs on CPU tensors in Triton's interpreter, which is how the unit tests check it against
