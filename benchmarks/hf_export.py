@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from recording import recorded_command
 
 PRESETS = {
     "qwen35moe-3b": dict(
@@ -140,15 +141,6 @@ def profile_lines(found: dict) -> list[str]:
     return lines
 
 
-def _command(argv: list[str]) -> str:
-    """The command line, without the machine's output folder."""
-    shown = list(argv)
-    for i, arg in enumerate(shown[:-1]):
-        if arg == "--out":
-            shown[i + 1] = "benchmarks/results"
-    return " ".join(["python benchmarks/hf_export.py", *shown])
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen35moe-3b")
@@ -202,7 +194,7 @@ def main(argv=None) -> int:
     result = dict(
         benchmark="hf_export",
         date=datetime.date.today().isoformat(),
-        command=_command(argv if argv is not None else sys.argv[1:]),
+        command=recorded_command("hf_export.py", argv if argv is not None else sys.argv[1:]),
         device=name,
         preset=args.preset,
         parameters=params,

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from recording import recorded_command
 
 _COMMON = dict(
     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
@@ -283,14 +284,6 @@ def _run_worker(part: str, argv: list[str], timeout: float) -> dict:
     raise RuntimeError(f"worker {part} failed (exit {done.returncode}):\n{tail}")
 
 
-def _command(argv: list[str]) -> str:
-    shown = list(argv)
-    for i, arg in enumerate(shown[:-1]):
-        if arg == "--out":
-            shown[i + 1] = "benchmarks/results"
-    return " ".join(["python benchmarks/lora.py", *shown])
-
-
 def _table(result: dict) -> str:
     full, lora, sync = result["full"], result["lora"], result["sync"]
     gib = 2**30
@@ -368,7 +361,7 @@ def main(argv=None) -> int:
     result = dict(
         benchmark="lora",
         date=datetime.date.today().isoformat(),
-        command=_command(argv),
+        command=recorded_command("lora.py", argv),
         device=torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
         preset=args.preset,
         rank=args.rank,

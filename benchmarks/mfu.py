@@ -46,6 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from recording import recorded_command
 from trace_summary import kernel_breakdown, summarize_trace
 
 CUDA = torch.cuda.is_available()
@@ -443,15 +444,6 @@ def parse_runs(parser, values: list[str] | None, te: bool) -> list[tuple[str, st
     return runs
 
 
-def _command(argv: list[str]) -> str:
-    """The command line as recorded, the machine's output folder written as the repository's."""
-    shown = list(argv)
-    for i, arg in enumerate(shown[:-1]):
-        if arg == "--out":
-            shown[i + 1] = "benchmarks/results"
-    return " ".join(["python benchmarks/mfu.py", *shown])
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -515,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         device=torch.cuda.get_device_name() if CUDA else "CPU",
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        command=_command(sys.argv[1:] if argv is None else argv),
+        command=recorded_command("mfu.py", sys.argv[1:] if argv is None else argv),
         peak_tflops=peak / 1e12,
         peak_source=peak_source,
         shape={"name": args.shape, **SHAPES[args.shape]},

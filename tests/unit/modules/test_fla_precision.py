@@ -82,32 +82,16 @@ def test_bad_precision_and_unknown_fla_are_named(monkeypatch):
 
 
 _AUDIT = textwrap.dedent("""
-    import builtins, collections, contextlib, json, sys
+    import collections, contextlib, json, sys
     import numpy as np
     import triton.language as tl
-    import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
     from triton._C.libtriton import ir
+    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
 
-    # One autotune config, and loop counters with .to() (as in test_gdn_gates.py).
-    init = autotuner.Autotuner.__init__
-    autotuner.Autotuner.__init__ = lambda self, fn, names, configs, *a, **k: init(
-        self, fn, names, configs[:1], *a, **k)
-
-    class Counter(int):
-        def to(self, dtype, *args, **kwargs):
-            return tl.full((), int(self), dtype)
-
-    def counting_range(*args):
-        return (Counter(i) for i in builtins.range(*(int(a) for a in args)))
-
+    one_autotune_config()
     running = [None]
-    call = interpreter.GridExecutor.__call__
-    def patched(self, *args, **kwargs):
-        self.fn.__globals__["range"] = counting_range
-        running[0] = self.fn.__name__
-        return call(self, *args, **kwargs)
-    interpreter.GridExecutor.__call__ = patched
+    counting_ranges(lambda name: running.__setitem__(0, name))
 
     # Every float32 dot by kernel and precision; TF32 operands truncated as the GPU reads them.
     dots = collections.Counter()

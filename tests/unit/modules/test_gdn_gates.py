@@ -167,29 +167,11 @@ def test_layer_decay_is_float32_in_a_bf16_model(pg):
 
 
 _FLA_UNDER_INTERPRETER = textwrap.dedent("""
-    import builtins, sys
-    import triton.language as tl
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interpreter
+    import sys
+    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
 
-    # The interpreter runs one config (it cannot benchmark) and gives fla's kernels loop
-    # counters with .to(), as compiled Triton does.
-    init = autotuner.Autotuner.__init__
-    autotuner.Autotuner.__init__ = lambda self, fn, names, configs, *a, **k: init(
-        self, fn, names, configs[:1], *a, **k)
-
-    class Counter(int):
-        def to(self, dtype, *args, **kwargs):
-            return tl.full((), int(self), dtype)
-
-    def counting_range(*args):
-        return (Counter(i) for i in builtins.range(*(int(a) for a in args)))
-
-    call = interpreter.GridExecutor.__call__
-    def patched(self, *args, **kwargs):
-        self.fn.__globals__["range"] = counting_range
-        return call(self, *args, **kwargs)
-    interpreter.GridExecutor.__call__ = patched
+    one_autotune_config()
+    counting_ranges()
 
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
