@@ -22,7 +22,12 @@ from megatron_hybrid.hf.config import (
     dtype_name,
     family_named,
 )
-from megatron_hybrid.hf.fp8 import SCALE_SUFFIX, DequantizingReader, recipe_config
+from megatron_hybrid.hf.fp8 import (
+    SCALE_SUFFIX,
+    DequantizingReader,
+    dequantize_tensors,
+    recipe_config,
+)
 from megatron_hybrid.hf.io import CONFIG_FILE, HFCheckpoint, HFCheckpointWriter
 from megatron_hybrid.hf.plan import Plan, PlanReport, build_plan, check_plan
 from megatron_hybrid.hf.weights import (
@@ -366,7 +371,9 @@ def save_hf_checkpoint(
     Call on every rank; rank 0 writes. Tensors stream through :func:`iter_hf_weights`, so no
     rank holds the whole model. Tokenizer and generation files of the source folder are copied.
     The tensors of declared parts the model does not compute (a multimodal checkpoint's vision
-    tower, ``hf_carried``) are written back as they came, and then config.json is the source's
+    tower, ``hf_carried``) are written back as they came (with ``quantize`` other than
+    ``"source"``, an FP8 one dequantized to ``dtype``, the recipes keeping them unquantized), and
+    then config.json is the source's
     whole (its ``architectures`` and ``vision_config``), so transformers loads the class the
     model started from.
 
@@ -415,6 +422,12 @@ def save_hf_checkpoint(
     if writer is None:
         return None
     carried = getattr(chunks[0], "hf_carried", None) or {}
+    if quantize != "source" and conversion.quantization is not None:
+        # The releases keep the vision tower unquantized, and a folder without FP8 (or with the
+        # recipe's blocks) must hold no FP8 weight in the source's blocks: carried FP8 weights
+        # are written dequantized.
+        block = conversion.quantization.block
+        carried = dequantize_tensors(carried, block, dtype or conversion.dtype)
     for name, tensor in carried.items():
         writer.add(name, tensor)
         if tensor.dim() == 2:

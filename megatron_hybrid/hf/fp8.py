@@ -37,6 +37,7 @@ __all__ = [
     "UnsupportedQuantizationError",
     "block_fp8_format",
     "dequantize",
+    "dequantize_tensors",
     "module_matches",
     "quantize_reference",
     "recipe_config",
@@ -231,6 +232,23 @@ def dequantize(
     rows = torch.arange(offset[0], offset[0] + q.shape[0]) // block[0] - offset[0] // block[0]
     cols = torch.arange(offset[1], offset[1] + q.shape[1]) // block[1] - offset[1] // block[1]
     return q.float() * s.float()[rows][:, cols]
+
+
+def dequantize_tensors(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with every FP8 weight that has its scale among them dequantized
+    (``q.float() * s``, cast to ``dtype``) and its scale dropped; the rest as they are, in order.
+    """
+    fp8 = {n for n, t in tensors.items() if t.dtype == FP8_DTYPE and n + SCALE_SUFFIX in tensors}
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in fp8:
+            continue
+        if name in fp8:
+            tensor = dequantize(tensor, tensors[name + SCALE_SUFFIX], block).to(dtype)
+        out[name] = tensor
+    return out
 
 
 class DequantizingReader:

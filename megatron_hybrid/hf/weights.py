@@ -129,7 +129,15 @@ def carried_names(source, conversion: HFConversion) -> list[str]:
     """The folder's tensors under the parts its config declares but the model does not compute
     (a multimodal Qwen3.5's vision tower): carried through untouched."""
     prefixes = family_named(conversion.family).carried_prefixes(conversion.config_json)
-    return [name for name in source.names() if prefixes and name.startswith(prefixes)]
+    carried = [name for name in source.names() if prefixes and name.startswith(prefixes)]
+    if carried:
+        # Carried FP8 weights are written dequantized by quantize="none" / "fp8": their layout
+        # (scale present, of the right shape, a quantization_config) is checked as the model's.
+        keep = set(carried)
+        DequantizingReader(
+            source, conversion.quantization, skip=[n for n in source.names() if n not in keep]
+        )
+    return carried
 
 
 def _global_rank() -> int:

@@ -257,3 +257,52 @@ def test_merged_lora_then_fp8(hf_folders, pg):
             quantized += not torch.equal(tensor, base[name])
     assert quantized > 10  # merged weights (not the base) went through the quantizer
     assert all(_same(t, base[n]) for n, t in iter_hf_weights(model, quantize="none"))
+
+
+@pytest.fixture(scope="module")
+def fp8_vlm_folder(vlm_folder, tmp_path_factory):
+    """The multimodal folder in FP8, its vision tower's linears FP8 too (16 x 24 blocks)."""
+    return fp8_oracle.make_fp8_folder(vlm_folder, tmp_path_factory.mktemp("fp8_vlm") / "vlm")
+
+
+def test_carried_fp8_weights_are_dequantized_when_the_export_is_not_the_source(
+    fp8_vlm_folder, tmp_path, pg
+):
+    """A carried FP8 weight goes back as it came with ``quantize="source"``; with ``"none"``
+    and ``"fp8"`` (whose releases keep the vision tower unquantized) it is written dequantized
+    and its scale dropped, so that no FP8 weight in the source's 16 x 24 blocks is left in a
+    folder that declares none, or 128 x 128 ones."""
+    disk = hf_oracle.read_tensors(fp8_vlm_folder)
+    visual = [n for n, t in disk.items() if n.startswith("model.visual.") and t.dtype == FP8]
+    assert len(visual) > 5
+    model = load_hf_model(fp8_vlm_folder, params_dtype=torch.float32)
+    source = hf_oracle.read_tensors(save_hf_checkpoint(model, tmp_path / "source"))
+    assert [n for n in disk if not _same(source[n], disk[n])] == [] and set(source) == set(disk)
+    for mode in ("none", "fp8"):
+        out = save_hf_checkpoint(model, tmp_path / mode, quantize=mode)
+        written = hf_oracle.read_tensors(out)
+        for name in visual:
+            expected = fp8_oracle.dequantize_loop(disk[name], disk[name + "_scale_inv"], (16, 24))
+            assert _same(written[name], expected), (mode, name)
+            assert name + "_scale_inv" not in written, (mode, name)
+        config = json.loads((out / "config.json").read_text())
+        if mode == "fp8":
+            kept = config["quantization_config"]["modules_to_not_convert"]
+            assert {n.removesuffix(".weight") for n in visual} <= set(kept)
+        conversion, report = dry_run(out)
+        assert report.ok, (mode, report.lines())
+
+
+def test_carried_fp8_weight_without_its_scale_is_refused(fp8_vlm_folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(fp8_vlm_folder, tmp_path / "broken")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = "model.visual.blocks.0.attn.qkv.weight_scale_inv"
+    file = folder / index["weight_map"].pop(name)
+    tensors = load_file(file)
+    del tensors[name]
+    save_file(tensors, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.visual.blocks.0.attn.qkv.weight is FP8 but"):
+        dry_run(folder)
