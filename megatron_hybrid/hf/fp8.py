@@ -373,8 +373,10 @@ def quantize_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-scaled FP8 of a 2-D weight in torch ops: the reference of the fused kernel.
 
-    Per ``bo x bi`` block (edge blocks partial): ``s = amax / 448`` in float32 (1 for an
-    all-zero block), rounded to ``scale_dtype``, and ``q = clamp(w / s, -448, 448)`` cast to
+    Per ``bo x bi`` block (edge blocks partial): ``s = amax / 448`` in float32, rounded to
+    ``scale_dtype`` (1 where that is 0: an all-zero block, or one below the dtype's range; NaN
+    or infinite for a block holding a NaN or an infinity, whose ``q`` is then 0 and which
+    dequantizes to NaN whole), and ``q = clamp(w / s, -448, 448)`` cast to
     ``float8_e4m3fn`` (round to nearest even). With ``candidate`` scales (a block's scale in
     the source checkpoint), a block whose values are still FP8 multiples of its candidate to
     bfloat16 precision (``bf16(q * c) == bf16(w)``) keeps it, so an unchanged weight gives back
@@ -392,13 +394,19 @@ def quantize_reference(
     amax = x.abs().amax(dim=(1, 3))
     # A tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-number divisor
     # (``div_true_kernel_cuda``), which is not IEEE division and differs from the CPU's.
-    s = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    s = s.to(scale_dtype).float()
+    s = (amax / torch.full_like(amax, FP8_MAX)).to(scale_dtype).float()
+    # An all-zero block, or one whose scale is below the stored dtype's range (0 / 0 would make
+    # its zeros NaN): 1, its values FP8 zeros either way. A NaN or an infinity gives a NaN or
+    # infinite scale (the weight's fault shows in its scale, not as finite garbage).
+    s = torch.where(s == 0, torch.ones_like(s), s)
     if candidate is not None:
         c = candidate.float()
         qc = (x / c[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         back = (qc.float() * c[:, None, :, None]).to(torch.bfloat16)
         exact = (back == x.to(torch.bfloat16)).all(dim=3).all(dim=1)
         s = torch.where(exact, c, s)
-    q = (x / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    v = x / s[:, None, :, None]
+    # NaN (the values of a block with a NaN or infinite scale) is written as 0: the scale
+    # carries the fault, and the bytes do not depend on how a cast treats NaN.
+    q = torch.where(v == v, v, torch.zeros_like(v)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nrb * bo, ncb * bi)[:rows, :cols].contiguous(), s

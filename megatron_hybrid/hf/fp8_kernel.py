@@ -6,10 +6,10 @@ again); this kernel reads each ``bo x bi`` block once, keeps it in registers and
 bytes and its scale, computing bit for bit what the reference computes: IEEE division
 (``tl.math.div_rn``: Triton's ``/`` is not correctly rounded, and on an H100 with Triton
 3.6 ``tl.fdiv(..., ieee_rounding=True)`` was not either), round-to-nearest-even casts, the same
-all-zero-block and candidate-scale rules. Blocks of any size (powers of two or not) and partial
-edge blocks are masked. Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the same
-kernel runs on CPU tensors in Triton's interpreter, which is how the unit tests check it against
-the reference without a GPU.
+all-zero-block, non-finite and candidate-scale rules. Blocks of any size (powers of two or
+not) and partial edge blocks are masked. Under ``TRITON_INTERPRET=1`` (set before Triton is
+imported) the same kernel runs on CPU tensors in Triton's interpreter, which is how the unit
+tests check it against the reference without a GPU.
 """
 
 from __future__ import annotations
@@ -81,16 +81,23 @@ def _quantize_blocks(
     w = tl.load(w_ptr + r[:, None].to(tl.int64) * stride_w + c[None, :], mask=mask, other=0.0)
     x = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_LIMIT), 1.0)
+    # tl.max drops NaN on a GPU (max.f32): counted apart, so that a block holding one gets a
+    # NaN scale, as the reference's amax does.
+    nans = tl.sum(tl.sum(tl.where(x != x, 1, 0), axis=1), axis=0)
+    s = tl.math.div_rn(amax, FP8_LIMIT)
     if SCALE_BF16:
         s = _round_bf16(s)
+    s = tl.where(s == 0.0, 1.0, s)
+    s = tl.where(nans > 0, float("nan"), s)
     if HAS_CANDIDATE:
         cand = tl.load(c_ptr + pid).to(tl.float32)
         qc = _round_e4m3(tl.clamp(tl.math.div_rn(x, cand), -FP8_LIMIT, FP8_LIMIT))
         misses = tl.where(mask & (_round_bf16(qc * cand) != _round_bf16(x)), 1, 0)
         misses = tl.sum(tl.sum(misses, axis=1), axis=0)
         s = tl.where(misses == 0, cand, s)
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, s), -FP8_LIMIT, FP8_LIMIT))
+    v = tl.math.div_rn(x, s)
+    # NaN (a non-finite block's values) is written as 0: the block's scale carries the fault.
+    q = _round_e4m3(tl.clamp(tl.where(v == v, v, 0.0), -FP8_LIMIT, FP8_LIMIT))
     q = q.to(tl.float8e4nv)
     tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], q, mask=mask)
     tl.store(s_ptr + pid, s)

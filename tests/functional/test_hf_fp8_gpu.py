@@ -97,6 +97,19 @@ def test_kernel_matches_reference(dtype, world):
                 q_bug, _ = quantize_reference(w, block[::-1], scale_dtype=scale_dtype)
                 assert not _same(q_bug, q)
             rows.append((shape, block, str(scale_dtype).split(".")[-1], "bitwise"))
+    # Non-finite values: a NaN block gets a NaN scale, an infinite one an infinite scale (their
+    # bytes 0), an underflowing scale is 1.
+    w = _weights(generator, (32, 48), dtype, device)
+    w[3, 4], w[20, 30], w[:16, 24:] = float("nan"), float("inf"), 0
+    w[5, 30] = 1e-44 if dtype == torch.float32 else 0
+    for scale_dtype in (torch.float32, torch.bfloat16):
+        q, s = quantize(w, (16, 24), scale_dtype=scale_dtype)
+        q_ref, s_ref = quantize_reference(w, (16, 24), scale_dtype=scale_dtype)
+        assert s[0, 0].isnan() and s[1, 1].isinf() and s[0, 1] == 1, s
+        assert _same(q, q_ref), scale_dtype  # bitwise: the faulty blocks hold (signed) zeros
+        assert torch.equal(s.isnan(), s_ref.isnan()), scale_dtype
+        assert torch.equal(s.nan_to_num(), s_ref.nan_to_num()), scale_dtype
+        rows.append(((32, 48), (16, 24), str(scale_dtype).split(".")[-1], "non-finite"))
     report(f"FP8 kernel vs torch reference ({str(dtype).split('.')[-1]})", rows)
 
 

@@ -85,6 +85,35 @@ def test_source_scales_give_the_source_bytes_back(dtype):
     assert _same(q3[:16], q[:16])  # other blocks keep theirs
 
 
+def _faulty(dtype=torch.float32) -> torch.Tensor:
+    """32 x 48 in 16 x 24 blocks: a NaN in block (0, 0), an infinity in (1, 1), block (0, 1)
+    zeros and one value so small that ``amax / 448`` is 0 in float32 (and in bfloat16), block
+    (1, 0) ordinary."""
+    w = _weights((32, 48), seed=5)
+    w[3, 4] = float("nan")
+    w[20, 30] = float("inf")
+    w[:16, 24:] = 0
+    w[5, 30] = 1e-44
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["s-fp32", "s-bf16"])
+def test_non_finite_weights_give_non_finite_scales(scale_dtype):
+    """A block holding a NaN gets a NaN scale, one holding an infinity an infinite one (the
+    fault shows, not finite garbage: before, a NaN block got the scale 1); a block whose scale
+    underflows gets 1 (before: 0, and its zeros became 0 / 0 = NaN)."""
+    w = _faulty()
+    q, s = quantize_reference(w, (16, 24), scale_dtype=scale_dtype)
+    assert s[0, 0].isnan() and s[1, 1].isinf() and s[0, 1] == 1
+    for block in (q[:16, :24], q[16:, 24:], q[:16, 24:]):  # the faulty blocks' values are 0
+        assert block.float().eq(0).all()
+    back = fp8_oracle.dequantize_loop(q, s, (16, 24))
+    assert back[:16, :24].isnan().all() and back[16:, 24:].isnan().all()
+    assert back[:16, 24:].eq(0).all()
+    q_loop, s_loop = fp8_oracle.quantize_blocks_loop(w[16:, :24], (16, 24), scale_dtype)
+    assert _same(q[16:, :24], q_loop) and _same(s[1:, :1].to(scale_dtype), s_loop)
+
+
 KERNEL_CHECK = """
 import torch
 from megatron_hybrid.hf.fp8 import quantize_reference
@@ -115,6 +144,16 @@ for shape, block in cases:
     control = torch.equal(wrong.view(torch.uint8), right.view(torch.uint8))
     if control and block[0] != block[1] and min(shape) > min(block):
         bad.append(("control did not differ", block))
+for sd in (torch.float32, torch.bfloat16):  # non-finite values: the same NaN / inf places
+    w = torch.randn(32, 48, generator=g)
+    w[3, 4], w[20, 30], w[:16, 24:] = float("nan"), float("inf"), 0
+    w[5, 30] = 1e-44
+    q, s = quantize_blocks(w, (16, 24), scale_dtype=sd)
+    qr, sr = quantize_reference(w, (16, 24), scale_dtype=sd)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    same_s = torch.equal(s.isnan(), sr.isnan()) and torch.equal(s.nan_to_num(), sr.nan_to_num())
+    if not (same(q, qr) and same_s and s[0, 0].isnan() and s[1, 1].isinf()):
+        bad.append(("non-finite", str(sd)))
 print("BAD", bad)
 """
 
