@@ -77,22 +77,40 @@ def _wrap(module, config, pg, ddp: str | None):
 
 
 def _train(pg, cls, dtype, ddp):
-    """Three micro-batches, as megatron's schedules run them; outputs, input and weight grads."""
+    """Two steps of three micro-batches each, as megatron's schedules run them (gradients
+    zeroed in between: DDP's buffer, or ``.grad`` in place); the second step's outputs, input
+    and weight grads (the first step's again: the same batches)."""
     import contextlib
 
     config = _config()
     module = _experts(pg, cls, config, dtype)
     model = _wrap(module, config, pg, ddp)
-    outputs = []
-    for index, counts in enumerate(COUNTS):
-        last = index == len(COUNTS) - 1
-        sync = contextlib.nullcontext() if ddp is None or last else model.no_sync()
-        with sync:
-            outputs.append(_micro_batch(model, counts, seed=index, dtype=dtype))
-    if ddp is not None:
-        model.finish_grad_sync()
+    for _ in range(2):
+        if ddp is None:
+            module.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad_buffer()
+        outputs = []
+        for index, counts in enumerate(COUNTS):
+            last = index == len(COUNTS) - 1
+            sync = contextlib.nullcontext() if ddp is None or last else model.no_sync()
+            with sync:
+                outputs.append(_micro_batch(model, counts, seed=index, dtype=dtype))
+        if ddp is not None:
+            model.finish_grad_sync()
     grads = {n: (p.main_grad if ddp else p.grad) for n, p in module.named_parameters()}
+    module.ready_counts = _ready_counts(model) if ddp == "overlap" else None
     return module, outputs, grads
+
+
+def _ready_counts(model) -> dict[str, int]:
+    """How often DDP's hook registered each parameter's gradient as ready in the last
+    micro-batch (what starts the overlapped reduction of its bucket)."""
+    names = {p: n for n, p in model.module.named_parameters()}
+    counts = {}
+    for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+        counts.update({names[p]: c for p, c in group.per_param_grad_ready_counts.items()})
+    return counts
 
 
 DDP = [
@@ -132,6 +150,9 @@ def test_accumulated_gradients_equal_sequential_mlp(pg, ddp, dtype, tol):
     else:
         for weights in linears:
             assert all(w.grad is None and w.grad_added_to_main_grad for w in weights)
+    if ddp == "overlap":
+        # Every weight reported ready once, as with the reference (else no overlapped reduce).
+        assert fast.ready_counts == dict.fromkeys(fast_grads, 1)
 
 
 def _backward_adds(module, counts, dtype) -> int:
@@ -173,6 +194,19 @@ def test_wrong_expert_accumulation_is_caught(pg, monkeypatch):
     _, _, fast = _train(pg, GroupedGemmExperts, torch.float32, "ddp")
     _, _, ref = _train(pg, SequentialMLP, torch.float32, "ddp")
     assert max(rel_error(fast[n], ref[n]) for n in ref if "experts.1." not in n) > 0.1
+
+
+def test_missing_placeholders_are_caught(pg, monkeypatch):
+    """Negative control: gradients added to main_grad without a placeholder for DDP's hooks
+    (which then see no gradient) are refused under overlap_grad_reduce."""
+    from megatron_hybrid.modules.fast import grouped_linear
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    right = grouped_linear._into_main_grads
+    monkeypatch.setattr(grouped_linear, "_into_main_grads",
+                        lambda w, m, g: [None for _ in right(w, m, g)])  # fmt: skip
+    with pytest.raises(AssertionError, match="param.grad being None"):
+        _train(pg, GroupedGemmExperts, torch.float32, "overlap")
 
 
 def test_frozen_weights_get_no_weight_gradient_gemm(pg):
