@@ -224,6 +224,55 @@ def test_frozen_weights_get_no_weight_gradient_gemm(pg):
     assert dx is not None and all(p.grad is None for p in module.parameters())
 
 
+def _saved_stacks(weights, rows=12):
+    """``[E, out, in]`` tensors the grouped linear saves for its backward, and the backward's
+    input and weight gradients."""
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randn(rows, weights[0].shape[1], generator=gen).requires_grad_()
+    offsets = torch.tensor([3, 3, 8, rows], dtype=torch.int32)
+    saved = []
+
+    def pack(tensor):
+        if tensor.dim() == 3:
+            saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = grouped_linear(tokens, offsets, weights)
+    out.backward(torch.randn(out.shape, generator=gen))
+    return saved, tokens.grad, [w.grad for w in weights]
+
+
+def test_weight_copies_are_not_kept_for_the_backward():
+    """Separate expert weights: the stack (a copy) is made again in the backward, not saved
+    (it would hold a second copy of every expert weight until then); evenly spaced weights
+    (negative control of the detection): the view is saved. Gradients equal either way."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(4, 8, 12, generator=gen)
+    separate = [w.clone().requires_grad_() for w in stack]
+    spaced = stack.clone().requires_grad_()
+    views = list(spaced.unbind(0))
+    copies, dx, dw = _saved_stacks(separate)
+    saved, view_dx, _ = _saved_stacks(views)
+    assert copies == []
+    assert len(saved) == 1 and saved[0].data_ptr() == spaced.data_ptr()
+    assert torch.allclose(dx, view_dx) and torch.allclose(torch.stack(dw), spaced.grad)
+
+
+def test_weights_changed_before_the_backward_are_refused():
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    weights = [torch.randn(8, 12).requires_grad_() for _ in range(4)]
+    tokens = torch.randn(12, 12, requires_grad=True)
+    out = grouped_linear(tokens, torch.tensor([3, 3, 8, 12], dtype=torch.int32), weights)
+    with torch.no_grad():
+        weights[2].mul_(2)
+    with pytest.raises(RuntimeError, match="expert 2.s weight .* modified in place"):
+        out.sum().backward()
+
+
 def test_stacked_view_only_where_one_view_covers_the_tensors():
     from megatron_hybrid.modules.fast.grouped_add import stacked_view
 
