@@ -19,9 +19,13 @@ the weight gradient itself:
   (:func:`~megatron_hybrid.modules.fast.grouped_add.grouped_add_`);
 * **plain autograd**: the first micro-batch's stacked gradient becomes the experts' ``.grad``
   (each a view of it); later micro-batches add into that stack with one kernel and hand the
-  same views back, so autograd's accumulator (and any hook on it) still sees every expert's
-  gradient, with nothing left to add. Gradients that are not such views (set elsewhere) get
-  autograd's own per-expert accumulation.
+  same views back, so autograd's accumulator (and any post-accumulate hook) still sees every
+  expert's gradient, with nothing left to add. Gradients that are not such views (set
+  elsewhere), weights with a gradient hook (it must see the micro-batch's gradient, not the
+  sum) and passes that do not accumulate into ``.grad`` (``torch.autograd.grad``,
+  ``backward(inputs=...)`` without the weights) get autograd's own per-expert handling.
+  (The ``main_grad`` add above happens in any backward pass, as megatron's fused linear's
+  does: CUDA-graph capture records it through ``torch.autograd.grad``.)
 
 Weights that require no gradient (frozen under LoRA) get no weight-gradient GEMM. Weights that
 already lie evenly spaced in one storage are multiplied in place, without the stacking copy.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from megatron_hybrid.modules.fast.grouped_add import grouped_add_, stacked_view
 
@@ -160,6 +165,16 @@ def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor) -> list:
     return grads
 
 
+def _engine_accumulates(weights) -> bool:
+    """Whether this backward pass accumulates into every weight's ``.grad``: a
+    ``backward()`` whose ``inputs`` (if any) hold them, not ``torch.autograd.grad`` (which
+    must leave ``.grad`` alone) nor a ``backward(inputs=...)`` without them."""
+    try:
+        return all(torch._C._will_engine_execute_node(get_gradient_edge(w).node) for w in weights)
+    except RuntimeError:  # torch refuses the question for leaves under autograd.grad
+        return False
+
+
 def _into_grads(weights, grad_weight: torch.Tensor) -> list:
     """The gradients autograd should add to the weights' ``.grad`` (see the module doc)."""
     existing = [w.grad for w in weights]
@@ -168,6 +183,10 @@ def _into_grads(weights, grad_weight: torch.Tensor) -> list:
         # ``torch.autograd.grad`` and is replayed: no in-place use of ``.grad`` in the graph.
         return list(grad_weight.unbind(0))
     if any(g is None for g in existing) or existing[0].dtype != grad_weight.dtype:
+        return list(grad_weight.unbind(0))
+    if any(w._backward_hooks for w in weights) or not _engine_accumulates(weights):
+        # A hook on a weight must see this micro-batch's gradient, not the running sum; a
+        # pass that does not accumulate into .grad must not change it.
         return list(grad_weight.unbind(0))
     view = stacked_view(existing)
     if view is None or view.shape != grad_weight.shape:

@@ -273,6 +273,58 @@ def test_weights_changed_before_the_backward_are_refused():
         out.sum().backward()
 
 
+def _reference_linear(tokens, counts, weights):
+    parts = torch.split(tokens, counts)
+    return torch.cat([part @ w.t() for part, w in zip(parts, weights, strict=True)])
+
+
+def _two_passes(second: str, impl: str):
+    """One ``backward()`` (gradients in ``.grad``: for the grouped linear a stack of views),
+    then a second pass; ``(.grad after the first, .grad after the second, what the second
+    returned)``."""
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(8, 12, generator=gen).requires_grad_() for _ in range(4)]
+    tokens = torch.randn(12, 12, generator=gen).requires_grad_()
+    counts = [3, 0, 5, 4]
+    offsets = torch.tensor(counts).cumsum(0, dtype=torch.int32)
+
+    def run():
+        if impl == "reference":
+            return _reference_linear(tokens, counts, weights)
+        return grouped_linear(tokens, offsets, weights)
+
+    run().square().sum().backward()
+    first = [w.grad.clone() for w in weights]
+    loss = run().sum()
+    returned = []
+    if second == "autograd_grad":
+        returned = torch.autograd.grad(loss, weights)
+    elif second == "backward_inputs":
+        loss.backward(inputs=[tokens])
+    else:
+        for weight in weights:
+            weight.register_hook(lambda grad: 2 * grad)
+        loss.backward()
+    return first, [w.grad.clone() for w in weights], list(returned)
+
+
+@pytest.mark.parametrize("second", ["autograd_grad", "backward_inputs", "hooked"])
+def test_passes_that_do_not_accumulate_leave_grad_alone(second):
+    """``torch.autograd.grad`` and ``backward(inputs=[tokens])`` after a ``backward()`` leave
+    ``.grad`` as it was (the first returns this pass's gradients); a gradient hook on each
+    weight sees this pass's gradient, not the running sum: all as the per-expert reference."""
+    fast = _two_passes(second, "grouped")
+    ref = _two_passes(second, "reference")
+    for got, want in zip(fast, ref, strict=True):
+        assert len(got) == len(want)
+        for x, y in zip(got, want, strict=True):
+            assert torch.allclose(x, y, atol=1e-5), second
+    if second != "hooked":
+        assert all(torch.equal(x, y) for x, y in zip(fast[0], fast[1], strict=True))
+
+
 def test_stacked_view_only_where_one_view_covers_the_tensors():
     from megatron_hybrid.modules.fast.grouped_add import stacked_view
 
