@@ -354,6 +354,20 @@ def _scattered(dtype=torch.float32):
     return buffer, starts, dests
 
 
+def test_offset_tables_are_per_dtype():
+    """The same addresses read as another dtype are other element offsets (a cached table of
+    float32 offsets must not serve bfloat16 destinations)."""
+    from megatron_hybrid.modules.fast.grouped_add import _offsets
+
+    raw = torch.zeros(4000, dtype=torch.uint8)
+    starts = [3000, 2400, 800]  # bytes, a multiple of 4
+    wide = [raw[s : s + 64].view(torch.float32) for s in starts]
+    narrow = [raw[s : s + 64].view(torch.bfloat16) for s in starts]
+    assert [d.data_ptr() for d in wide] == [d.data_ptr() for d in narrow]
+    assert _offsets(wide, False).tolist() == [0, -150, -550]
+    assert _offsets(narrow, False).tolist() == [0, -300, -1100]
+
+
 def test_grouped_add_anywhere_in_memory():
     from megatron_hybrid.modules.fast.grouped_add import grouped_add_
 
