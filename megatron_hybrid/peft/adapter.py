@@ -228,28 +228,40 @@ def lora_grouped_linear(experts: torch.nn.Module, original):
     local expert's linear in one ``torch._grouped_mm`` over the stacked weights, without calling
     the expert linears, whose hooks then never run. This wrapper of that seam adds
     ``scale * B_e A_e x`` for each expert's rows with two grouped GEMMs of its own (the same
-    ``offsets``).
+    ``offsets``). Targets may adapt some local experts and not others (a module-path target
+    such as ``*.local_experts.0.linear_fc1``) or give them different ``A`` widths (different
+    pieces): each expert's factors are padded with zeros to one width, an expert without an
+    (enabled) adapter gets zero factors, so its rows get nothing added.
     """
 
     def grouped_linear(name: str, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         out = original(name, tokens, offsets)
         linears = [getattr(expert, name) for expert in experts.local_experts]
         found = [getattr(linear, "lora", None) for linear in linears]
-        if any(a is None for a in found) or not found[0].enabled:
+        present = [a for a in found if a is not None and a.enabled]
+        if not present:
             return out
-        adapter = found[0]
+        # One LoRAConfig: the same scale and dropout for every adapter.
+        adapter = present[0]
         x = tokens
         if adapter.dropout and adapter.training:
             x = _dropout(x, adapter.dropout, sharded=False)
-        factors = [a.grouped_factors() for a in found]
-        a = torch.stack([f[0] for f in factors]).to(x.dtype)
-        b = torch.stack([f[1] for f in factors]).to(x.dtype)
+        factors = [a.grouped_factors() if a in present else None for a in found]
+        width = max(f[0].shape[0] for f in factors if f is not None)
         # The grouped GEMM wants 16-byte strides: zero rows of A and columns of B pad the rank
         # (their products are zero).
-        pad = -a.shape[1] % (16 // x.element_size())
-        if pad:
-            a = torch.nn.functional.pad(a, (0, 0, 0, pad))
-            b = torch.nn.functional.pad(b, (0, pad))
+        width += -width % (16 // x.element_size())
+        a_rows, b_cols = [], []
+        for factor in factors:
+            if factor is None:
+                a_rows.append(x.new_zeros(width, x.shape[1]))
+                b_cols.append(x.new_zeros(out.shape[1], width))
+                continue
+            a, b = factor
+            pad = width - a.shape[0]
+            a_rows.append(torch.nn.functional.pad(a.to(x.dtype), (0, 0, 0, pad)))
+            b_cols.append(torch.nn.functional.pad(b.to(x.dtype), (0, pad)))
+        a, b = torch.stack(a_rows), torch.stack(b_cols)
         h = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)
         y = torch._grouped_mm(h, b.transpose(1, 2), offs=offsets)
         return out + adapter.scale * y.to(out.dtype)

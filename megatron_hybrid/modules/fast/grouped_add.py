@@ -85,7 +85,9 @@ def _offsets(destinations, capturing: bool) -> torch.Tensor | None:
     """The device table of element offsets of ``destinations`` from the first, or None."""
     first = destinations[0]
     size = first.element_size()
-    key = (first.device, *(d.data_ptr() for d in destinations))
+    # The element size is part of the key: the same addresses in another dtype are other
+    # element offsets.
+    key = (first.device, first.dtype, *(d.data_ptr() for d in destinations))
     table = _OFFSETS.get(key)
     if table is not None:
         _OFFSETS.move_to_end(key)

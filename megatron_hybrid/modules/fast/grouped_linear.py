@@ -19,12 +19,21 @@ the weight gradient itself:
   (:func:`~megatron_hybrid.modules.fast.grouped_add.grouped_add_`);
 * **plain autograd**: the first micro-batch's stacked gradient becomes the experts' ``.grad``
   (each a view of it); later micro-batches add into that stack with one kernel and hand the
-  same views back, so autograd's accumulator (and any hook on it) still sees every expert's
-  gradient, with nothing left to add. Gradients that are not such views (set elsewhere) get
-  autograd's own per-expert accumulation.
+  same views back, so autograd's accumulator (and any post-accumulate hook) still sees every
+  expert's gradient, with nothing left to add. Gradients that are not such views (set
+  elsewhere), weights with a gradient hook (it must see the micro-batch's gradient, not the
+  sum) and passes that do not accumulate into ``.grad`` (``torch.autograd.grad``,
+  ``backward(inputs=...)`` without the weights) get autograd's own per-expert handling.
+  (The ``main_grad`` add above happens in any backward pass, as megatron's fused linear's
+  does: CUDA-graph capture records it through ``torch.autograd.grad``.)
 
 Weights that require no gradient (frozen under LoRA) get no weight-gradient GEMM. Weights that
 already lie evenly spaced in one storage are multiplied in place, without the stacking copy.
+A stack that is a copy is not saved for the backward pass, which stacks the weights again (one
+more copy kernel per linear): saved, it would hold a second copy of every local expert weight
+from each forward to its backward, for every micro-batch in flight (all MoE layers at the end
+of a forward; times the in-flight micro-batches of a pipeline stage), where megatron's
+``SequentialMLP`` and TransformerEngine's grouped linear keep only the parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from megatron_hybrid.modules.fast.grouped_add import grouped_add_, stacked_view
 
@@ -86,7 +96,11 @@ class GroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, tokens: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor):
         stacked = stack_weights(weights)
         out = torch._grouped_mm(tokens, stacked.transpose(1, 2), offs=offsets)
-        ctx.save_for_backward(tokens, offsets, stacked)
+        # A view of the parameters is saved (autograd checks it was not changed in place); a
+        # copy is made again in the backward (see the module doc), with the same check.
+        view = stacked.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr()
+        ctx.save_for_backward(tokens, offsets, stacked if view else None)
+        ctx.versions = None if view else [w._version for w in weights]
         ctx.weights = weights
         # As megatron's linear: main_grad is read at forward (a module may be called again,
         # e.g. by an MTP depth, before this backward runs).
@@ -99,11 +113,14 @@ class GroupedLinearFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         tokens, offsets, stacked = ctx.saved_tensors
+        weights, wanted = ctx.weights, ctx.needs_input_grad[2:]
         grad_out = grad_out.contiguous()
         grad_tokens = None
         if ctx.needs_input_grad[0]:
+            if stacked is None:
+                _check_versions(weights, ctx.versions)
+                stacked = stack_weights(weights)
             grad_tokens = torch._grouped_mm(grad_out, stacked, offs=offsets)
-        weights, wanted = ctx.weights, ctx.needs_input_grad[2:]
         ctx.weights = None
         if not any(wanted):
             return (grad_tokens, None, *([None] * len(weights)))
@@ -118,6 +135,18 @@ class GroupedLinearFunction(torch.autograd.Function):
             grads = _into_grads(weights, grad_weight)
         grads = [g if want else None for g, want in zip(grads, wanted, strict=True)]
         return (grad_tokens, None, *grads)
+
+
+def _check_versions(weights, versions: list[int]) -> None:
+    """Autograd's check for a saved tensor, for weights that were not saved: the backward
+    needs the weights the forward multiplied."""
+    for index, (weight, version) in enumerate(zip(weights, versions, strict=True)):
+        if weight._version != version:
+            raise RuntimeError(
+                f"expert {index}'s weight (shape {tuple(weight.shape)}) was modified in place "
+                f"between the grouped linear's forward and backward (version {version} -> "
+                f"{weight._version}); its input gradient needs the weight the forward used"
+            )
 
 
 def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor) -> list:
@@ -136,6 +165,16 @@ def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor) -> list:
     return grads
 
 
+def _engine_accumulates(weights) -> bool:
+    """Whether this backward pass accumulates into every weight's ``.grad``: a
+    ``backward()`` whose ``inputs`` (if any) hold them, not ``torch.autograd.grad`` (which
+    must leave ``.grad`` alone) nor a ``backward(inputs=...)`` without them."""
+    try:
+        return all(torch._C._will_engine_execute_node(get_gradient_edge(w).node) for w in weights)
+    except RuntimeError:  # torch refuses the question for leaves under autograd.grad
+        return False
+
+
 def _into_grads(weights, grad_weight: torch.Tensor) -> list:
     """The gradients autograd should add to the weights' ``.grad`` (see the module doc)."""
     existing = [w.grad for w in weights]
@@ -144,6 +183,10 @@ def _into_grads(weights, grad_weight: torch.Tensor) -> list:
         # ``torch.autograd.grad`` and is replayed: no in-place use of ``.grad`` in the graph.
         return list(grad_weight.unbind(0))
     if any(g is None for g in existing) or existing[0].dtype != grad_weight.dtype:
+        return list(grad_weight.unbind(0))
+    if any(w._backward_hooks for w in weights) or not _engine_accumulates(weights):
+        # A hook on a weight must see this micro-batch's gradient, not the running sum; a
+        # pass that does not accumulate into .grad must not change it.
         return list(grad_weight.unbind(0))
     view = stacked_view(existing)
     if view is None or view.shape != grad_weight.shape:

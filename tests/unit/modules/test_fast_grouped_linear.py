@@ -77,22 +77,40 @@ def _wrap(module, config, pg, ddp: str | None):
 
 
 def _train(pg, cls, dtype, ddp):
-    """Three micro-batches, as megatron's schedules run them; outputs, input and weight grads."""
+    """Two steps of three micro-batches each, as megatron's schedules run them (gradients
+    zeroed in between: DDP's buffer, or ``.grad`` in place); the second step's outputs, input
+    and weight grads (the first step's again: the same batches)."""
     import contextlib
 
     config = _config()
     module = _experts(pg, cls, config, dtype)
     model = _wrap(module, config, pg, ddp)
-    outputs = []
-    for index, counts in enumerate(COUNTS):
-        last = index == len(COUNTS) - 1
-        sync = contextlib.nullcontext() if ddp is None or last else model.no_sync()
-        with sync:
-            outputs.append(_micro_batch(model, counts, seed=index, dtype=dtype))
-    if ddp is not None:
-        model.finish_grad_sync()
+    for _ in range(2):
+        if ddp is None:
+            module.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad_buffer()
+        outputs = []
+        for index, counts in enumerate(COUNTS):
+            last = index == len(COUNTS) - 1
+            sync = contextlib.nullcontext() if ddp is None or last else model.no_sync()
+            with sync:
+                outputs.append(_micro_batch(model, counts, seed=index, dtype=dtype))
+        if ddp is not None:
+            model.finish_grad_sync()
     grads = {n: (p.main_grad if ddp else p.grad) for n, p in module.named_parameters()}
+    module.ready_counts = _ready_counts(model) if ddp == "overlap" else None
     return module, outputs, grads
+
+
+def _ready_counts(model) -> dict[str, int]:
+    """How often DDP's hook registered each parameter's gradient as ready in the last
+    micro-batch (what starts the overlapped reduction of its bucket)."""
+    names = {p: n for n, p in model.module.named_parameters()}
+    counts = {}
+    for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+        counts.update({names[p]: c for p, c in group.per_param_grad_ready_counts.items()})
+    return counts
 
 
 DDP = [
@@ -132,6 +150,9 @@ def test_accumulated_gradients_equal_sequential_mlp(pg, ddp, dtype, tol):
     else:
         for weights in linears:
             assert all(w.grad is None and w.grad_added_to_main_grad for w in weights)
+    if ddp == "overlap":
+        # Every weight reported ready once, as with the reference (else no overlapped reduce).
+        assert fast.ready_counts == dict.fromkeys(fast_grads, 1)
 
 
 def _backward_adds(module, counts, dtype) -> int:
@@ -175,6 +196,19 @@ def test_wrong_expert_accumulation_is_caught(pg, monkeypatch):
     assert max(rel_error(fast[n], ref[n]) for n in ref if "experts.1." not in n) > 0.1
 
 
+def test_missing_placeholders_are_caught(pg, monkeypatch):
+    """Negative control: gradients added to main_grad without a placeholder for DDP's hooks
+    (which then see no gradient) are refused under overlap_grad_reduce."""
+    from megatron_hybrid.modules.fast import grouped_linear
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    right = grouped_linear._into_main_grads
+    monkeypatch.setattr(grouped_linear, "_into_main_grads",
+                        lambda w, m, g: [None for _ in right(w, m, g)])  # fmt: skip
+    with pytest.raises(AssertionError, match="param.grad being None"):
+        _train(pg, GroupedGemmExperts, torch.float32, "overlap")
+
+
 def test_frozen_weights_get_no_weight_gradient_gemm(pg):
     """Frozen expert weights (LoRA): the input gradient only, one grouped GEMM per linear."""
     from torch.profiler import ProfilerActivity, profile
@@ -188,6 +222,107 @@ def test_frozen_weights_get_no_weight_gradient_gemm(pg):
     grouped = [e for e in prof.events() if e.name == "aten::_grouped_mm"]
     assert len(grouped) == 4  # forward fc1, fc2; backward: their input gradients
     assert dx is not None and all(p.grad is None for p in module.parameters())
+
+
+def _saved_stacks(weights, rows=12):
+    """``[E, out, in]`` tensors the grouped linear saves for its backward, and the backward's
+    input and weight gradients."""
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randn(rows, weights[0].shape[1], generator=gen).requires_grad_()
+    offsets = torch.tensor([3, 3, 8, rows], dtype=torch.int32)
+    saved = []
+
+    def pack(tensor):
+        if tensor.dim() == 3:
+            saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = grouped_linear(tokens, offsets, weights)
+    out.backward(torch.randn(out.shape, generator=gen))
+    return saved, tokens.grad, [w.grad for w in weights]
+
+
+def test_weight_copies_are_not_kept_for_the_backward():
+    """Separate expert weights: the stack (a copy) is made again in the backward, not saved
+    (it would hold a second copy of every expert weight until then); evenly spaced weights
+    (negative control of the detection): the view is saved. Gradients equal either way."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(4, 8, 12, generator=gen)
+    separate = [w.clone().requires_grad_() for w in stack]
+    spaced = stack.clone().requires_grad_()
+    views = list(spaced.unbind(0))
+    copies, dx, dw = _saved_stacks(separate)
+    saved, view_dx, _ = _saved_stacks(views)
+    assert copies == []
+    assert len(saved) == 1 and saved[0].data_ptr() == spaced.data_ptr()
+    assert torch.allclose(dx, view_dx) and torch.allclose(torch.stack(dw), spaced.grad)
+
+
+def test_weights_changed_before_the_backward_are_refused():
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    weights = [torch.randn(8, 12).requires_grad_() for _ in range(4)]
+    tokens = torch.randn(12, 12, requires_grad=True)
+    out = grouped_linear(tokens, torch.tensor([3, 3, 8, 12], dtype=torch.int32), weights)
+    with torch.no_grad():
+        weights[2].mul_(2)
+    with pytest.raises(RuntimeError, match="expert 2.s weight .* modified in place"):
+        out.sum().backward()
+
+
+def _reference_linear(tokens, counts, weights):
+    parts = torch.split(tokens, counts)
+    return torch.cat([part @ w.t() for part, w in zip(parts, weights, strict=True)])
+
+
+def _two_passes(second: str, impl: str):
+    """One ``backward()`` (gradients in ``.grad``: for the grouped linear a stack of views),
+    then a second pass; ``(.grad after the first, .grad after the second, what the second
+    returned)``."""
+    from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(8, 12, generator=gen).requires_grad_() for _ in range(4)]
+    tokens = torch.randn(12, 12, generator=gen).requires_grad_()
+    counts = [3, 0, 5, 4]
+    offsets = torch.tensor(counts).cumsum(0, dtype=torch.int32)
+
+    def run():
+        if impl == "reference":
+            return _reference_linear(tokens, counts, weights)
+        return grouped_linear(tokens, offsets, weights)
+
+    run().square().sum().backward()
+    first = [w.grad.clone() for w in weights]
+    loss = run().sum()
+    returned = []
+    if second == "autograd_grad":
+        returned = torch.autograd.grad(loss, weights)
+    elif second == "backward_inputs":
+        loss.backward(inputs=[tokens])
+    else:
+        for weight in weights:
+            weight.register_hook(lambda grad: 2 * grad)
+        loss.backward()
+    return first, [w.grad.clone() for w in weights], list(returned)
+
+
+@pytest.mark.parametrize("second", ["autograd_grad", "backward_inputs", "hooked"])
+def test_passes_that_do_not_accumulate_leave_grad_alone(second):
+    """``torch.autograd.grad`` and ``backward(inputs=[tokens])`` after a ``backward()`` leave
+    ``.grad`` as it was (the first returns this pass's gradients); a gradient hook on each
+    weight sees this pass's gradient, not the running sum: all as the per-expert reference."""
+    fast = _two_passes(second, "grouped")
+    ref = _two_passes(second, "reference")
+    for got, want in zip(fast, ref, strict=True):
+        assert len(got) == len(want)
+        for x, y in zip(got, want, strict=True):
+            assert torch.allclose(x, y, atol=1e-5), second
+    if second != "hooked":
+        assert all(torch.equal(x, y) for x, y in zip(fast[0], fast[1], strict=True))
 
 
 def test_stacked_view_only_where_one_view_covers_the_tensors():
@@ -217,6 +352,20 @@ def _scattered(dtype=torch.float32):
     for dest in dests:
         dest.copy_(torch.randn(10, 16, generator=gen))
     return buffer, starts, dests
+
+
+def test_offset_tables_are_per_dtype():
+    """The same addresses read as another dtype are other element offsets (a cached table of
+    float32 offsets must not serve bfloat16 destinations)."""
+    from megatron_hybrid.modules.fast.grouped_add import _offsets
+
+    raw = torch.zeros(4000, dtype=torch.uint8)
+    starts = [3000, 2400, 800]  # bytes, a multiple of 4
+    wide = [raw[s : s + 64].view(torch.float32) for s in starts]
+    narrow = [raw[s : s + 64].view(torch.bfloat16) for s in starts]
+    assert [d.data_ptr() for d in wide] == [d.data_ptr() for d in narrow]
+    assert _offsets(wide, False).tolist() == [0, -150, -550]
+    assert _offsets(narrow, False).tolist() == [0, -300, -1100]
 
 
 def test_grouped_add_anywhere_in_memory():

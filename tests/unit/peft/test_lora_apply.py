@@ -251,9 +251,15 @@ def test_adapters_get_gradients_with_recompute(recompute, pg):
     assert all(g is not None for g in grads) and all(g.abs().sum() > 0 for g in grads)
 
 
-def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch):
+@pytest.mark.parametrize(
+    "targets",
+    [("all-linear",), ("*.local_experts.0.linear_fc1", "*.local_experts.1.linear_fc2")],
+    ids=["every_expert", "some_experts"],
+)
+def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch, targets):
     """The fast path's grouped-GEMM experts never call their expert linears: the adapters join
-    its grouped_linear seam and give the per-expert loop's logits and gradients."""
+    its grouped_linear seam and give the per-expert loop's logits and gradients, also where
+    only some local experts have an adapter (the others' rows get none)."""
     from megatron_hybrid.modules.fast import experts as fast_experts
     from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
 
@@ -263,7 +269,7 @@ def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch):
     for path in ("grouped", "loop", "grouped_without_adapters"):
         torch.manual_seed(0)
         model = build_hybrid(config, "[*E]{2}", pg, local_impl="fast")
-        apply_lora(model, LoRAConfig(rank=2, alpha=4))
+        apply_lora(model, LoRAConfig(rank=2, alpha=4, targets=targets))
         _randomise(model, std=0.5)
         grouped = [m for m in model.modules() if isinstance(m, fast_experts.GroupedGemmExperts)]
         assert grouped
