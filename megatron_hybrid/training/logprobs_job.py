@@ -31,7 +31,7 @@ from megatron_hybrid.training.run import (
 )
 from megatron_hybrid.training.validation import validate_settings
 
-__all__ = ["read_sequences", "run_logprobs"]
+__all__ = ["read_sequences", "replica_share", "run_logprobs"]
 
 
 def read_sequences(path) -> list[list[int]]:
@@ -66,6 +66,12 @@ def read_sequences(path) -> list[list[int]]:
     if not sequences:
         raise ValueError(f"{file} holds no sequences; write one JSON object per line")
     return sequences
+
+
+def replica_share(count: int, dp: int, dp_rank: int) -> list[int]:
+    """Indices of the sequences data-parallel replica ``dp_rank`` of ``dp`` scores (may be none:
+    with fewer sequences than replicas some replicas only join the collectives)."""
+    return list(range(dp_rank, count, dp))
 
 
 def _load_weights(args, chunks, source, rank: int) -> None:
@@ -111,10 +117,13 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
 
     # Every data-parallel replica scores its share; the replicas then swap their results.
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
-    mine = list(range(dp_rank, len(sequences), dp))
+    mine = replica_share(len(sequences), dp, dp_rank)
+    # A replica without a share still joins the collectives (expert parallelism spans the
+    # replicas): it scores one placeholder token, which predicts nothing and runs no micro-batch.
+    batch = [torch.tensor(sequences[i]) for i in mine] or [torch.zeros(1, dtype=torch.long)]
     results = forward_logprobs(
         chunks,
-        [torch.tensor(sequences[i]) for i in mine],
+        batch,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         temperature=args.temperature,
         with_entropy=args.entropy,
@@ -125,7 +134,7 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
             if args.entropy
             else (i, {"logprobs": r.tolist()})
         )
-        for i, r in zip(mine, results, strict=True)
+        for i, r in zip(mine, results[: len(mine)], strict=True)
     ]
     gathered = [None] * dp
     torch.distributed.all_gather_object(gathered, local, group=pg.dp)

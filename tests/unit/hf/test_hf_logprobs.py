@@ -123,6 +123,31 @@ def test_logprobs_command_writes_transformers_numbers(hf_folders, sequences, ref
     assert _error(got, references[family]) <= BOUND
 
 
+def _command_worker(rank, world_size, argv):
+    from megatron_hybrid.cli.main import main
+
+    return main(argv)
+
+
+@pytest.mark.distributed
+def test_logprobs_command_with_more_replicas_than_sequences(
+    hf_folders, sequences, references, tmp_path
+):
+    """Two data-parallel replicas, one sequence: the replica without a share joins the
+    collectives instead of refusing an empty list."""
+    family, index = "qwen3_5", 2
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"input_ids": sequences[index].tolist()}) + "\n")
+    target = tmp_path / "out.jsonl"
+    argv = ["logprobs", "--load-hf", str(hf_folders[family][0]), "--input", str(source),
+            "--output", str(target)]  # fmt: skip
+    assert run_distributed(_command_worker, 2, argv, timeout=600) == [0, 0]
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 1
+    got = torch.tensor(records[0]["logprobs"], dtype=torch.float64)
+    assert (got - references[family][index][0]).abs().max().item() <= BOUND
+
+
 @pytest.mark.parametrize(
     "lines, match",
     [
