@@ -117,12 +117,24 @@ class LocalCoreAttention(DotProductAttention):
                     query[window].unsqueeze(1),
                     key[window].unsqueeze(1),
                     value[window].unsqueeze(1),
-                    None,
+                    self._causal_mask(length, query.device),
                     attention_bias=attention_bias,
                 )
                 .squeeze(1)
             )
         return out
+
+    def _causal_mask(self, length: int, device) -> torch.Tensor | None:
+        """The ``[1, 1, L, L]`` mask (True: hidden) the softmax needs to be causal, or None.
+
+        megatron-core's ``FusedScaleMaskSoftmax`` builds the causal (or sliding-window) mask
+        itself only for ``AttnMaskType.causal`` or a window; under ``padding_causal`` it expects
+        the caller's mask and without one would let every token see its whole sequence.
+        """
+        softmax = self.scale_mask_softmax
+        if softmax.attn_mask_type == AttnMaskType.causal or softmax.window_size is not None:
+            return None
+        return torch.ones(length, length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 class MLACoreAttention(LocalCoreAttention):

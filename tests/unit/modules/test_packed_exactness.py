@@ -152,3 +152,26 @@ def test_control_moe_capacity_competition_fails(pg):
     model = _model(pg, "E", *flags, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
     errors = packing_errors(model, random_sequences())
     assert max(errors) > LEAK, errors
+
+
+def test_packed_attention_is_causal_under_padding_causal_mask_type(pg):
+    """``padding_causal`` core attention (the softmax builds no mask of its own) stays causal on
+    a THD row: each output equals the ``causal`` one."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hybrid.modules.attention import LocalCoreAttention
+
+    model = _model(pg, "*", *SYMBOLS["*"])
+    core = next(m for m in model.modules() if isinstance(m, LocalCoreAttention))
+    heads, size = core.num_attention_heads_per_partition, core.hidden_size_per_attention_head
+    real, padded = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 8, 16])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                             cu_seqlens_q_padded=padded.int(),
+                             cu_seqlens_kv_padded=padded.int())  # fmt: skip
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(16, heads, size) for _ in range(3))
+    causal = core(q, k, v, None, packed_seq_params=params)
+    core.attn_mask_type = core.scale_mask_softmax.attn_mask_type = AttnMaskType.padding_causal
+    got = core(q, k, v, None, packed_seq_params=params)
+    torch.testing.assert_close(got, causal, rtol=0, atol=0)
