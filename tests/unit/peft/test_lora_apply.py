@@ -294,3 +294,30 @@ def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch, targets):
         assert a is None or ((a - b).norm() / b.norm()).item() <= 1e-4
     # Control: without the seam the experts' adapters would be skipped, silently.
     assert abs(runs["grouped_without_adapters"][0] - loop_loss) > 1e-3 * abs(loop_loss)
+
+
+def test_router_expert_bias_stays_frozen(pg):
+    """An aux-loss-free router's expert bias is part of the frozen base (adapter checkpoints and
+    PEFT folders do not hold it): megatron-core's per-step bias update must leave it alone."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
+
+    config = small_config(
+        "[*E]{2}", moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+    )
+    batch = model_inputs()
+    moved = {}
+    for adapted in (False, True):
+        torch.manual_seed(0)
+        model = build_hybrid(config, "[*E]{2}", pg)
+        if adapted:
+            apply_lora(model, LoRAConfig(rank=2, alpha=4))
+        biases = [m.expert_bias for m in model.modules() if hasattr(m, "expert_bias")]
+        assert biases
+        before = [b.clone() for b in biases]
+        model.train()
+        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"]).sum()
+        _update_router_expert_bias([model], config, tp_dp_cp_group=torch.distributed.group.WORLD)
+        moved[adapted] = any(not torch.equal(b, a) for b, a in zip(biases, before, strict=True))
+    assert moved == {False: True, True: False}  # control: the update moves a trained base's
