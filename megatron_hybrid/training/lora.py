@@ -66,6 +66,7 @@ class LoRARun:
         conversion: the base's Hugging Face conversion (None for a base without one).
         fingerprint: the base's fingerprint.
         resumed: the adapter record of ``--load`` when the run resumes one.
+        dropout: ``--lora-dropout`` for adapters from ``peft`` (None: the file's).
     """
 
     config: LoRAConfig | None
@@ -75,6 +76,7 @@ class LoRARun:
     conversion: object
     fingerprint: dict
     resumed: dict | None = None
+    dropout: float | None = None
 
     @property
     def base(self) -> dict:
@@ -96,7 +98,7 @@ class LoRARun:
             if self.hf_path is not None:
                 chunk.hf_source_path = self.hf_path
         if self.peft is not None:
-            load_peft_adapter(models, self.peft)
+            load_peft_adapter(models, self.peft, dropout=self.dropout)
         else:
             apply_lora(models, self.config, conversion=self.conversion)
         for chunk in model_chunks(models):
@@ -146,7 +148,9 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
     elif args.lora_rank is not None:
         config = lora_config_from_flags(args)
     peft = None if record is not None else args.load_peft
-    return LoRARun(config, peft, hf_path, checkpoint, conversion, fingerprint, record)
+    return LoRARun(
+        config, peft, hf_path, checkpoint, conversion, fingerprint, record, args.lora_dropout
+    )
 
 
 #: ``--lora-*`` flag -> the LoRAConfig field it sets (``--lora-rank`` as given; the others

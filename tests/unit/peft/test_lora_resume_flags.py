@@ -1,5 +1,6 @@
 """``train --load RUN`` with LoRA flags: flags that change the adapters must agree with the
-run's record (else they would be ignored silently); ``--lora-dropout`` applies."""
+run's record (else they would be ignored silently); ``--lora-dropout`` applies. With
+``--load-peft`` the folder gives the adapters' config, and ``--lora-dropout`` applies too."""
 
 from __future__ import annotations
 
@@ -70,3 +71,34 @@ def test_contradicting_flags_are_refused(run_folder, flags, message):
 
 def test_dropout_applies_on_resume(run_folder):
     assert run_folder("--lora-dropout", "0.1").config.dropout == 0.1
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--lora-alpha", "8"], ["--lora-targets", "q_proj"], ["--lora-exclude", "q_proj"]],
+    ids=["alpha", "targets", "exclude"],
+)
+def test_load_peft_refuses_flags_it_would_ignore(flags):
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.lora_rules import validate_lora_flags
+    from megatron_hybrid.training.settings import SettingsError
+
+    argv = ["train", "--load-hf", "h", "--load-peft", "p", *flags]
+    with pytest.raises(SettingsError, match=f"drop {flags[0]}"):
+        validate_lora_flags(build_parser(load_commands()).parse_args(argv))
+
+
+def test_load_peft_takes_the_dropout_flag(cases, pg):
+    """``--load-peft A --lora-dropout P`` trains with dropout P (the folder says 0)."""
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.hf import load_hf_model
+    from megatron_hybrid.peft.apply import adapters
+    from megatron_hybrid.training.lora import lora_run
+
+    case = cases["qwen3_5_moe"]
+    argv = ["train", "--load-hf", str(case.hf), "--load-peft", str(case.adapter)]
+    for flags, expected in (([], {0.0}), (["--lora-dropout", "0.25"], {0.25})):
+        run = lora_run(build_parser(load_commands()).parse_args([*argv, *flags]))
+        model = load_hf_model(case.hf)
+        run.attach([model])
+        assert {adapter.dropout for adapter in adapters(model)} == expected
