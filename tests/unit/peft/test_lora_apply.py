@@ -321,3 +321,34 @@ def test_router_expert_bias_stays_frozen(pg):
         _update_router_expert_bias([model], config, tp_dp_cp_group=torch.distributed.group.WORLD)
         moved[adapted] = any(not torch.equal(b, a) for b, a in zip(biases, before, strict=True))
     assert moved == {False: True, True: False}  # control: the update moves a trained base's
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
+def test_duplicated_te_linear_adapters_follow_sequence_parallelism(sequence_parallel):
+    """TransformerEngine's duplicated ``TELinear`` (MLA's down-projections) has no TP group,
+    but under sequence parallelism its input is sequence-sharded: megatron-core marks its
+    weight ``sequence_parallel`` (its gradient is reduced over TP), and the adapter's ``A`` and
+    ``B`` need the same, or each TP rank keeps the gradient of its own tokens only."""
+    from types import SimpleNamespace
+
+    from megatron_hybrid.peft.adapter import LoRAAdapter
+    from megatron_hybrid.peft.linears import _te
+
+    config = SimpleNamespace(
+        sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=1,
+    )
+    module = SimpleNamespace(
+        weight=torch.nn.Parameter(torch.zeros(8, 16)),
+        _tp_group=None,  # megatron-core passes none to a duplicated TELinear
+        explicit_expert_comm=False,
+        config=config,
+    )
+    info = _te(None)(module)
+    assert (info.mode, info.sequence_parallel) == ("duplicated", sequence_parallel)
+    adapter = LoRAAdapter(info, rank=2, scale=1.0, dropout=0.0, blocks=1, onehot=None,
+                          in_features=16)  # fmt: skip
+    marked = [getattr(p, "sequence_parallel", False) for p in (adapter.a(), adapter.b())]
+    assert marked == [sequence_parallel] * 2
+    assert not any(p.tensor_model_parallel for p in (adapter.a(), adapter.b()))
