@@ -54,9 +54,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     options.add_argument(
         "--peft-format",
         choices=["peft", "per_expert"],
-        default="peft",
+        default=None,
         help="with --to-peft: routed experts in PEFT's 3-D layout, or per expert for engines "
-        "that read experts.{e}.gate_proj (default: %(default)s)",
+        "that read experts.{e}.gate_proj (default: peft)",
     )
     options.add_argument(
         "--dry-run",
@@ -136,6 +136,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.merge_lora and not args.to_hf:
         raise CommandError("--merge-lora writes a Hugging Face folder: add --to-hf OUT_DIR")
+    if args.peft_format and not args.to_peft:
+        raise CommandError("--peft-format chooses what --to-peft writes: add --to-peft OUT_DIR")
     if args.base_hf and not (args.to_peft or args.merge_lora):
         raise CommandError("--base-hf goes with --to-peft or --merge-lora (a LoRA run's base)")
     if args.dry_run and not forward:
@@ -410,7 +412,7 @@ def _lora_export(args: argparse.Namespace) -> int:
         out = save_peft_adapter(
             model,
             args.to_peft,
-            format=args.peft_format,
+            format=args.peft_format or "peft",
             dtype=_dtype(args),
             base_model_name_or_path=base,
         )

@@ -158,7 +158,8 @@ def _embedding_output_requires_grad(module, args, output):
 
 
 def apply_lora(model, config: LoRAConfig, *, conversion=None, group=None):
-    """Freeze the base and add adapters to the linears ``config`` selects, on every chunk.
+    """Freeze the base (weights, and routers' expert biases) and add adapters to the linears
+    ``config`` selects, on every chunk.
 
     Call it on every rank (it is collective over ``group``, default the world) on the model
     before it is wrapped for training (megatron's DDP builds its gradient buffers from the
@@ -200,6 +201,14 @@ def apply_lora(model, config: LoRAConfig, *, conversion=None, group=None):
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
+        for module in chunk.modules():
+            # An aux-loss-free router's expert bias (DeepSeek-V3's and Nemotron-H's
+            # e_score_correction_bias) is a buffer that megatron-core's finalize_model_grads
+            # moves after every step (finalize_model_grads.py: _update_router_expert_bias). It
+            # belongs to the frozen base: neither adapter checkpoints nor PEFT folders hold it,
+            # so a moving bias would route rollouts and resumed runs differently from training.
+            if hasattr(module, "expert_bias"):
+                module.frozen_expert_bias = True
     for cand in candidates:
         _attach(cand, config)
     for chunk in chunks:

@@ -133,7 +133,14 @@ def _te(mode: str | None, *, norm: bool = False, grouped: bool = False):
         if explicit is None:
             explicit = is_expert and (size > 1 or m.config.expert_model_parallel_size > 1)
         layer_mode = mode or "duplicated"
-        sequence_parallel = bool(m.config.sequence_parallel) and size > 1 and not explicit
+        if layer_mode == "duplicated":
+            # No TP group of its own, but its input is sequence-sharded under sequence
+            # parallelism (MLA's down-projections): megatron-core 0.19.2 marks the weight
+            # sequence_parallel for that (transformer_engine.py: TELinear.__init__), and the
+            # adapter's gradients are partial sums over sequence shards alike.
+            sequence_parallel = bool(m.config.sequence_parallel)
+        else:
+            sequence_parallel = bool(m.config.sequence_parallel) and size > 1 and not explicit
         return LinearInfo(
             mode=layer_mode,
             weights=weights,

@@ -356,7 +356,8 @@ FLAGS: tuple[Flag, ...] = (
         _LORA,
         type=float,
         default=None,
-        help="dropout on the adapters' input while training (default: 0)",
+        help="dropout on the adapters' input while training (default: 0, or what the "
+        "--load-peft folder or the resumed run says)",
     ),
 )
 

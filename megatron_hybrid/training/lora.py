@@ -11,6 +11,7 @@ starts from a PEFT adapter. Checkpoints hold the adapters and their optimizer st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,7 @@ class LoRARun:
         conversion: the base's Hugging Face conversion (None for a base without one).
         fingerprint: the base's fingerprint.
         resumed: the adapter record of ``--load`` when the run resumes one.
+        dropout: ``--lora-dropout`` for adapters from ``peft`` (None: the file's).
     """
 
     config: LoRAConfig | None
@@ -74,6 +76,7 @@ class LoRARun:
     conversion: object
     fingerprint: dict
     resumed: dict | None = None
+    dropout: float | None = None
 
     @property
     def base(self) -> dict:
@@ -95,7 +98,7 @@ class LoRARun:
             if self.hf_path is not None:
                 chunk.hf_source_path = self.hf_path
         if self.peft is not None:
-            load_peft_adapter(models, self.peft)
+            load_peft_adapter(models, self.peft, dropout=self.dropout)
         else:
             apply_lora(models, self.config, conversion=self.conversion)
         for chunk in model_chunks(models):
@@ -141,15 +144,57 @@ def lora_run(args: argparse.Namespace) -> LoRARun | None:
     if record is not None:
         check_base(record, fingerprint, where=str(args.load), base=hf_path or checkpoint)
         config = config_of_record(record)
-        if args.lora_rank is not None and args.lora_rank != config.rank:
-            raise LoRAConfigError(
-                f"--load {args.load} holds rank-{config.rank} adapters; drop --lora-rank or "
-                f"give {config.rank}"
-            )
+        config = _resumed_config(config, args)
     elif args.lora_rank is not None:
         config = lora_config_from_flags(args)
     peft = None if record is not None else args.load_peft
-    return LoRARun(config, peft, hf_path, checkpoint, conversion, fingerprint, record)
+    return LoRARun(
+        config, peft, hf_path, checkpoint, conversion, fingerprint, record, args.lora_dropout
+    )
+
+
+#: ``--lora-*`` flag -> the LoRAConfig field it sets (``--lora-rank`` as given; the others
+#: through :func:`lora_config_from_flags`' normalisation).
+_RESUMED_FLAGS = {
+    "--lora-rank": "rank",
+    "--lora-alpha": "alpha",
+    "--lora-targets": "targets",
+    "--lora-exclude": "exclude",
+}
+
+
+def _same(value):
+    """A config value compared regardless of the order names were listed in."""
+    return frozenset(value) if isinstance(value, tuple) else value
+
+
+def _resumed_config(config: LoRAConfig, args: argparse.Namespace) -> LoRAConfig:
+    """The config of the adapters ``--load`` resumes, checked against the flags given with it.
+
+    A flag that changes the adapters (rank, alpha, targets, exclude) must agree with the record,
+    or the flag would be ignored silently; ``--lora-dropout`` (training only) applies.
+    """
+    given = {}
+    for flag, name in _RESUMED_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is not None:
+            given[name] = value
+    wanted = dataclasses.replace(config, **given)  # normalised like the record's
+    differ = [
+        flag
+        for flag, name in _RESUMED_FLAGS.items()
+        if name in given and _same(getattr(wanted, name)) != _same(getattr(config, name))
+    ]
+    if differ:
+        mine = ", ".join(f"{f} {getattr(config, _RESUMED_FLAGS[f])!r}" for f in differ)
+        raise LoRAConfigError(
+            f"--load {args.load} holds adapters with {mine}; {', '.join(differ)} would be "
+            "ignored: drop them or give the run's values (another adapter config needs a new "
+            "run, e.g. started with --load-peft from this one's convert --to-peft)"
+        )
+    if args.lora_dropout is not None:
+        config = dataclasses.replace(config, dropout=args.lora_dropout)
+    return config
 
 
 def check_resumable(run: LoRARun, chunks, folder) -> None:

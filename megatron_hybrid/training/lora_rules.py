@@ -23,8 +23,13 @@ def _lora_flags(s: Settings) -> str | None:
     given = [o for o in _OPTIONS if getattr(s.args, _dest(o), None) is not None]
     if given and not enabled and not s.load:
         return f"{', '.join(given)} set(s) up LoRA adapters: add --lora-rank R"
-    if s.load_peft and s.lora_rank is not None:
-        return f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop --lora-rank"
+    if s.load_peft:
+        fixed = [o for o in ("--lora-rank", *_OPTIONS[:3]) if getattr(s.args, _dest(o)) is not None]
+        if fixed:
+            return (
+                f"--load-peft {s.load_peft} brings its own rank, alpha and targets; drop "
+                f"{', '.join(fixed)} (--lora-dropout may be given)"
+            )
     if s.load_base and not enabled and not s.load:
         return "--load-base gives the frozen base of a LoRA run: add --lora-rank R"
     if s.load_base and s.load_hf:

@@ -113,3 +113,19 @@ def test_cli_bad_arguments_exit_2(argv):
     from megatron_hybrid.cli.main import main
 
     assert main(["convert", *argv]) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--to-hf", "y", "--merge-lora", "--peft-format", "per_expert"], "--peft-format chooses"),
+        (["--to-hf", "y", "--base-hf", "z"], "--base-hf goes with"),
+    ],
+    ids=["peft-format-without-to-peft", "base-hf-without-lora-export"],
+)
+def test_cli_lora_options_out_of_place_exit_2(argv, message, capsys):
+    """LoRA export options that would be ignored are refused before anything is read."""
+    from megatron_hybrid.cli.main import main
+
+    assert main(["convert", "--load", "x", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -294,3 +294,61 @@ def test_grouped_gemm_experts_run_their_adapters(pg, monkeypatch, targets):
         assert a is None or ((a - b).norm() / b.norm()).item() <= 1e-4
     # Control: without the seam the experts' adapters would be skipped, silently.
     assert abs(runs["grouped_without_adapters"][0] - loop_loss) > 1e-3 * abs(loop_loss)
+
+
+def test_router_expert_bias_stays_frozen(pg):
+    """An aux-loss-free router's expert bias is part of the frozen base (adapter checkpoints and
+    PEFT folders do not hold it): megatron-core's per-step bias update must leave it alone."""
+    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+
+    from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
+
+    config = small_config(
+        "[*E]{2}", moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+    )
+    batch = model_inputs()
+    moved = {}
+    for adapted in (False, True):
+        torch.manual_seed(0)
+        model = build_hybrid(config, "[*E]{2}", pg)
+        if adapted:
+            apply_lora(model, LoRAConfig(rank=2, alpha=4))
+        biases = [m.expert_bias for m in model.modules() if hasattr(m, "expert_bias")]
+        assert biases
+        before = [b.clone() for b in biases]
+        model.train()
+        model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"]).sum()
+        _update_router_expert_bias([model], config, tp_dp_cp_group=torch.distributed.group.WORLD)
+        moved[adapted] = any(not torch.equal(b, a) for b, a in zip(biases, before, strict=True))
+    assert moved == {False: True, True: False}  # control: the update moves a trained base's
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no_sp", "sp"])
+def test_duplicated_te_linear_adapters_follow_sequence_parallelism(sequence_parallel):
+    """TransformerEngine's duplicated ``TELinear`` (MLA's down-projections) has no TP group,
+    but under sequence parallelism its input is sequence-sharded: megatron-core marks its
+    weight ``sequence_parallel`` (its gradient is reduced over TP), and the adapter's ``A`` and
+    ``B`` need the same, or each TP rank keeps the gradient of its own tokens only."""
+    from types import SimpleNamespace
+
+    from megatron_hybrid.peft.adapter import LoRAAdapter
+    from megatron_hybrid.peft.linears import _te
+
+    config = SimpleNamespace(
+        sequence_parallel=sequence_parallel,
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=1,
+    )
+    module = SimpleNamespace(
+        weight=torch.nn.Parameter(torch.zeros(8, 16)),
+        _tp_group=None,  # megatron-core passes none to a duplicated TELinear
+        explicit_expert_comm=False,
+        config=config,
+    )
+    info = _te(None)(module)
+    assert (info.mode, info.sequence_parallel) == ("duplicated", sequence_parallel)
+    adapter = LoRAAdapter(info, rank=2, scale=1.0, dropout=0.0, blocks=1, onehot=None,
+                          in_features=16)  # fmt: skip
+    marked = [getattr(p, "sequence_parallel", False) for p in (adapter.a(), adapter.b())]
+    assert marked == [sequence_parallel] * 2
+    assert not any(p.tensor_model_parallel for p in (adapter.a(), adapter.b()))
