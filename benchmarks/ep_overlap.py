@@ -37,15 +37,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import sync, synthetic_batches
 from trace_summary import summarize_trace
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-
-
-def _sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 VARIANTS = (
@@ -118,19 +114,6 @@ def _build(variant: str, args, pg, ep: int):
     return Float16Module(config, model), config
 
 
-def synthetic_batches(args, count: int):
-    generator = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(count):
-        tokens = torch.randint(0, args.vocab, (args.mbs, args.seq + 1), generator=generator)
-        out.append(dict(
-            input_ids=tokens[:, :-1].to(DEVICE), labels=tokens[:, 1:].to(DEVICE),
-            position_ids=torch.arange(args.seq, device=DEVICE).expand(args.mbs, -1),
-            loss_mask=torch.ones(args.mbs, args.seq, device=DEVICE), attention_mask=None,
-        ))  # fmt: skip
-    return out
-
-
 def profile_step(step, out: Path, name: str) -> dict:
     """One step under torch.profiler: its summary, and rank 0's trace written to ``out``."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -138,7 +121,7 @@ def profile_step(step, out: Path, name: str) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("mh_step"):
             step()
-            _sync()
+            sync()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -170,10 +153,10 @@ def measure(variant: str, args, pg, ep: int, profile_as: str | None = None) -> d
             torch.cuda.reset_peak_memory_stats()
         model.zero_grad(set_to_none=True)
         torch.distributed.barrier()
-        _sync()
+        sync()
         began = time.perf_counter()
         step()
-        _sync()
+        sync()
         if index >= warmup:
             times.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0

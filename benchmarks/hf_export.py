@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from recording import recorded_command
+from common import qwen3_5_moe_text_config, recorded_command, sync
 
 PRESETS = {
     "qwen35moe-3b": dict(
@@ -54,32 +54,12 @@ PRESETS = {
 }  # fmt: skip
 
 
-def hf_config(preset: str) -> dict:
-    """A qwen3_5_moe_text config.json dict of the preset's sizes."""
-    return dict(
-        model_type="qwen3_5_moe_text",
-        dtype="bfloat16",
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-        **PRESETS[preset],
-    )
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(model, device, mode: str, bucket_size: str = "256MB") -> dict:
     """One streamed export: seconds, bytes of bf16 input, tensors, largest tensor, peak extra
     memory."""
     from megatron_hybrid.hf import iter_hf_weights
 
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -99,7 +79,7 @@ def measure(model, device, mode: str, bucket_size: str = "256MB") -> dict:
         )
         total, count, largest = total + size, count + 1, max(largest, size)
         del tensor
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - began
     peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
     return dict(seconds=seconds, bytes=total, tensors=count, largest=largest, peak_extra=peak)
@@ -173,7 +153,7 @@ def main(argv=None) -> int:
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
     from megatron_hybrid.runtime import select_backend
 
-    conversion = hf_config_to_megatron(hf_config(args.preset))
+    conversion = hf_config_to_megatron(qwen3_5_moe_text_config(PRESETS[args.preset], 4096))
     select_backend("cpu" if device.type == "cpu" else "cuda").activate()
     init_world()
     pg = initialize_model_parallel()

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from recording import recorded_command
+from common import qwen3_5_moe_text_config, recorded_command, sync
 
 _COMMON = dict(
     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
@@ -57,26 +57,6 @@ PRESETS = {
         moe_intermediate_size=24, shared_expert_intermediate_size=48, vocab_size=256,
     ),
 }  # fmt: skip
-
-
-def hf_config(preset: str) -> dict:
-    """A qwen3_5_moe_text config.json dict of the preset's sizes."""
-    return dict(
-        model_type="qwen3_5_moe_text",
-        dtype="bfloat16",
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-        **PRESETS[preset],
-    )
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _setup(device):
@@ -128,7 +108,7 @@ def train_worker(mode: str, args) -> dict:
 
     device = torch.device(args.device)
     backend, pg = _setup(device)
-    conversion = hf_config_to_megatron(hf_config(args.preset))
+    conversion = hf_config_to_megatron(qwen3_5_moe_text_config(PRESETS[args.preset], 8192))
     config = conversion.transformer_config(
         **{
             **backend.config_overrides(),
@@ -169,11 +149,11 @@ def train_worker(mode: str, args) -> dict:
     batches = _batches(args.microbatches, 1, args.seq_length, vocab, device)
     seconds = []
     for _ in range(args.steps + 1):
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         train_step(chunks, optimizer, batches, config, seq_length=args.seq_length,
                    micro_batch_size=1, pg_collection=pg)  # fmt: skip
-        _sync(device)
+        sync(device)
         seconds.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     result = dict(
@@ -193,7 +173,7 @@ def train_worker(mode: str, args) -> dict:
             ("merged", lambda: iter_hf_weights(model, merge_lora=True)),
         ):
             rounds = [_stream(stream()) for _ in range(args.repeats + 1)][1:]
-            _sync(device)
+            sync(device)
             result[key] = dict(
                 seconds_median=statistics.median(r[0] for r in rounds),
                 bytes=rounds[0][1],
@@ -226,7 +206,7 @@ def sync_worker(args) -> dict:
 
     device = torch.device(args.device)
     backend, pg = _setup(device)
-    conversion = hf_config_to_megatron(hf_config(args.sync_preset))
+    conversion = hf_config_to_megatron(qwen3_5_moe_text_config(PRESETS[args.sync_preset], 8192))
     config = conversion.transformer_config(
         **{
             **backend.config_overrides(),
@@ -256,10 +236,10 @@ def sync_worker(args) -> dict:
             param.normal_(0, 0.02)
     setup = time.perf_counter() - began
     base = sum(p.numel() for p in model.parameters())
-    _sync(device)
+    sync(device)
     first = _stream(iter_lora_weights(model, device=device))
     rounds = [_stream(iter_lora_weights(model, device=device)) for _ in range(args.repeats)]
-    _sync(device)
+    sync(device)
     return dict(
         preset=args.sync_preset,
         parameters=base,

@@ -46,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from recording import recorded_command
+from common import recorded_command, sync, synthetic_batches
 from trace_summary import kernel_breakdown, summarize_trace
 
 CUDA = torch.cuda.is_available()
@@ -207,25 +207,6 @@ def wrap_ddp(model, config, pg):
     return DistributedDataParallel(config, ddp_config, model, pg_collection=pg)
 
 
-def synthetic_batches(shape, count: int) -> list[dict]:
-    device = "cuda" if CUDA else "cpu"
-    generator = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(count):
-        tokens = torch.randint(0, shape.vocab, (shape.mbs, shape.seq + 1), generator=generator)
-        batches.append(dict(
-            input_ids=tokens[:, :-1].to(device), labels=tokens[:, 1:].to(device),
-            position_ids=torch.arange(shape.seq, device=device).expand(shape.mbs, -1),
-            loss_mask=torch.ones(shape.mbs, shape.seq, device=device), attention_mask=None,
-        ))  # fmt: skip
-    return batches
-
-
-def _sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
 def profile(step) -> tuple[dict, dict]:
     """One step under torch.profiler: its summary and kernel breakdown."""
     import tempfile
@@ -235,7 +216,7 @@ def profile(step) -> tuple[dict, dict]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("mh_step"):
             step()
-            _sync()
+            sync()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -283,10 +264,10 @@ def measure(args, shape, name: str, impl: str, peak: float) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         zero_grads()
-        _sync()
+        sync()
         began = time.perf_counter()
         step()
-        _sync()
+        sync()
         elapsed = time.perf_counter() - began
         if index == 0:
             first = elapsed

@@ -1,0 +1,56 @@
+"""Pieces the benchmarks share: the recorded command, device syncs, synthetic batches, and the
+Qwen3.5-MoE text config their model presets fill in."""
+
+from __future__ import annotations
+
+import torch
+
+#: Where results live in the repository; a run's own ``--out`` folder is written as this.
+RESULTS = "benchmarks/results"
+
+
+def recorded_command(script: str, argv: list[str]) -> str:
+    """``python benchmarks/<script> ARGS`` as run, its ``--out`` folder shown as the
+    repository's results folder (a machine's output path does not belong in the record)."""
+    shown = list(argv)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--out":
+            shown[i + 1] = RESULTS
+    return " ".join([f"python benchmarks/{script}", *shown])
+
+
+def sync(device=None) -> None:
+    """Wait for the GPU (``device`` None: whenever CUDA is there), so a timer sees its work."""
+    if torch.cuda.is_available() if device is None else torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def synthetic_batches(shape, count: int, device=None) -> list[dict]:
+    """``count`` micro-batches of random tokens for megatron's schedule; ``shape`` has
+    ``vocab``, ``mbs`` and ``seq`` (a benchmark's shape or its parsed arguments)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, shape.vocab, (shape.mbs, shape.seq + 1), generator=generator)
+        batches.append(dict(
+            input_ids=tokens[:, :-1].to(device), labels=tokens[:, 1:].to(device),
+            position_ids=torch.arange(shape.seq, device=device).expand(shape.mbs, -1),
+            loss_mask=torch.ones(shape.mbs, shape.seq, device=device), attention_mask=None,
+        ))  # fmt: skip
+    return batches
+
+
+def qwen3_5_moe_text_config(sizes: dict, max_position_embeddings: int) -> dict:
+    """A ``qwen3_5_moe_text`` config.json dict with a preset's ``sizes`` (bf16, SwiGLU)."""
+    return dict(
+        model_type="qwen3_5_moe_text",
+        dtype="bfloat16",
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        **sizes,
+    )
