@@ -43,9 +43,10 @@ def pp_folders(tmp_path_factory, hf_folders, input_ids) -> dict[str, tuple]:
 @pytest.fixture(scope="session")
 def fp8_folders(tmp_path_factory, hf_folders, input_ids) -> dict[str, tuple]:
     """``family -> (FP8 folder, transformers' float32 logits on its dequantized weights, logits
-    bound 1e-3)``: DeepSeek-V3 with float32 scales and one linear the release quantizes kept
-    unquantized (listed in modules_to_not_convert), Qwen3.5-MoE with bfloat16 scales; blocks of
-    16 x 24, two shards and an index (``fp8_oracle``)."""
+    bound: 1e-3, or that of the dequantized folder where larger)``: DeepSeek-V3 with float32
+    scales and one linear the release quantizes kept unquantized (listed in
+    modules_to_not_convert), Qwen3.5-MoE with bfloat16 scales; blocks of 16 x 24, two shards and
+    an index (``fp8_oracle``)."""
     import fp8_oracle
 
     root = tmp_path_factory.mktemp("hf_fp8")
@@ -59,7 +60,7 @@ def fp8_folders(tmp_path_factory, hf_folders, input_ids) -> dict[str, tuple]:
         )
         values = fp8_oracle.make_dequantized_folder(folder, root / f"{family}_values")
         reference = hf_oracle.hf_logits(values, input_ids)
-        out[family] = (folder, reference, 1e-3)
+        out[family] = (folder, reference, max(1e-3, logits_bound(values, input_ids)))
     return out
 
 

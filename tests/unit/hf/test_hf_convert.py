@@ -101,8 +101,8 @@ def _flat_gdn_split(plan):
     ids=["qkv-not-interleaved", "gdn-in-proj-flat", "shared-fc1-up-gate", "experts-0-1-swapped"],
 )
 def test_negative_controls_move_logits(bug, hf_folders, input_ids, pg, monkeypatch):
-    """Each single mapping bug moves the logits far outside the tolerance."""
-    folder, reference, _ = hf_folders["qwen3_next"]
+    """Each single mapping bug moves the logits far outside the bound the layout tests use."""
+    folder, reference, bound = hf_folders["qwen3_next"]
     build = hf_weights.build_plan
 
     def buggy(conversion, key_shapes, family=None):
@@ -111,7 +111,7 @@ def test_negative_controls_move_logits(bug, hf_folders, input_ids, pg, monkeypat
 
     monkeypatch.setattr(hf_weights, "build_plan", buggy)
     logits = _logits(load_hf_model(folder), input_ids)
-    assert (logits - reference).abs().max().item() > 1000 * TOLERANCE
+    assert (logits - reference).abs().max().item() > max(100 * bound, 1000 * TOLERANCE)
 
 
 def _edit_config(folder, tmp_path, **changes):

@@ -53,7 +53,7 @@ def test_transformers_reads_our_fp8_folder(family, scale_dtype, step, hf_folders
     values = fp8_oracle.make_dequantized_folder(ours, tmp_path / "values")
     got = hf_oracle.hf_logits(ours, input_ids)
     reference = hf_oracle.hf_logits(values, input_ids)
-    assert (got - reference).abs().max().item() <= 1e-4
+    assert (got - reference).abs().max().item() <= hf_oracle.logits_bound(values, input_ids)
 
 
 def test_transformers_sees_skipped_scales(hf_folders, input_ids, tmp_path, pg):

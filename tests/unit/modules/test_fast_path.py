@@ -4,21 +4,30 @@
 classes elsewhere; ``local_impl`` forces either. On the CPU (float32) a model of each symbol mix
 the performance page measures (``[*E]``, ``[GE]``, ``[ME]``, ``[+E]``) built on the fast path
 has the reference model's parameters, state dict and sharded keys, runs every fast module fast,
-and gives its loss and every gradient to float32 rounding. Negative controls: the reference
-spec contains no fast class; an unknown ``local_impl`` is refused.
+and gives its loss and every gradient to float32 rounding: within :data:`TOL`, or the margin
+times the rounding scale of that gradient where larger (``rounding.float32_error_scale`` of the
+reference model: GatedDeltaNet's ``dt_bias`` and ``A_log`` gradients sum per-token terms that
+cancel, so their float32 error is some 100 times that of the other gradients, and how large it
+comes out depends on the machine). Negative controls: the reference spec contains no fast class;
+an unknown ``local_impl`` is refused; a fast model whose gate bias moved by 1e-3 fails the
+bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
 
 import pytest
 import torch
+from rounding import float32_bounds
 
 from megatron_hybrid.testing.overlap import rel_error
 
+#: Relative error allowed in a loss or gradient: over 10x the float32 rounding scale of every
+#: well-conditioned gradient of these models (at most 7e-7).
 TOL = 1e-5
 
 
@@ -108,33 +117,60 @@ def _model(model_parallel, pattern, local_impl):
                        pg_collection=pg, position_embedding_type="rope")  # fmt: skip
 
 
-def _step(model):
+def _step(model, rounding=None):
+    """``{"loss": loss, name: gradient}`` of one forward and backward pass."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128, (2, 40), generator=gen)
-    loss = model(input_ids=tokens, position_ids=torch.arange(40).expand(2, -1),
-                 attention_mask=None, labels=tokens).float().mean()  # fmt: skip
-    loss.backward()
-    return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with rounding or contextlib.nullcontext():
+        loss = model(input_ids=tokens, position_ids=torch.arange(40).expand(2, -1),
+                     attention_mask=None, labels=tokens).float().mean()  # fmt: skip
+        loss.backward()
+    results = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": loss.detach(), **results}
+
+
+def _bounds(model_parallel, pattern) -> dict[str, float]:
+    """The relative error each result of the reference model may carry on any machine."""
+
+    def evaluate(rounding):
+        return _step(_model(model_parallel, pattern, "reference"), rounding)
+
+    return float32_bounds(evaluate, measure=rel_error, floor=TOL)
+
+
+def _over_bound(results, reference, bounds) -> list[tuple[str, float, float]]:
+    """``(name, relative error, bound)`` of every nonzero result outside its bound."""
+    return [
+        (name, rel_error(results[name], value), bounds[name])
+        for name, value in reference.items()
+        if value.abs().sum() > 0 and rel_error(results[name], value) > bounds[name]
+    ]
 
 
 @pytest.mark.parametrize("pattern", ["[*E]{2}", "[GE]{2}", "[ME]{2}", "[+E]{2}"])
 def test_fast_model_equals_reference_model(model_parallel, pattern):
     from megatron_hybrid.modules.fast import fast_path_report
 
+    bounds = _bounds(model_parallel, pattern)
     reference = _model(model_parallel, pattern, "reference")
-    ref_loss, ref_grads = _step(reference)
+    expected = _step(reference)
     ref_keys = sorted(reference.sharded_state_dict())
     ref_state = reference.state_dict()
     fast = _model(model_parallel, pattern, "fast")
     assert list(fast.state_dict()) == list(ref_state)
     assert sorted(fast.sharded_state_dict()) == ref_keys
-    loss, grads = _step(fast)
+    results = _step(fast)
     report = fast_path_report(fast)
     assert report and set(report.values()) == {"fast"}, report
-    assert loss == pytest.approx(ref_loss, rel=TOL)
-    assert set(grads) == set(ref_grads)
-    errors = {n: rel_error(grads[n], g) for n, g in ref_grads.items() if g.abs().sum() > 0}
-    assert max(errors.values()) < TOL, sorted(errors.items(), key=lambda kv: -kv[1])[:4]
+    assert set(results) == set(expected)
+    assert _over_bound(results, expected, bounds) == []
+    if pattern == "[GE]{2}":  # negative control: the widened bounds still see a small defect
+        broken = _model(model_parallel, pattern, "fast")
+        with torch.no_grad():
+            for name, parameter in broken.named_parameters():
+                if name.endswith("dt_bias"):
+                    parameter.add_(1e-3)
+        assert _over_bound(_step(broken), expected, bounds)
 
 
 def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):

@@ -27,6 +27,7 @@ class Case:
     hf: Path
     adapter: Path
     logits: torch.Tensor
+    bound: float
     base_logits: torch.Tensor
     tensors: int
     merged: dict
@@ -46,9 +47,9 @@ def cases(tmp_path_factory, input_ids) -> dict[str, Case]:
         hf = hf_oracle.make_hf_checkpoint(
             family, root / family / "hf", **peft_oracle.overrides(family)
         )
-        adapter, logits, count, merged = peft_oracle.make_adapter(
+        adapter, logits, bound, count, merged = peft_oracle.make_adapter(
             family, hf, root / family / "adapter", input_ids
         )
         base = hf_oracle.hf_logits(hf, input_ids)
-        out[family] = Case(family, hf, adapter, logits, base, count, merged)
+        out[family] = Case(family, hf, adapter, logits, bound, base, count, merged)
     return out

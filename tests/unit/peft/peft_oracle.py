@@ -11,10 +11,16 @@ mis-packed expert layout fails on shape as well as on logits.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import hf_oracle
 import torch
+from rounding import float32_bounds, max_abs
+
+#: Max abs logit difference allowed against PEFT where the model is well conditioned (the
+#: Hugging Face oracle's tolerance; see hf_oracle.TOLERANCE).
+TOLERANCE = hf_oracle.TOLERANCE
 
 #: Overrides of the hf_oracle configs of the MoE families: 2 * 24 != 64 (hidden), so
 #: gate_up_proj is not square.
@@ -88,16 +94,29 @@ def randomise_lora(model, seed: int = 0, std: float = 0.05) -> int:
     return count
 
 
-def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+def logits(model, input_ids: torch.Tensor, rounding=None) -> torch.Tensor:
+    with torch.no_grad(), rounding or contextlib.nullcontext():
         return model(input_ids=input_ids, use_cache=False).logits.float()
+
+
+def logits_bound(model, input_ids: torch.Tensor) -> float:
+    """How far correct float32 logits of a PEFT ``model`` may lie from PEFT's on any machine:
+    :data:`TOLERANCE`, or the margin times their rounding scale where larger (as
+    ``hf_oracle.logits_bound``; GatedDeltaNet's recurrence amplifies rounding)."""
+    bounds = float32_bounds(
+        lambda rounding: {"logits": logits(model, input_ids, rounding)},
+        measure=max_abs,
+        floor=TOLERANCE,
+    )
+    return bounds["logits"]
 
 
 def make_adapter(family: str, hf_folder, out, input_ids, *, seed: int = 0, **config):
     """A random PEFT adapter of ``family`` saved under ``out``.
 
     Returns:
-        ``(folder, peft logits, tensor count, merged on-disk tensors)``.
+        ``(folder, peft logits, their bound (:func:`logits_bound`), tensor count, merged on-disk
+        tensors)``.
     """
     from peft import get_peft_model
 
@@ -105,15 +124,26 @@ def make_adapter(family: str, hf_folder, out, input_ids, *, seed: int = 0, **con
     count = randomise_lora(model, seed)
     model.save_pretrained(out)
     reference = logits(model, input_ids)
+    bound = logits_bound(model, input_ids)
     merged_dir = Path(out).with_name(Path(out).name + "_merged")
     model.merge_and_unload().save_pretrained(merged_dir)
-    return Path(out), reference, count, hf_oracle.read_tensors(merged_dir)
+    return Path(out), reference, bound, count, hf_oracle.read_tensors(merged_dir)
+
+
+def peft_model(hf_folder, adapter_folder):
+    """PEFT's model of ``hf_folder`` with ``adapter_folder`` loaded (float32, eval mode)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_base(hf_folder), adapter_folder).eval()
 
 
 def peft_logits(hf_folder, adapter_folder, input_ids) -> tuple[torch.Tensor, int]:
     """PEFT's logits with ``adapter_folder`` loaded, and how many LoRA tensors it made live."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(load_base(hf_folder), adapter_folder).eval()
+    model = peft_model(hf_folder, adapter_folder)
     live = sum(1 for name, _ in model.named_parameters() if "lora_" in name)
     return logits(model, input_ids), live
+
+
+def peft_bound(hf_folder, adapter_folder, input_ids) -> float:
+    """:func:`logits_bound` of PEFT's model with ``adapter_folder`` loaded."""
+    return logits_bound(peft_model(hf_folder, adapter_folder), input_ids)

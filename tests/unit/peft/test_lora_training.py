@@ -145,7 +145,8 @@ def test_convert_writes_the_adapter_and_the_merged_model(runs, base, tmp_path):
     # Merged weights against the adapter applied on the fly: float32 rounding, amplified by
     # GatedDeltaNet's recurrence (PEFT's own merge_and_unload moves them as much).
     merged = hf_oracle.hf_logits(tmp_path / "merged", input_ids)
-    assert (merged - peft_logits).abs().max().item() <= 1e-3
+    bound = hf_oracle.logits_bound(tmp_path / "merged", input_ids)
+    assert (merged - peft_logits).abs().max().item() <= bound
 
 
 def test_load_peft_trains_from_a_peft_adapter(base, tmp_path):

@@ -22,7 +22,7 @@ from megatron_hybrid.peft import (
 )
 
 FAMILIES = pytest.mark.parametrize("family", peft_oracle.FAMILIES)
-MAX_ABS, REL_L2 = 1e-3, 1e-4
+REL_L2 = 1e-4  # logits' relative L2 error: 100x the rounding of the well-conditioned families
 WEIGHTS = "adapter_model.safetensors"
 
 
@@ -49,7 +49,7 @@ def test_peft_adapter_gives_peft_logits(family, cases, input_ids, pg):
     # The adapter matters (else the comparison proves nothing).
     assert (case.logits - case.base_logits).abs().max().item() > 0.5
     max_abs, rel = errors(logits_of(adapted(case), input_ids), case.logits)
-    assert max_abs <= MAX_ABS and rel <= REL_L2, (max_abs, rel)
+    assert max_abs <= case.bound and rel <= REL_L2, (max_abs, case.bound, rel)
 
 
 @FAMILIES
@@ -176,7 +176,7 @@ def test_negative_controls_move_logits(control, cases, input_ids, pg, tmp_path):
     max_abs, _ = errors(logits_of(adapted(case, folder), input_ids), case.logits)
     # Far outside the bound the oracle test holds (the smallest, one gated-attention layer's
     # q rows, moves the logits by 0.08).
-    assert max_abs > 20 * MAX_ABS, max_abs
+    assert max_abs > 10 * case.bound, (max_abs, case.bound)
 
 
 def test_transposed_expert_layout_fails_on_shape(cases, pg, tmp_path):
