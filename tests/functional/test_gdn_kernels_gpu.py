@@ -3,7 +3,7 @@
 megatron-core's GatedDeltaNet runs either fla's Triton kernels (``chunk_gated_delta_rule`` and
 ``causal_conv1d``) or, in ``deterministic_mode``, its own torch path
 (``torch_chunk_gated_delta_rule`` and ``F.conv1d``). Both are compared here with the references
-of ``megatron_hybrid.testing.gdn_reference`` (a step-by-step recurrence and an ``F.conv1d`` in
+of ``support.gdn_reference`` (a step-by-step recurrence and an ``F.conv1d`` in
 float32, gradients from torch's autograd) on the inputs the layer passes: bf16 q, k, v, beta and
 conv weights, float32 g. The tables give the norm-relative error ``|a - r| / |r|`` of each tensor.
 
@@ -33,8 +33,7 @@ from collections.abc import Callable, Collection, Iterator
 import pytest
 import torch
 from conftest import ON_CPU, exact_float32, rel_error, report
-
-from megatron_hybrid.testing.gdn_reference import (
+from support.gdn_reference import (
     depthwise_causal_conv1d,
     make_gdn_inputs,
     recurrent_gated_delta_rule,

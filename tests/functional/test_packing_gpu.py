@@ -26,8 +26,7 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # before fla compiles a ker
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_CPU, exact_float32, layout_fits, report  # noqa: E402
-
-from megatron_hybrid.testing.packing import (  # noqa: E402
+from support.packing import (  # noqa: E402
     pack_with_gaps,
     packing_errors,
     random_sequences,

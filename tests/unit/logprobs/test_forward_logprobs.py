@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megatron_hybrid.testing.packing import (
+from support.packing import (
     PACKING_LENGTHS,
     packing_errors,
     random_sequences,
 )
+
 from megatron_hybrid.testing.spawn import run_distributed
 
 FLAGS = ("--swiglu", "--num-experts", "4", "--moe-router-topk", "2")
@@ -162,11 +162,12 @@ def _layout_flags(layout) -> tuple[str, ...]:
 
 def _layouts_worker(rank, world_size, checkpoint, sequences):
     """Per layout: forward_logprobs of the checkpoint's model; at TP2/EP2 also packing errors."""
+    from support.packing import pack_with_gaps
+
     from megatron_hybrid.hf.dist import load_model_state
     from megatron_hybrid.logprobs import forward_logprobs
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
-    from megatron_hybrid.testing.packing import pack_with_gaps
 
     enable_cpu_emulation()
     torch.set_num_threads(1)
