@@ -3,8 +3,9 @@ fixture folders loaded (logits against transformers on their dequantized weights
 back bitwise, and a GPU-sized Qwen3.5-MoE-shaped model written as FP8 with the release recipe,
 loaded from that folder and streamed back bitwise.
 
-The fixture folders and transformers' logits are made on a CPU (``hf_fixtures.py``, folders
-``*_fp8``); where they are missing that test skips with the reason. Every test runs on 1, 2 or
+The fixture folders and transformers' logits are ``hf_fixtures.py``'s (folders ``*_fp8``, made
+where transformers is importable; the ``hf_folders`` fixture); where they are missing those
+tests skip with the reason. Every test runs on 1, 2 or
 4 GPUs (the GPU-sized model spreads its experts over all of them).
 """
 
@@ -33,16 +34,6 @@ CPU_SIZED = dict(
     shared_expert_intermediate_size=64, num_hidden_layers=4, linear_num_key_heads=2,
     linear_num_value_heads=4, num_attention_heads=4,
 )  # fmt: skip
-
-
-def _fixture_root() -> Path:
-    root = os.environ.get("MH_HF_FIXTURES")
-    if not root or not all((Path(root) / name).is_dir() for name in FP8_FIXTURES):
-        pytest.skip(
-            "no FP8 fixture folders: run tests/functional/hf_fixtures.py on a CPU with "
-            "transformers, carry the folder and point MH_HF_FIXTURES at it"
-        )
-    return Path(root)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -113,14 +104,14 @@ def test_kernel_matches_reference(dtype, world):
     report(f"FP8 kernel vs torch reference ({str(dtype).split('.')[-1]})", rows)
 
 
-def test_fp8_folders_load_and_stream_back(world, shared_dir):
+def test_fp8_folders_load_and_stream_back(world, hf_folders):
     """The FP8 fixtures on the GPU (float32 parameters, TP2 where two ranks fit): transformers'
     logits on the dequantized weights, and the folder streamed back bitwise."""
     from megatron_hybrid.hf import iter_hf_weights, load_hf_model
     from megatron_hybrid.process_groups import reset_megatron_state
 
     rank, world_size, device = world
-    root = _fixture_root()
+    root = hf_folders
     tp = 2 if world_size % 2 == 0 else 1
     for name in FP8_FIXTURES:
         folder = root / name
