@@ -27,11 +27,16 @@ HERE = Path(__file__).resolve().parent
 #: Extra folders: ``name -> (family, config overrides)``. ``nemotron_h_mcore`` has the numerics
 #: megatron-core's Mamba kernels compute (a step floor that never binds, gated-norm eps 1e-5),
 #: so kernels and transformers can agree on it; the oracle's ``nemotron_h`` clamps the step.
-VARIANTS = {"nemotron_h_mcore": ("nemotron_h", {"time_step_min": 1e-4, "layer_norm_epsilon": 1e-5})}
-#: FP8 folders: ``name -> (family, scale dtype)`` (DeepSeek-V3 stores float32 scales).
+VARIANTS = {
+    "nemotron_h_mcore": ("nemotron_h", {"time_step_min": 1e-4, "layer_norm_epsilon": 1e-5}),
+    "deepseek_v3_4l": ("deepseek_v3", {"num_hidden_layers": 4}),
+}
+#: FP8 folders: ``name -> (source folder, scale dtype)`` (DeepSeek-V3 stores float32 scales).
+#: ``deepseek_v3_4l`` has four layers, so that its pattern splits into two pipeline stages.
 FP8_FOLDERS = {
     "deepseek_v3_fp8": ("deepseek_v3", torch.float32),
     "qwen3_5_moe_fp8": ("qwen3_5_moe", torch.bfloat16),
+    "deepseek_v3_4l_fp8": ("deepseek_v3_4l", torch.float32),
 }
 #: The oldest transformers the oracle runs on: 5.17.0 (the GPU machines' version) and 5.23.0
 #: give references every family meets (checked on a CPU with both).
@@ -101,8 +106,8 @@ def _make(root: Path) -> None:
             {"input_ids": input_ids, "logits": reference, "bound": bound}, folder / "reference.pt"
         )
         print(f"{name}: {folder} (bound {bound:.2e})", flush=True)
-    for name, (family, scale_dtype) in FP8_FOLDERS.items():
-        folder = fp8_oracle.make_fp8_folder(root / family, root / name, scale_dtype=scale_dtype)
+    for name, (source, scale_dtype) in FP8_FOLDERS.items():
+        folder = fp8_oracle.make_fp8_folder(root / source, root / name, scale_dtype=scale_dtype)
         values = fp8_oracle.make_dequantized_folder(folder, root / f"{name}_values")
         reference = hf_oracle.hf_logits(values, input_ids)
         bound = max(1e-3, logits_bound(values, input_ids, reference))
