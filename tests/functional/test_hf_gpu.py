@@ -13,6 +13,7 @@ still be the on-disk Hugging Face tensors.
 from __future__ import annotations
 
 import os
+
 import pytest
 import torch
 from conftest import exact_float32, report
