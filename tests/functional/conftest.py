@@ -17,8 +17,10 @@ import datetime
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hf_fixtures
@@ -57,6 +59,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "launcher: starts its own torchrun jobs; run with plain pytest, not torchrun"
     )
+    config.addinivalue_line(
+        "markers", "own_job: runs only in a torchrun job of its own (MH_OWN_JOB=1), which a "
+        "launcher test starts (test_training_gpu.py::test_in_process_tests_without_p2p)",
+    )  # fmt: skip
     _GUARD = suite_guard.install(config, Path(__file__).parent)
 
 
@@ -64,6 +70,7 @@ def pytest_collection_modifyitems(config, items):
     suite_guard.deselect_finished(_GUARD, config, items)
     under_torchrun = "WORLD_SIZE" in os.environ
     no_gpu = not ON_CPU and not torch.cuda.is_available()
+    own_job = os.environ.get("MH_OWN_JOB") == "1"
     for item in items:
         launcher = item.get_closest_marker("launcher") is not None
         if no_gpu:
@@ -72,6 +79,9 @@ def pytest_collection_modifyitems(config, items):
             reason = "launches its own torchrun jobs: run it with plain pytest"
         elif not launcher and not under_torchrun:
             reason = "runs under torchrun (torchrun --nproc_per_node N -m pytest ...)"
+        elif item.get_closest_marker("own_job") is not None and not own_job:
+            reason = ("runs in a torchrun job of its own, which "
+                      "test_training_gpu.py::test_in_process_tests_without_p2p starts")  # fmt: skip
         else:
             continue
         item.add_marker(pytest.mark.skip(reason=reason))
@@ -251,51 +261,88 @@ def require_gpus(count: int) -> None:
         pytest.skip(f"needs {count} GPUs; this host has {have}")
 
 
-def launch(
-    args: Iterable[str],
-    *,
-    nproc: int,
-    env: dict[str, str] | None = None,
-    timeout: float = 150.0,
-    expect: int | None = 0,
-) -> str:
-    """``torchrun --nproc_per_node nproc ARGS`` on the first ``nproc`` GPUs; its output.
+@dataclass
+class Job:
+    """One torchrun job of a launcher test: ``torchrun --nproc_per_node nproc ARGS``."""
 
-    The job runs in a session of its own; at ``timeout``, or when the suite guard times the test
-    out, its whole process tree ends (torchrun puts each worker in a session of its own, so
-    killing torchrun alone would leave them holding GPUs and ports). ``expect``: the exit code
-    the job must end with (None: any failure).
+    args: list[str]
+    nproc: int
+    env: dict[str, str] = field(default_factory=dict)
+    #: The exit code it must end with (None: any failure).
+    expect: int | None = 0
+    name: str = ""
+
+
+def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
+    """Run ``jobs`` on this host's GPUs, as many at a time as their GPUs fit (in order, each on
+    GPUs of its own via CUDA_VISIBLE_DEVICES); their outputs, in order.
+
+    Each job runs in a session of its own, its output in a file (no pipe to fill); at
+    ``timeout``, or when the suite guard times the test out, every job's whole process tree
+    ends (torchrun puts each worker in a session of its own, so killing torchrun alone would
+    leave them holding GPUs and ports).
     """
     from megatron_hybrid.process_groups import free_port
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(gpu_count())]
-    if len(devices) < nproc:
-        pytest.skip(f"needs {nproc} GPUs; this host has {len(devices)}")
-    child_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
-    child_env.update(CUDA_VISIBLE_DEVICES=",".join(devices[:nproc]), PYTHONUNBUFFERED="1")
-    child_env.update(env or {})
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master-port", str(free_port()), *args]  # fmt: skip
-    began = time.monotonic()
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-        start_new_session=True,
-    )  # fmt: skip
-    suite_guard.track_child(proc)
+    too_big = [job.nproc for job in jobs if job.nproc > len(devices)]
+    if too_big:
+        pytest.skip(f"needs {max(too_big)} GPUs; this host has {len(devices)}")
+    base_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
+    pending, running, outputs = list(range(len(jobs))), {}, [""] * len(jobs)
+    free, deadline = list(devices), time.monotonic() + timeout
+    failures = []
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        suite_guard.kill_tree(proc.pid)
-        output, _ = proc.communicate()
-        raise AssertionError(
-            f"torchrun on {nproc} GPU(s) did not finish in {timeout:.0f} s: {' '.join(command)}"
-            f"\n... its output ends:\n{output[-4000:]}"
-        ) from None
+        while pending or running:
+            for i in list(pending):
+                job = jobs[i]
+                if job.nproc > len(free):
+                    continue
+                use, free = free[: job.nproc], free[job.nproc :]
+                env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(use),
+                       "PYTHONUNBUFFERED": "1", **job.env}  # fmt: skip
+                port = str(free_port())
+                command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(job.nproc), "--master-port", port, *job.args]  # fmt: skip
+                sink = tempfile.TemporaryFile(mode="w+")
+                proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)  # fmt: skip
+                suite_guard.track_child(proc)
+                running[i] = (proc, sink, use, time.monotonic())
+                pending.remove(i)
+            for i, (proc, sink, use, began) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                suite_guard.untrack_child(proc)
+                sink.seek(0)
+                outputs[i] = sink.read()
+                sink.close()
+                free += use
+                del running[i]
+                job = jobs[i]
+                print(f"\n[{time.monotonic() - began:.0f} s on GPU {','.join(use)}, exit "
+                      f"{proc.returncode}] {job.name or ' '.join(job.args)[:120]}")  # fmt: skip
+                ok = proc.returncode != 0 if job.expect is None else proc.returncode == job.expect
+                if not ok:
+                    failures.append(f"{job.name or job.args}: exit code {proc.returncode} "
+                                    f"(expected {job.expect}):\n{outputs[i][-5000:]}")  # fmt: skip
+            if running and time.monotonic() > deadline:
+                names = [jobs[i].name or " ".join(jobs[i].args)[:80] for i in running]
+                raise AssertionError(
+                    f"torchrun job(s) still running after {timeout:.0f} s: {names}"
+                )
+            time.sleep(0.2)
     finally:
-        suite_guard.untrack_child(proc)
-    print(f"\n[{time.monotonic() - began:.0f} s, {nproc} GPU(s), exit {proc.returncode}] "
-          f"torchrun {' '.join(str(a) for a in args)[:160]}")  # fmt: skip
-    ok = proc.returncode != 0 if expect is None else proc.returncode == expect
-    assert ok, f"exit code {proc.returncode} (expected {expect}):\n{output[-6000:]}"
-    return output
+        for proc, sink, _, _ in running.values():
+            suite_guard.kill_tree(proc.pid)
+            suite_guard.untrack_child(proc)
+            sink.close()
+    assert not failures, "\n\n".join(failures)
+    return outputs
+
+
+def launch(args: Iterable[str], *, nproc: int, env: dict[str, str] | None = None,
+           timeout: float = 150.0, expect: int | None = 0) -> str:  # fmt: skip
+    """One torchrun job (:func:`launch_all`); its output."""
+    return launch_all([Job(list(args), nproc, env or {}, expect)], timeout=timeout)[0]

@@ -243,7 +243,7 @@ def main(argv=None) -> int:
             return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
                     "--log-dir", str(ranks / f"round{round_}"), "--redirects", "3", "--tee", "3",
                     "--local-ranks-filter", "0", "-m", "pytest", "tests/functional",
-                    "-m", "not launcher", *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
+                    "-m", "not launcher and not own_job", *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
 
         def launcher(_round: int) -> list[str]:
             return [sys.executable, "-m", "pytest", "tests/functional", "-m", "launcher",

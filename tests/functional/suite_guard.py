@@ -354,7 +354,18 @@ class SuiteGuard:
             current.detail = _skip_reason(report)
 
     def pytest_unconfigure(self, config) -> None:
+        """The other ranks end after rank 0 has printed its summary: torchrun stops every
+        worker as soon as one exits with an error, which would cut rank 0's report short."""
         self.stop.set()
+        if self.sync_dir is None:
+            return
+        done = self.sync_dir / "rank0.finished"
+        if self.rank == 0:
+            done.touch()
+            return
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(_POLL)
 
     # -- ranks agree --------------------------------------------------------------------------
 
