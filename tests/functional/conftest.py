@@ -6,7 +6,8 @@
 
 Without GPUs (or outside torchrun) every test here is skipped with the reason. For checking the
 test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
-CUDA calls emulated (numerics only; timings and NCCL are not exercised). Every test has a time
+CUDA calls emulated (numerics only; timings and NCCL are not exercised), the launcher tests
+with ``MH_CPU_RANKS`` processes standing for GPUs. Every test has a time
 limit and the ranks of a job agree on each test's outcome (``suite_guard.py``).
 """
 
@@ -250,8 +251,11 @@ _TORCHRUN_VARIABLES = (
 
 
 def gpu_count() -> int:
-    """GPUs this process may use (the launcher tests' process holds none itself)."""
-    return 0 if ON_CPU else torch.cuda.device_count()
+    """GPUs this process may use (the launcher tests' process holds none itself); on the CPU
+    check (``MH_FUNCTIONAL_ON_CPU=1``) the gloo ranks ``MH_CPU_RANKS`` stands for."""
+    if ON_CPU:
+        return int(os.environ.get("MH_CPU_RANKS", "0"))
+    return torch.cuda.device_count()
 
 
 def require_gpus(count: int) -> None:

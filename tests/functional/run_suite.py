@@ -200,12 +200,15 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=470.0,
                         help="seconds for the whole suite (default 470)")  # fmt: skip
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all)")
+    parser.add_argument("--cpu", type=int, default=0, metavar="RANKS",
+                        help="check the runner on a CPU: RANKS gloo processes stand for GPUs, "
+                        "megatron-core's CUDA calls emulated (MH_FUNCTIONAL_ON_CPU=1)")  # fmt: skip
     parser.add_argument("pytest_args", nargs="*", help="extra arguments for both pytest runs")
     args = parser.parse_args(argv)
     began = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpus, device = _gpus()
+    gpus, device = (args.cpu, "CPU rank (gloo, emulated)") if args.cpu else _gpus()
     gpus = gpus if args.gpus is None else min(args.gpus, gpus)
     print(f"== GPU suite: {gpus} x {device}, Python {platform.python_version()}, "
           f"budget {args.budget:.0f} s", flush=True)  # fmt: skip
@@ -213,6 +216,8 @@ def main(argv=None) -> int:
     env.setdefault("MH_TRITON_ONE_CONFIG", "1")
     env.setdefault("TRITON_F32_DEFAULT", "ieee")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if args.cpu:
+        env.update(MH_FUNCTIONAL_ON_CPU="1", MH_CPU_RANKS=str(args.cpu))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
 
     fixtures_note, maker = "", None
@@ -242,8 +247,8 @@ def main(argv=None) -> int:
         def in_process(round_: int) -> list[str]:
             return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
                     "--log-dir", str(ranks / f"round{round_}"), "--redirects", "3", "--tee", "3",
-                    "--local-ranks-filter", "0", "-m", "pytest", "tests/functional",
-                    "-m", "not launcher and not own_job", *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
+                    "--local-ranks-filter", "0", "-m", "pytest", "tests/functional", "-m",
+                    "not launcher and not own_job", *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
 
         def launcher(_round: int) -> list[str]:
             return [sys.executable, "-m", "pytest", "tests/functional", "-m", "launcher",

@@ -194,6 +194,7 @@ def _fla_versions() -> str:
     )
 
 
+@pytest.mark.time_limit(240)  # fla compiles its kernels on first use
 @shapes
 def test_chunk_gated_delta_rule_matches_recurrent_reference(world, shape):
     """fla's ``chunk_gated_delta_rule`` and megatron's torch path vs the naive recurrence."""
@@ -256,6 +257,7 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world, shape):
         pytest.skip(f"forward compared, gradients not: {_fla_refuses() or 'fla #640'}")
 
 
+@pytest.mark.time_limit(180)
 @shapes
 def test_causal_conv1d_matches_reference(world, shape):
     """fla's ``causal_conv1d`` and ``F.conv1d`` (megatron's two conv paths) vs float32."""

@@ -194,6 +194,7 @@ def test_fp8_folders_load_and_stream_back(world, hf_folders, layout):
     reset_megatron_state()
 
 
+@pytest.mark.time_limit(240)
 def test_gpu_sized_model_through_fp8(world, shared_dir):
     """A 0.86 B-parameter bf16 model written as FP8 by the recipe (fused kernel), its bytes the
     torch reference's; loaded from that folder (experts over all GPUs), dequantized exactly

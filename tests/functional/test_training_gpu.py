@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Job, gpu_count, launch, launch_all, require_gpus
+from conftest import ON_CPU, Job, gpu_count, launch, launch_all, require_gpus
 
 pytestmark = pytest.mark.launcher
 
@@ -122,11 +122,14 @@ def test_train_save_resume_and_reshard(tmp_path):
     layout = TP2_EP2 if gpus >= 2 else []
     nproc = 2 if gpus >= 2 else 1
     ckpt = tmp_path / "ckpt"
-    (straight,) = launch_all([_train(*layout, "--train-iters", "6", "--save", str(ckpt),
-                                     "--save-interval", "3", nproc=nproc, name="straight")])  # fmt: skip
+    first = _train(*layout, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3",
+                   nproc=nproc, name="straight")  # fmt: skip
+    (straight,) = launch_all([first])
     # The start-up line names the GPUs, the closing line times the steps after warm-up.
-    name = torch.cuda.get_device_name()
-    assert f"on {nproc} x {name} (nccl) |" in straight, straight[-3000:]
+    where = (
+        "CPU ({} processes, gloo)" if ON_CPU else f"{{}} x {torch.cuda.get_device_name()} (nccl)"
+    )
+    assert f"on {where.format(nproc)} |" in straight, straight[-3000:]
     assert re.search(r"\| median step [0-9.]+ m?s, [0-9,]+ tok/s \| warm-up ", straight)
     # The checkpoint (distributed optimizer, NCCL) records its settings: no flag needed.
     check = subprocess.run(
@@ -187,8 +190,8 @@ def test_nonfinite_step_is_named_on_gpus(tmp_path):
 #: only here (a failed capture can leave a process's CUDA generator mid-capture, which would
 #: break every later test of the in-process job).
 OWN_JOB = [
-    "tests/functional/test_ep_overlap_gpu.py::test_ge_overlap_matches_plain",
-    "tests/functional/test_cuda_graphs_gpu.py::test_overlap_plan_graphed_matches_ungraphed",
+    f"{HERE}/test_ep_overlap_gpu.py::test_ge_overlap_matches_plain",
+    f"{HERE}/test_cuda_graphs_gpu.py::test_overlap_plan_graphed_matches_ungraphed",
 ]
 
 

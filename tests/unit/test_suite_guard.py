@@ -136,20 +136,30 @@ def test_a_sleeping_test_fails_at_its_limit_and_the_run_goes_on(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_rank_stuck_in_a_collective_ends_the_job_and_the_rest_runs_again(tmp_path):
-    suite, record = _suite(tmp_path / "suite", RANKS), tmp_path / "record.jsonl"
-    code, output, seconds = _run(suite, 2, record, MH_TEST_TIMEOUT="4")
-    assert code != 0, output
-    assert seconds < 90, seconds  # gloo's own timeout is 30 minutes
-    ends = _ends(record)
-    assert set(ends) == {"test_rank1_sleeps_rank0_waits"}, ends
-    stuck = ends["test_rank1_sleeps_rank0_waits"]
+def test_a_rank_stuck_in_a_collective_ends_the_job_and_the_runner_runs_the_rest(tmp_path):
+    """The suite runner's phase loop (run_suite.run_phase): the first job ends at the stuck
+    test's limit, the second runs only the test left."""
+    sys.path.insert(0, str(FUNCTIONAL))
+    import run_suite
+
+    suite = _suite(tmp_path / "suite", RANKS)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(MH_TEST_TIMEOUT="4", OMP_NUM_THREADS="1")
+
+    def command(_round):
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master-port", str(free_port()), "-m", "pytest", "-q", "-p",
+                "no:cacheprovider", "-o", "addopts=", str(suite)]  # fmt: skip
+
+    began = time.monotonic()
+    phase = run_suite.run_phase("ranks", command, env, tmp_path, time.monotonic() + 240)
+    assert time.monotonic() - began < 150  # gloo's own timeout is 30 minutes
+    assert phase["rounds"] == 2 and not phase["budget_hit"], phase
+    stuck = phase["ends"]["test_guarded.py::test_rank1_sleeps_rank0_waits"]
     assert stuck["outcome"] == "failed" and stuck["aborted"], stuck
     assert "timed out after 4 s" in stuck["detail"] and "job aborted" in stuck["detail"]
-    # The job again, with the same record: only the test that had not run.
-    code, output, _ = _run(suite, 2, record, MH_TEST_TIMEOUT="4")
-    assert code == 0, output
-    assert _ends(record)["test_after"]["outcome"] == "passed"
+    assert phase["ends"]["test_guarded.py::test_after"]["outcome"] == "passed"
+    assert (tmp_path / "ranks.log").read_text().count("== suite guard, rank") >= 1
 
 
 @pytest.mark.slow
