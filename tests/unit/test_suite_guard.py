@@ -41,7 +41,7 @@ SINGLE = textwrap.dedent("""
         pass
 
     def test_sleeps():
-        time.sleep(120)
+        time.sleep(600)
 
     def test_after():
         pass
@@ -63,7 +63,7 @@ RANKS = textwrap.dedent("""
 
     def test_rank1_sleeps_rank0_waits():
         if RANK == 1:
-            time.sleep(120)
+            time.sleep(600)
         dist.barrier()
 
     def test_after():
@@ -131,7 +131,8 @@ def test_a_sleeping_test_fails_at_its_limit_and_the_run_goes_on(tmp_path):
     assert [ends[n]["outcome"] for n in ("test_first", "test_sleeps", "test_after")] == [
         "passed", "failed", "passed"]  # fmt: skip
     assert "ran past its limit of 3 s" in ends["test_sleeps"]["detail"]
-    assert seconds < 60, seconds  # the sleep alone is 120 s
+    assert seconds < 300, seconds  # the sleep alone is 600 s
+    assert ends["test_sleeps"]["seconds"] < 30, ends["test_sleeps"]
 
 
 @pytest.mark.slow
@@ -152,28 +153,29 @@ def test_a_rank_stuck_in_a_collective_ends_the_job_and_the_runner_runs_the_rest(
                 "no:cacheprovider", "-o", "addopts=", str(suite)]  # fmt: skip
 
     began = time.monotonic()
-    phase = run_suite.run_phase("ranks", command, env, tmp_path, time.monotonic() + 240)
-    assert time.monotonic() - began < 150  # gloo's own timeout is 30 minutes
+    phase = run_suite.run_phase("job", command, env, tmp_path, time.monotonic() + 500)
+    assert time.monotonic() - began < 450  # rank 1 sleeps 600 s, gloo waits 30 minutes
     assert phase["rounds"] == 2 and not phase["budget_hit"], phase
     stuck = phase["ends"]["test_guarded.py::test_rank1_sleeps_rank0_waits"]
     assert stuck["outcome"] == "failed" and stuck["aborted"], stuck
+    assert stuck["seconds"] < 30, stuck
     assert "timed out after 4 s" in stuck["detail"] and "job aborted" in stuck["detail"]
     assert phase["ends"]["test_guarded.py::test_after"]["outcome"] == "passed"
-    assert (tmp_path / "ranks.log").read_text().count("== suite guard, rank") >= 1
+    assert "== suite guard, rank" in (tmp_path / "job.log").read_text()  # said where seen
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ranks_agree_and_an_early_failure_ends_the_job(tmp_path):
     suite, record = _suite(tmp_path / "suite", EARLY), tmp_path / "record.jsonl"
-    code, output, seconds = _run(suite, 2, record, MH_TEST_TIMEOUT="60", MH_TEST_GRACE="2")
+    code, output, seconds = _run(suite, 2, record, MH_TEST_TIMEOUT="600", MH_TEST_GRACE="2")
     assert code != 0, output
-    assert seconds < 50, seconds  # well inside the 60 s limit
+    assert seconds < 300, seconds  # well inside the 600 s limit
     ends = _ends(record)
     alone = ends["test_one_rank_fails"]
     assert alone["outcome"] == "failed" and alone["ranks_failed"] == [1], alone
     assert "rank 1 fails alone" in alone["detail"]
     early = ends["test_rank0_fails_early"]
-    assert early["outcome"] == "failed" and early["aborted"], early
+    assert early["outcome"] == "failed" and early["aborted"] and early["seconds"] < 30, early
     assert "still in the test after 2 s" in early["detail"]
     assert "test_never_reached" not in ends
