@@ -54,8 +54,9 @@ def _gpus() -> tuple[int, str]:
     return torch.cuda.device_count(), torch.cuda.get_device_name()
 
 
-def _read_record(path: Path) -> tuple[dict[str, dict], list[str]]:
-    """Ends by node id, and node ids started (in order)."""
+def _read_record(path: Path, collected: list | None = None) -> tuple[dict[str, dict], list[str]]:
+    """Ends by node id, and node ids started (in order); ``collected`` gets the node ids the
+    jobs collected."""
     ends, started = {}, []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -67,6 +68,8 @@ def _read_record(path: Path) -> tuple[dict[str, dict], list[str]]:
                 started.append(entry["nodeid"])
             elif entry.get("event") == "end":
                 ends[entry["nodeid"]] = entry
+            elif entry.get("event") == "collected" and collected is not None:
+                collected.extend(n for n in entry["nodeids"] if n not in collected)
     return ends, started
 
 
@@ -136,9 +139,11 @@ def run_phase(name, command_for, env, out: Path, deadline: float, max_rounds: in
             break  # a normal end: every collected test ran
         print(f"\n== {name}: the job ended early (exit {code}); starting it again without the "
               f"{len(ends)} test(s) already finished", flush=True)  # fmt: skip
-    ends, _ = _read_record(record)
+    collected: list[str] = []
+    ends, _ = _read_record(record, collected)
+    not_run = [n for n in collected if n not in ends]
     return dict(name=name, ends=ends, codes=codes, rounds=rounds, seconds=seconds,
-                budget_hit=budget_hit)  # fmt: skip
+                budget_hit=budget_hit, not_run=not_run)  # fmt: skip
 
 
 def _collect_rank_logs(ranks: Path, target: Path, phase: dict, lines: int = 60) -> None:
@@ -164,7 +169,7 @@ def _summarise(phases, gpus, device, fixtures_note, total, out: Path) -> int:
                 failures.append((phase["name"], entry["nodeid"], entry.get("detail", "")))
             elif entry["outcome"] == "skipped":
                 skips[entry.get("detail", "")] += 1
-    not_clean = [p["name"] for p in phases if p["budget_hit"] or
+    not_clean = [p["name"] for p in phases if p["budget_hit"] or p["not_run"] or
                  any(c not in (0, 1, 5) for c in p["codes"])]  # fmt: skip
     lines = [
         f"\n== GPU suite on {gpus} x {device}: {counts['passed']} passed, "
@@ -180,6 +185,10 @@ def _summarise(phases, gpus, device, fixtures_note, total, out: Path) -> int:
         lines.append(f"   Hugging Face fixtures: {fixtures_note}")
     for phase, nodeid, detail in failures:
         lines.append(f"FAILED [{phase}] {nodeid}: {detail}")
+    for phase in phases:
+        for nodeid in phase["not_run"]:
+            why = "the time budget ran out, or its job kept ending"
+            lines.append(f"NOT RUN [{phase['name']}] {nodeid}: {why}")
     for reason, n in sorted(skips.items(), key=lambda kv: -kv[1]):
         lines.append(f"SKIPPED x{n}: {reason}")
     text = "\n".join(lines)
@@ -187,7 +196,9 @@ def _summarise(phases, gpus, device, fixtures_note, total, out: Path) -> int:
     date = datetime.date.today().isoformat()
     reasons = "; ".join(f"{n} x {r}" for r, n in sorted(skips.items(), key=lambda kv: -kv[1]))
     row = (f"| {gpus} | {date} | {gpus} x {device} | `bash scripts/gpu_session.sh suite` | "
-           f"{counts['passed']} / {counts['failed']} / {counts['skipped']} | {total:.0f} s | "
+           f"{counts['passed']} / {counts['failed']} / {counts['skipped']}"
+           f"{' / not run ' + str(sum(len(p['not_run']) for p in phases)) if not_clean else ''}"
+           f" | {total:.0f} s | "
            f"{'; '.join(n for _, n, _ in failures) or 'none'} | {reasons} |")  # fmt: skip
     (out / "summary.md").write_text(text + "\n\nrow for docs/gpu_tests.md:\n" + row + "\n")
     ok = not failures and not not_clean and counts["passed"] + counts["skipped"] > 0

@@ -414,6 +414,13 @@ class SuiteGuard:
     def pytest_sessionstart(self, session) -> None:
         self.config._mh_session = session
 
+    def pytest_collection_finish(self, session) -> None:
+        """Record what this job will run, so that a runner can tell what never ran."""
+        if self.rank == 0:
+            nodeids = [item.nodeid for item in session.items
+                       if Path(item.path).resolve().is_relative_to(self.here)]  # fmt: skip
+            self._write_record(event="collected", nodeids=nodeids)
+
 
 def install(config, root: Path) -> SuiteGuard:
     """Register the guard (from ``pytest_configure``) for the tests under ``root``, and its
