@@ -41,8 +41,11 @@ sys.path.insert(0, str(HERE))
 import hf_fixtures  # noqa: E402
 import suite_guard  # noqa: E402
 
-#: Seconds kept for the launcher phase when the in-process phase runs long (with >= 2 GPUs).
-LAUNCHER_RESERVE = 200.0
+#: Seconds kept for the launcher phase when the in-process phase runs long, by GPU count: its
+#: torchrun jobs take 20-30 s each to start; 1 GPU: 3 jobs, 2 GPUs: 9 one after another,
+#: 4 GPUs: 9 in 7 rounds (2-GPU jobs side by side).
+LAUNCHER_RESERVE = {1: 100.0, 2: 230.0}
+LAUNCHER_RESERVE_MORE_GPUS = 190.0
 PYTEST_FLAGS = ["-q", "-s", "-p", "no:cacheprovider", "-W", "ignore"]
 
 
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
         print("no GPU: every test would skip; nothing run", flush=True)
     else:
         deadline = began + args.budget
-        reserve = LAUNCHER_RESERVE if gpus >= 2 else 60.0
+        reserve = LAUNCHER_RESERVE.get(gpus, LAUNCHER_RESERVE_MORE_GPUS)
         ranks = Path(tempfile.mkdtemp(prefix="mh-suite-ranks-"))
 
         def in_process(round_: int) -> list[str]:
