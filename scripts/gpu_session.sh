@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see ../shared/gpu/README.md): install the carried wheels, then run
 # the requested parts, logging under $OUT. Usage: bash scripts/gpu_session.sh PART [PART ...]
+#   suite        the whole GPU suite as a runner runs it (tests/functional/run_suite.py): HF
+#                fixtures made here, in-process tests on all GPUs (a hung test ends the job and
+#                the rest runs again), then the launcher tests; per-test time limits, the whole
+#                within $SUITE_BUDGET s (default 470); summary.md holds the docs/gpu_tests.md row
 #   functional   torchrun -m pytest tests/functional (all GPUs of the machine)
 #   bench        benchmarks/ep_overlap.py with NVLink
 #   bench-nop2p  benchmarks/ep_overlap.py with NCCL_P2P_DISABLE=1 (both take $BENCH_ARGS)
@@ -67,6 +71,10 @@ status=0
 for part in "$@"; do
   start=$(date +%s)
   case $part in
+    suite)
+      python3 tests/functional/run_suite.py --out "$OUT" --budget "${SUITE_BUDGET:-470}" \
+        ${SUITE_ARGS:-} 2>&1 | quiet
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     functional)
       MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | quiet | tee "$OUT/functional.log"

@@ -1,20 +1,32 @@
 """GPU functional tests: run under torchrun, one process per GPU, NCCL.
 
-    torchrun --nproc_per_node 2 -m pytest -q tests/functional     # in-process tests
+    python3 tests/functional/run_suite.py --out DIR                # the whole suite, as CI would
+    torchrun --nproc_per_node 2 -m pytest -q -m "not launcher" tests/functional  # in-process
     pytest -q -m launcher tests/functional                          # tests that start torchrun
 
 Without GPUs (or outside torchrun) every test here is skipped with the reason. For checking the
 test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
-CUDA calls emulated (numerics only; timings and NCCL are not exercised).
+CUDA calls emulated (numerics only; timings and NCCL are not exercised), the launcher tests
+with ``MH_CPU_RANKS`` processes standing for GPUs. Every test has a time
+limit and the ranks of a job agree on each test's outcome (``suite_guard.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
-from collections.abc import Iterator
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import hf_fixtures
 import pytest
+import suite_guard
 import torch
 
 from megatron_hybrid.testing.overlap import rel_error
@@ -40,15 +52,26 @@ def _autotune_first_config_only() -> None:
 _autotune_first_config_only()
 
 
+_GUARD: suite_guard.SuiteGuard | None = None
+
+
 def pytest_configure(config):
+    global _GUARD
     config.addinivalue_line(
         "markers", "launcher: starts its own torchrun jobs; run with plain pytest, not torchrun"
     )
+    config.addinivalue_line(
+        "markers", "own_job: runs only in a torchrun job of its own (MH_OWN_JOB=1), which a "
+        "launcher test starts (test_training_gpu.py::test_in_process_tests_without_p2p)",
+    )  # fmt: skip
+    _GUARD = suite_guard.install(config, Path(__file__).parent)
 
 
 def pytest_collection_modifyitems(config, items):
+    suite_guard.deselect_finished(_GUARD, config, items)
     under_torchrun = "WORLD_SIZE" in os.environ
     no_gpu = not ON_CPU and not torch.cuda.is_available()
+    own_job = os.environ.get("MH_OWN_JOB") == "1"
     for item in items:
         launcher = item.get_closest_marker("launcher") is not None
         if no_gpu:
@@ -57,6 +80,9 @@ def pytest_collection_modifyitems(config, items):
             reason = "launches its own torchrun jobs: run it with plain pytest"
         elif not launcher and not under_torchrun:
             reason = "runs under torchrun (torchrun --nproc_per_node N -m pytest ...)"
+        elif item.get_closest_marker("own_job") is not None and not own_job:
+            reason = ("runs in a torchrun job of its own, which "
+                      "test_training_gpu.py::test_in_process_tests_without_p2p starts")  # fmt: skip
         else:
             continue
         item.add_marker(pytest.mark.skip(reason=reason))
@@ -75,8 +101,15 @@ def world():
         device = torch.device("cpu")
     else:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
+        # A backstop under the suite guard's per-test limit: NCCL's watchdog ends a collective
+        # that waits longer than this (its default is ten minutes).
+        limit = float(os.environ.get("MH_TEST_TIMEOUT", suite_guard.DEFAULT_LIMIT))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=limit + 120))
         device = torch.device("cuda", torch.cuda.current_device())
+        # torchrun gives every rank one CPU thread (OMP_NUM_THREADS=1): the tests' CPU-side
+        # work (reading checkpoints, references, comparisons) would crawl. A share of the cores.
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // ranks_here)))
     yield dist.get_rank(), dist.get_world_size(), device
     from megatron_hybrid.process_groups import reset_megatron_state
 
@@ -165,3 +198,155 @@ def max_rel_diff(actual: dict, reference: dict) -> float:
     """Largest :func:`rel_error` over the tensors of two same-keyed dicts."""
     assert actual.keys() == reference.keys() and actual
     return max(rel_error(actual[k], r) for k, r in reference.items())
+
+
+# -- Hugging Face fixture folders -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def hf_folders(world, tmp_path_factory) -> Path:
+    """The folder of ``hf_fixtures.py``'s checkpoints and transformers' logits.
+
+    ``MH_HF_FIXTURES`` names it (the suite runner makes it on this machine while the first tests
+    run, and this waits for it); without it, rank 0 makes one here where transformers is
+    importable. Every rank reaches the same answer, or every test using it skips with the reason.
+    """
+    import torch.distributed as dist
+
+    rank, _, device = world
+    root = os.environ.get("MH_HF_FIXTURES")
+    if root:
+        wait = float(os.environ.get("MH_HF_FIXTURES_WAIT", "90"))
+        problem = hf_fixtures.wait_for(Path(root), timeout=wait)
+    else:
+        problem = hf_fixtures.transformers_problem()
+        if problem is None:
+            path = [str(tmp_path_factory.mktemp("hf_fixtures")) if rank == 0 else None]
+            dist.broadcast_object_list(path, src=0)
+            root = path[0]
+            if rank == 0:
+                with contextlib.suppress(Exception):  # FAILED holds why; read below
+                    hf_fixtures.main(root)
+            dist.barrier()
+            problem = hf_fixtures.wait_for(Path(root), timeout=0)
+    usable = torch.tensor([0 if problem else 1], device=device)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if problem or not usable.item():
+        pytest.skip(
+            f"no Hugging Face fixture folders: {problem or 'another rank found none'} (the suite "
+            "runner makes them where transformers is importable: tests/functional/run_suite.py)"
+        )
+    return Path(root)
+
+
+# -- torchrun jobs of the launcher tests ----------------------------------------------------------
+
+#: Variables of an enclosing torchrun job, which a nested job must not inherit.
+_TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MH_SYNC_DIR", "MH_TEST_RECORD",
+)  # fmt: skip
+
+
+def gpu_count() -> int:
+    """GPUs this process may use (the launcher tests' process holds none itself); on the CPU
+    check (``MH_FUNCTIONAL_ON_CPU=1``) the gloo ranks ``MH_CPU_RANKS`` stands for."""
+    if ON_CPU:
+        return int(os.environ.get("MH_CPU_RANKS", "0"))
+    return torch.cuda.device_count()
+
+
+def require_gpus(count: int) -> None:
+    """Skip unless this host has ``count`` GPUs (launcher tests)."""
+    have = gpu_count()
+    if have < count:
+        pytest.skip(f"needs {count} GPUs; this host has {have}")
+
+
+@dataclass
+class Job:
+    """One torchrun job of a launcher test: ``torchrun --nproc_per_node nproc ARGS``."""
+
+    args: list[str]
+    nproc: int
+    env: dict[str, str] = field(default_factory=dict)
+    #: The exit code it must end with (None: any failure).
+    expect: int | None = 0
+    name: str = ""
+
+
+def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
+    """Run ``jobs`` on this host's GPUs, as many at a time as their GPUs fit (in order, each on
+    GPUs of its own via CUDA_VISIBLE_DEVICES); their outputs, in order.
+
+    Each job runs in a session of its own, its output in a file (no pipe to fill); at
+    ``timeout``, or when the suite guard times the test out, every job's whole process tree
+    ends (torchrun puts each worker in a session of its own, so killing torchrun alone would
+    leave them holding GPUs and ports).
+    """
+    from megatron_hybrid.process_groups import free_port
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(gpu_count())]
+    too_big = [job.nproc for job in jobs if job.nproc > len(devices)]
+    if too_big:
+        pytest.skip(f"needs {max(too_big)} GPUs; this host has {len(devices)}")
+    base_env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
+    pending, running, outputs = list(range(len(jobs))), {}, [""] * len(jobs)
+    free, deadline = list(devices), time.monotonic() + timeout
+    failures = []
+    try:
+        while pending or running:
+            for i in list(pending):
+                job = jobs[i]
+                if job.nproc > len(free):
+                    continue
+                use, free = free[: job.nproc], free[job.nproc :]
+                env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(use),
+                       "PYTHONUNBUFFERED": "1", **job.env}  # fmt: skip
+                port = str(free_port())
+                command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(job.nproc), "--master-port", port, *job.args]  # fmt: skip
+                sink = tempfile.TemporaryFile(mode="w+")
+                proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)  # fmt: skip
+                suite_guard.track_child(proc)
+                running[i] = (proc, sink, use, time.monotonic())
+                pending.remove(i)
+            for i, (proc, sink, use, began) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                suite_guard.untrack_child(proc)
+                sink.seek(0)
+                outputs[i] = sink.read()
+                sink.close()
+                free += use
+                del running[i]
+                job = jobs[i]
+                print(f"\n[{time.monotonic() - began:.0f} s on GPU {','.join(use)}, exit "
+                      f"{proc.returncode}] {job.name or ' '.join(job.args)[:120]}")  # fmt: skip
+                ok = proc.returncode != 0 if job.expect is None else proc.returncode == job.expect
+                if not ok:
+                    failures.append(f"{job.name or job.args}: exit code {proc.returncode} "
+                                    f"(expected {job.expect}):\n{outputs[i][-5000:]}")  # fmt: skip
+            if running and time.monotonic() > deadline:
+                names = [jobs[i].name or " ".join(jobs[i].args)[:80] for i in running]
+                raise AssertionError(
+                    f"torchrun job(s) still running after {timeout:.0f} s: {names}"
+                )
+            time.sleep(0.2)
+    finally:
+        for proc, sink, _, _ in running.values():
+            suite_guard.kill_tree(proc.pid)
+            suite_guard.untrack_child(proc)
+            sink.close()
+    assert not failures, "\n\n".join(failures)
+    return outputs
+
+
+def launch(args: Iterable[str], *, nproc: int, env: dict[str, str] | None = None,
+           timeout: float = 150.0, expect: int | None = 0) -> str:  # fmt: skip
+    """One torchrun job (:func:`launch_all`); its output."""
+    return launch_all([Job(list(args), nproc, env or {}, expect)], timeout=timeout)[0]

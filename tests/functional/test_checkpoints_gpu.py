@@ -56,8 +56,9 @@ def _loss(chunks, device, seq=64, batch=2):
 
 
 def test_gpt_tp1_checkpoint_loads_into_grouped_tp2_and_ep2(world, shared_dir):
+    from support.checkpoints import assemble_global_tensors, local_shard_mismatches
+
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -99,8 +100,9 @@ def test_gpt_tp1_checkpoint_loads_into_grouped_tp2_and_ep2(world, shared_dir):
 
 
 def test_grouped_pp2_vpp2_checkpoint_loads_into_gpt_tp2(world, shared_dir):
+    from support.checkpoints import assemble_global_tensors, local_shard_mismatches
+
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world

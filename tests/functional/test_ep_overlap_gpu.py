@@ -7,18 +7,39 @@ twice that, or by bf16 rounding (1e-3 relative) when GPTModel happens to match e
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
+
 import pytest
 import torch
 from conftest import layout_fits, report, require_ep_overlap
 
-CASES = [
-    ("[*E]{2}", None),
-    ("[*-][*E]", None),
-    ("*[*E]-", None),
-    ("[*E]{2}/*E", None),
-    ("[GE]{2}", "fla"),
-]
+CASES = ["[*E]{2}", "[*-][*E]", "*[*E]-", "[*E]{2}/*E"]
 STEPS, MICROBATCHES = 3, 4
+
+
+@contextlib.contextmanager
+def plans_built():
+    """Counts the grouped model's schedule plans: an overlapped run that built none fell back
+    to the plain schedule, and its agreement with the plain run would prove nothing."""
+    from megatron_hybrid.model.hybrid_model import HybridModel
+
+    calls, original = [0], HybridModel.build_schedule_plan
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    HybridModel.build_schedule_plan = counted
+    try:
+        yield calls
+    finally:
+        HybridModel.build_schedule_plan = original
+
+
+def _p2p() -> str:
+    return f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE', '0')}"
 
 
 def _rel(a, b):
@@ -57,35 +78,62 @@ def _gather_losses(losses):
     return next(g for g in gathered if g)
 
 
-def test_overlap_matches_plain_like_gpt(world):
+def _gpt_tolerance(ep, device):
+    """GPTModel's own overlap-vs-plain difference on the same data, and the tolerance it sets."""
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
+    from megatron_hybrid.testing.models import build_gpt_twin
 
-    rank, world_size, device = world
-    require_ep_overlap(world_size)
-    ep = world_size
     pg = initialize_model_parallel(ep=ep, seed=5)
     gpt_plain, gpt_overlap = _run("[*E]{2}", build_gpt_twin, pg, device, ep=ep)
     gpt_diff = _rel(gpt_overlap, gpt_plain)
-    tolerance = max(2 * gpt_diff, 1e-3)
-    rows = [("pattern", "max rel diff overlap vs plain", "tolerance"),
-            ("GPTModel [*E]{2}", f"{gpt_diff:.2e}", "-")]  # fmt: skip
-    failures = []
-    for pattern, needs in CASES:
-        if needs == "fla":
-            try:
-                import fla  # noqa: F401
-            except ImportError:
-                rows.append((pattern, "skipped: fla-core missing", ""))
-                continue
-        pg = initialize_model_parallel(ep=ep, seed=5)
+    return gpt_diff, max(2 * gpt_diff, 1e-3)
+
+
+def _grouped(pattern, ep, device):
+    """Overlap vs plain of the grouped ``pattern``: the difference and the plans built."""
+    from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.testing.models import build_hybrid
+
+    pg = initialize_model_parallel(ep=ep, seed=5)
+    with plans_built() as plans:
         plain, overlap = _run(pattern, build_hybrid, pg, device, ep=ep)
-        diff = _rel(overlap, plain)
-        rows.append((pattern, f"{diff:.2e}", f"{tolerance:.2e}"))
-        if diff > tolerance:
-            failures.append(pattern)
-    report(f"EP={ep} overlap vs plain, {STEPS} steps x {MICROBATCHES} micro-batches, bf16", rows)
+    return _rel(overlap, plain), plans[0]
+
+
+def test_overlap_matches_plain_like_gpt(world):
+    rank, world_size, device = world
+    require_ep_overlap(world_size)
+    ep = world_size
+    gpt_diff, tolerance = _gpt_tolerance(ep, device)
+    rows = [("pattern", "max rel diff overlap vs plain", "tolerance", "plans built"),
+            ("GPTModel [*E]{2}", f"{gpt_diff:.2e}", "-", "-")]  # fmt: skip
+    failures = []
+    for pattern in CASES:
+        diff, plans = _grouped(pattern, ep, device)
+        rows.append((pattern, f"{diff:.2e}", f"{tolerance:.2e}", plans))
+        if diff > tolerance or not plans:
+            failures.append(f"{pattern}: {diff:.2e}, {plans} plans")
+    report(f"EP={ep} overlap vs plain, {STEPS} steps x {MICROBATCHES} micro-batches, bf16, "
+           f"{_p2p()}", rows)  # fmt: skip
     assert not failures, f"overlap differs beyond GPTModel's own difference: {failures}"
+
+
+def test_ge_overlap_matches_plain(world):
+    """``[GE]{2}`` (GatedDeltaNet through megatron's torch path) overlapped vs plain, EP over
+    every rank; test_training_gpu.py runs it again with NCCL_P2P_DISABLE=1."""
+    rank, world_size, device = world
+    require_ep_overlap(world_size)
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed (megatron's GatedDeltaNet imports it)")
+    ep = world_size
+    gpt_diff, tolerance = _gpt_tolerance(ep, device)
+    diff, plans = _grouped("[GE]{2}", ep, device)
+    report(f"EP={ep} [GE]{{2}} overlap vs plain, bf16, {_p2p()}",
+           [("GPTModel [*E]{2} max rel diff", f"{gpt_diff:.2e}"),
+            ("[GE]{2} max rel diff", f"{diff:.2e}"), ("tolerance", f"{tolerance:.2e}"),
+            ("plans built", plans)])  # fmt: skip
+    assert plans, "the overlapped run built no schedule plan: it ran the plain schedule"
+    assert diff <= tolerance
 
 
 def test_pp2_vpp2_ep2_with_mtp(world):
@@ -103,8 +151,12 @@ def test_pp2_vpp2_ep2_with_mtp(world):
     # The last chunk holds no decoder layer, only the MTP depth (final norm applied there).
     pattern = "[*E]|[*E]|[*E]|/*E"
     pg = initialize_model_parallel(pp=2, vpp=2, ep=2, seed=5)
-    plain, overlap = _run(pattern, build_hybrid, pg, device, pp=2, vpp=2, ep=2)
+    with plans_built() as plans:
+        plain, overlap = _run(pattern, build_hybrid, pg, device, pp=2, vpp=2, ep=2)
     diff = _rel(_gather_losses(overlap), _gather_losses(plain))
-    rows.append((pattern, f"{diff:.2e}"))
-    report("PP2 x VPP2 x EP2 overlap vs plain", rows)
+    built = torch.tensor([plans[0]], device=device)
+    torch.distributed.all_reduce(built)
+    rows += [(pattern, f"{diff:.2e}"), ("schedule plans built (all ranks)", built.item())]
+    report(f"PP2 x VPP2 x EP2 overlap vs plain, {_p2p()}", rows)
+    assert built.item(), "the overlapped run built no schedule plan: it ran the plain schedule"
     assert diff <= max(2 * gpt_diff, 1e-3)

@@ -6,7 +6,7 @@ experts), so no routing decision can flip between runs. Six model runs:
 * ``float32``: megatron's torch path in float32 (TF32 off): the reference;
 * ``torch``: the torch path in bf16 (computes in float32, rounds its bf16 inputs and outputs);
 * ``fla`` / ``fla ieee``: fla's kernels in bf16, as shipped / with its WY-inverse block merge
-  in IEEE float32 (``megatron_hybrid.testing.fla_precision.solve_dot_precision``);
+  in IEEE float32 (``support.fla_precision.solve_dot_precision``);
 * ``fla float32`` / ``fla float32 ieee``: fla in float32, as shipped (on NVIDIA GPUs from Ampere
   on, fla 0.6.0 runs that merge in TF32 whatever ``TRITON_F32_DEFAULT`` says) / truly IEEE.
 
@@ -14,7 +14,7 @@ experts), so no routing decision can flip between runs. Six model runs:
 fla's other float32 dots IEEE; the solve kernel's TTIR for this GPU must ask for TF32 as shipped
 (where fla chose it) and for none in the IEEE scope.
 
-``A_log`` and ``dt_bias`` get the principled check of ``megatron_hybrid.testing.gdn_gates``
+``A_log`` and ``dt_bias`` get the principled check of ``support.gdn_gates``
 (their gradients are cancelling sums of ``dg * dg/dtheta``: each path's error must lie within the
 Cauchy-Schwarz bound of the ``dg`` and ``g`` its kernel had, else the gates reach the kernel
 wrongly), and each path's ``dg`` must be within its precision's bound: IEEE float32 fla within
@@ -28,7 +28,7 @@ gradients) against a float64 step-by-step recurrence: megatron's torch rule, fla
 as shipped, with a 3xTF32 merge (tensor cores at about float32 accuracy: separates TF32's
 precision from a tensor-core code fault) and in bf16. For fla's float32 runs the WY inverse ``T``
 itself is checked against the rounding bound of its merge's operand precision
-(``megatron_hybrid.testing.wy_solve``: TF32 operands are truncated, unit roundoff 2^-10).
+(``support.wy_solve``: TF32 operands are truncated, unit roundoff 2^-10).
 
 The decision names one of: "bf16 cancellation" (every bound holds), "fla's tf32 choice" (an
 as-shipped run breaks an IEEE bound that its IEEE twin keeps, its ``T`` within the TF32 bound),
@@ -58,8 +58,7 @@ from conftest import (  # noqa: E402
     rel_error,
     report,
 )
-
-from megatron_hybrid.testing.gdn_gates import (  # noqa: E402
+from support.gdn_gates import (  # noqa: E402
     RULE_TENSORS,
     gate_report,
     gate_weights,
@@ -92,7 +91,7 @@ TWINS = {"fla bf16": "fla bf16 ieee", "fla float32": "fla float32 ieee"}
 def _precision(precision):
     if precision is None:
         return contextlib.nullcontext()
-    from megatron_hybrid.testing.fla_precision import solve_dot_precision
+    from support.fla_precision import solve_dot_precision
 
     return solve_dot_precision(precision)
 
@@ -167,14 +166,13 @@ def _replay(calls):
     """Rule by rule on the float32 model's calls: errors against float64, and fla's ``T``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
-
-    from megatron_hybrid.testing.fla_precision import (
+    from support.fla_precision import (
         OPERAND_ROUNDOFF,
         fla_wy_inverse,
         shipped_solve_precision,
     )
-    from megatron_hybrid.testing.gdn_reference import recurrent_gated_delta_rule
-    from megatron_hybrid.testing.wy_solve import (
+    from support.gdn_reference import recurrent_gated_delta_rule
+    from support.wy_solve import (
         check_solve,
         emulate_fla_solve,
         from_fla_layout,
@@ -217,8 +215,7 @@ def _replay(calls):
 def _solve_ttir(device):
     """Float32 dot precisions of the solve kernel's TTIR for this GPU: shipped and IEEE scope."""
     import triton
-
-    from megatron_hybrid.testing.fla_precision import (
+    from support.fla_precision import (
         shipped_solve_precision,
         solve_kernel_dot_precisions,
     )
@@ -312,13 +309,23 @@ def _gate_control(gates) -> bool:
 
 def test_gated_delta_net_group_forward_backward(world):
     """See the module doc: six model runs, the rule replays, the decision."""
-    pytest.importorskip("fla")
+    pytest.importorskip("fla", reason="fla-core is not installed (GatedDeltaNet's kernels)")
     from triton import knobs
 
     if not ON_CPU and knobs.language.fp32_default != "ieee":
         pytest.skip(f"TRITON_F32_DEFAULT={knobs.language.fp32_default}: the IEEE float32 "
                     "comparison needs it 'ieee' from the start of the process")  # fmt: skip
     rank, world_size, device = world
+    if not ON_CPU:
+        from megatron_hybrid.training.capabilities import fla_gated_backward_refused
+
+        # Known before any kernel runs: fla's own refusal comes after a minute of autotuning.
+        refused = fla_gated_backward_refused()
+        if refused:
+            pytest.skip(
+                f"{refused}: this test compares fla's gradients; stage Triton >= 3.7.1 "
+                "(scripts/stage_triton.sh, then gpu_session.sh triton gdn-gates)"
+            )
     # Triton has no CPU driver, so the fla paths run on GPUs only.
     paths = [p for p in PATHS if not (ON_CPU and PATHS[p][1])]
     losses, grads, gates, refused, calls = _run_paths(paths, device)

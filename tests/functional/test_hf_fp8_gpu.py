@@ -3,14 +3,14 @@ fixture folders loaded (logits against transformers on their dequantized weights
 back bitwise, and a GPU-sized Qwen3.5-MoE-shaped model written as FP8 with the release recipe,
 loaded from that folder and streamed back bitwise.
 
-The fixture folders and transformers' logits are made on a CPU (``hf_fixtures.py``, folders
-``*_fp8``); where they are missing that test skips with the reason. Every test runs on 1, 2 or
+The fixture folders and transformers' logits are ``hf_fixtures.py``'s (folders ``*_fp8``, made
+where transformers is importable; the ``hf_folders`` fixture); where they are missing those
+tests skip with the reason. Every test runs on 1, 2 or
 4 GPUs (the GPU-sized model spreads its experts over all of them).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -33,16 +33,6 @@ CPU_SIZED = dict(
     shared_expert_intermediate_size=64, num_hidden_layers=4, linear_num_key_heads=2,
     linear_num_value_heads=4, num_attention_heads=4,
 )  # fmt: skip
-
-
-def _fixture_root() -> Path:
-    root = os.environ.get("MH_HF_FIXTURES")
-    if not root or not all((Path(root) / name).is_dir() for name in FP8_FIXTURES):
-        pytest.skip(
-            "no FP8 fixture folders: run tests/functional/hf_fixtures.py on a CPU with "
-            "transformers, carry the folder and point MH_HF_FIXTURES at it"
-        )
-    return Path(root)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -113,22 +103,71 @@ def test_kernel_matches_reference(dtype, world):
     report(f"FP8 kernel vs torch reference ({str(dtype).split('.')[-1]})", rows)
 
 
-def test_fp8_folders_load_and_stream_back(world, shared_dir):
-    """The FP8 fixtures on the GPU (float32 parameters, TP2 where two ranks fit): transformers'
-    logits on the dequantized weights, and the folder streamed back bitwise."""
+#: Layouts of the fixture folders: ``name -> (load_hf_model sizes, folders)``; PP2 splits the
+#: four-layer DeepSeek-V3 (the three-layer folders' patterns cannot split evenly).
+FP8_LAYOUTS = {
+    "tp1": ({}, FP8_FIXTURES),
+    "tp2": (dict(tensor_model_parallel_size=2), FP8_FIXTURES),
+    "ep2": (dict(expert_model_parallel_size=2), FP8_FIXTURES),
+    "pp2": (dict(pipeline_model_parallel_size=2), ("deepseek_v3_4l_fp8",)),
+}
+
+
+def _logits(model, ids, positions, device):
+    """Full logits on every rank (a two-stage model's last stage sends them back)."""
+    import torch.distributed as dist
+
+    pg = model.pg_collection.pp
+    if pg.size() == 1:
+        return model(ids, positions, None).float()
+    first, last = dist.get_global_rank(pg, 0), dist.get_global_rank(pg, 1)
+    hidden = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size, device=device)
+    shape = torch.zeros(3, dtype=torch.long, device=device)
+    if pg.rank() == 0:
+        dist.send(model(ids, positions, None).contiguous(), dst=last, group=pg)
+        dist.recv(shape, src=last, group=pg)
+        logits = torch.empty(*shape.tolist(), device=device)
+        dist.recv(logits, src=last, group=pg)
+        return logits
+    dist.recv(hidden, src=first, group=pg)
+    model.set_input_tensor(hidden)
+    logits = model(ids, positions, None).float().contiguous()
+    dist.send(torch.tensor(logits.shape, device=device), dst=first, group=pg)
+    dist.send(logits, dst=first, group=pg)
+    return logits
+
+
+def _flip_first_expert(model) -> str:
+    """Negative control: this rank's first routed expert weight with its sign flipped (a scale
+    applied with the wrong sign, or an expert's blocks read from another's)."""
+    for name, param in model.named_parameters():
+        if ".experts." in name and param.dim() >= 2:
+            with torch.no_grad():
+                param.neg_()
+            return name
+    return ""
+
+
+@pytest.mark.parametrize("layout", list(FP8_LAYOUTS))
+def test_fp8_folders_load_and_stream_back(world, hf_folders, layout):
+    """The FP8 fixtures on the GPU at TP1, TP2, EP2 and PP2 (float32 parameters):
+    transformers' logits on the dequantized weights, and the folder streamed back bitwise.
+    Control: one expert weight with its sign flipped must leave the bound."""
     from megatron_hybrid.hf import iter_hf_weights, load_hf_model
     from megatron_hybrid.process_groups import reset_megatron_state
 
     rank, world_size, device = world
-    root = _fixture_root()
-    tp = 2 if world_size % 2 == 0 else 1
-    for name in FP8_FIXTURES:
-        folder = root / name
+    sizes, names = FP8_LAYOUTS[layout]
+    if world_size % max(sizes.values(), default=1):
+        pytest.skip(f"{layout} needs an even number of GPUs; this job has {world_size}")
+    rows = [("folder", "max abs logits diff", "bound", "control", "tensors", "not bitwise")]
+    for name in names:
+        folder = hf_folders / name
         reference = torch.load(folder / "reference.pt")
         reset_megatron_state()
         model = load_hf_model(
             folder,
-            tensor_model_parallel_size=tp,
+            **sizes,
             params_dtype=torch.float32,
             # GatedDeltaNet's torch path (the CPU back-end sets it itself)
             config_overrides=None if ON_CPU else {"deterministic_mode": True},
@@ -136,21 +175,26 @@ def test_fp8_folders_load_and_stream_back(world, shared_dir):
         ids = reference["input_ids"].to(device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         with exact_float32(), torch.no_grad():
-            logits = model(ids, positions, None).float().cpu()
+            logits = _logits(model, ids, positions, device).cpu()
         diff = (logits - reference["logits"]).abs().max().item()
         disk = _read_folder(folder)
         streamed = dict(iter_hf_weights(model))
         wrong = [n for n in disk if n not in streamed or not _same(streamed[n], disk[n])]
-        report(
-            f"{name} TP{tp}",
-            [("max abs logits diff", f"{diff:.2e}"), ("bound", f"{reference['bound']:.2e}"),
-             ("tensors", len(disk)), ("not bitwise", len(wrong))],
-        )  # fmt: skip
-        assert diff <= reference["bound"], diff
-        assert wrong == [] and set(streamed) == set(disk)
+        flipped = _flip_first_expert(model)
+        with exact_float32(), torch.no_grad():
+            control = (_logits(model, ids, positions, device).cpu() - reference["logits"]).abs()
+        control = control.max().item()
+        where = flipped or "no expert here"
+        rows.append((name, f"{diff:.2e}", f"{reference['bound']:.2e}",
+                     f"{control:.2e} ({where})", len(disk), len(wrong)))  # fmt: skip
+        assert diff <= reference["bound"], (name, diff)
+        assert disk and wrong == [] and set(streamed) == set(disk), (name, wrong[:5])
+        assert control > 10 * reference["bound"], (name, "control within the bound", control)
+    report(f"FP8 fixture folders at {layout}, {world_size} ranks", rows)
     reset_megatron_state()
 
 
+@pytest.mark.time_limit(240)
 def test_gpu_sized_model_through_fp8(world, shared_dir):
     """A 0.86 B-parameter bf16 model written as FP8 by the recipe (fused kernel), its bytes the
     torch reference's; loaded from that folder (experts over all GPUs), dequantized exactly
@@ -205,7 +249,8 @@ def test_gpu_sized_model_through_fp8(world, shared_dir):
     wrong, values_wrong = [], []
     for name, tensor in iter_hf_weights(loaded, quantize="none"):
         if rank == 0 and name + SCALE_SUFFIX in disk:
-            q, s = disk[name], disk[name + SCALE_SUFFIX]
+            # On the GPU: torchrun gives each rank one CPU thread.
+            q, s = disk[name].to(tensor.device), disk[name + SCALE_SUFFIX].to(tensor.device)
             if not _same(tensor, dequantize(q, s, (128, 128)).to(torch.bfloat16)):
                 values_wrong.append(name)
     streamed = {}

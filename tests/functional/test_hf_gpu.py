@@ -1,9 +1,9 @@
 """Hugging Face folders on a GPU: the ``local`` and ``transformer_engine`` backends give
 transformers' float32 logits (TF32 off) and stream back the checkpoint bitwise.
 
-The folders and transformers' logits are made on a CPU (``hf_fixtures.py``; the GPU machines
-have no transformers) and found through ``MH_HF_FIXTURES``; where transformers is importable
-they are made here. GatedDeltaNet runs megatron's torch path (``deterministic_mode``): fla's
+The folders and transformers' logits are made by ``hf_fixtures.py`` where transformers is
+importable (the suite runner does it on the GPU machine, ``MH_HF_FIXTURES``; see the
+``hf_folders`` fixture). GatedDeltaNet runs megatron's torch path (``deterministic_mode``): fla's
 Triton kernels compute in TF32-like precision and are checked separately
 (test_gdn_kernels_gpu.py). Under TE the norms are fused into the linears, so the checkpoint keys
 differ (``...linear_qkv.layer_norm_weight``, ``...in_proj.layer_norm_weight``); the export must
@@ -13,7 +13,6 @@ still be the on-disk Hugging Face tensors.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,28 +24,6 @@ FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "nemotron_h")
 # loaded so do later plain-torch models in the process (seen on one H100: logits off by 1e-2 to
 # 1). cuBLAS reads this when it creates its handle, which happens after collection.
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-
-
-def _fixtures(shared: str) -> Path:
-    root = os.environ.get("MH_HF_FIXTURES")
-    if root and Path(root).is_dir():
-        return Path(root)
-    try:
-        import transformers
-    except ImportError:
-        pytest.skip("no MH_HF_FIXTURES folder and no transformers to make one (hf_fixtures.py)")
-    if transformers.__version__ != "5.23.0":  # the oracle the families are written against
-        pytest.skip(
-            f"transformers {transformers.__version__} here; the oracle is 5.23.0: carry the "
-            "folders hf_fixtures.py makes and point MH_HF_FIXTURES at them"
-        )
-    import torch.distributed as dist
-    from hf_fixtures import main
-
-    if dist.get_rank() == 0:
-        main(shared)
-    dist.barrier()
-    return Path(shared)
 
 
 def _backends():
@@ -62,7 +39,7 @@ def _backends():
 
 @pytest.mark.parametrize("backend", list(_backends()))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_folder_on_gpu(family, backend, world, shared_dir):
+def test_hf_folder_on_gpu(family, backend, world, hf_folders):
     from safetensors.torch import load_file
 
     from megatron_hybrid.hf import iter_hf_weights, load_hf_model
@@ -71,7 +48,7 @@ def test_hf_folder_on_gpu(family, backend, world, shared_dir):
     # deterministic_mode (GatedDeltaNet's torch path) asks TE's attention for deterministic
     # algorithms, which TE only grants with this set.
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    folder = _fixtures(shared_dir) / family
+    folder = hf_folders / family
     reference = torch.load(folder / "reference.pt")
     # TP2 wherever two ranks are there (the tiny models have 2 query groups), else TP1.
     tp = 2 if world_size >= 2 and world_size % 2 == 0 else 1
@@ -132,7 +109,7 @@ def _nemotron_logits(folder, impl, dtype, device):
     return (logits - reference["logits"]).abs().max().item(), reference["bound"]
 
 
-def test_nemotron_h_mamba_kernels_torch_and_transformers(world, shared_dir):
+def test_nemotron_h_mamba_kernels_torch_and_transformers(world, hf_folders):
     """megatron-core's Mamba kernels vs the torch Mamba2 path vs transformers, float32 and bf16.
 
     ``nemotron_h_mcore`` has the numerics the kernels compute: both paths must give
@@ -145,7 +122,7 @@ def test_nemotron_h_mamba_kernels_torch_and_transformers(world, shared_dir):
     rank, world_size, device = world
     if world_size != 1:
         pytest.skip("one-GPU comparison; run with --nproc_per_node 1")
-    root = _fixtures(shared_dir)
+    root = hf_folders
     if not (root / "nemotron_h_mcore").is_dir():
         pytest.skip("the fixtures predate nemotron_h_mcore: run hf_fixtures.py again")
     available, reason = mamba_kernels_available()

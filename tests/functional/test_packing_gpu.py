@@ -2,8 +2,13 @@
 
 ``[*E][GE][M-][*-]`` and ``[+E][G-]`` (every symbol the backends build here; ``D`` needs a DSA
 configuration the small test models do not have) run five sequences packed into one THD row
-with alignment padding between them, and each sequence alone, at TP1 and, with two or more GPUs,
-TP2 (with SP) and EP2. GatedDeltaNet runs fla's ``causal_conv1d`` and ``chunk_gated_delta_rule``
+with alignment padding between them, and each sequence alone, at TP1 (and, for the ``te``
+backend, TP2 with SP and EP2). With two or more GPUs the comparison the CPU suite runs on gloo
+(``support.layouts``) runs on NCCL: a TP1 checkpoint loaded at TP2 + SP, EP2, PP2 and
+PP2 x VPP2 gives the TP1 model's ``forward_logprobs`` (packed micro-batches through the
+schedule: packed == separate through pipeline stages too), and packed == separate holds at TP2
+and EP2 for both patterns; GatedDeltaNet told to ignore the boundaries must miss both.
+GatedDeltaNet runs fla's ``causal_conv1d`` and ``chunk_gated_delta_rule``
 with ``cu_seqlens`` (megatron-core's own THD path), Mamba megatron-core's kernels where
 mamba_ssm is installed (else the torch Mamba2 path; the table says which), attention the
 package's local core attention (float32, TF32 off, fla's float32 dots IEEE:
@@ -26,8 +31,10 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # before fla compiles a ker
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import ON_CPU, exact_float32, layout_fits, report  # noqa: E402
-
-from megatron_hybrid.testing.packing import (  # noqa: E402
+from support.layouts import LAYOUTS as PARALLEL_LAYOUTS  # noqa: E402
+from support.layouts import PATTERNS as LAYOUT_PATTERNS  # noqa: E402
+from support.layouts import VOCAB, layout_model, max_error, run_layouts  # noqa: E402
+from support.packing import (  # noqa: E402
     pack_with_gaps,
     packing_errors,
     random_sequences,
@@ -38,7 +45,11 @@ MLA = ("--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
        "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")  # fmt: skip
 PATTERNS = {"[*E][GE][M-][*-]": FLAGS, "[+E][G-]": FLAGS + MLA}
 LAYOUTS = {"tp1": {}, "tp2": dict(tp=2), "ep2": dict(ep=2)}
+#: The local backend's TP2 and EP2 packing runs in test_layouts_match_tp1_and_pack_exactly.
+LOCAL_LAYOUTS = ("tp1",)
 FP32_BOUND = 1e-4
+#: A leaking control must miss by this much (a leak moves logits by O(1)).
+CONTROL = 10 * FP32_BOUND
 
 
 def train_config(pattern, *flags, **overrides):
@@ -114,6 +125,8 @@ def test_packed_equals_separate_with_gpu_kernels(world, backend):
     rows = [("layout", "pattern", "worst packed error", "bound", "leaking control")]
     failures = []
     for name, layout in LAYOUTS.items():
+        if backend == "local" and name not in LOCAL_LAYOUTS:
+            continue
         if not layout_fits(world_size, **layout) or (layout and world_size < 2):
             rows.append((name, "skipped: needs 2 GPUs", "", "", ""))
             continue
@@ -168,3 +181,56 @@ def test_forward_logprobs_on_gpu_equals_each_sequence_alone(world):
                                 (entropy - want_h).abs().max().item())  # fmt: skip
     report("forward_logprobs vs each sequence alone (float32, TP1)", [("max abs", f"{worst:.2e}")])
     assert worst < FP32_BOUND
+
+
+def test_layouts_match_tp1_and_pack_exactly(world, shared_dir):
+    """TP2 + SP, EP2, PP2, PP2 x VPP2 from a TP1 checkpoint, float32 (see the module doc)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_hybrid.checkpointing.sharded import model_sharded_state
+    from megatron_hybrid.logprobs import forward_logprobs
+    from megatron_hybrid.process_groups import initialize_model_parallel
+
+    rank, world_size, device = world
+    if world_size < 2:
+        pytest.skip("TP2, EP2 and PP2 need 2 or 4 GPUs; this job has 1")
+    if not ON_CPU and importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed (GatedDeltaNet's kernels)")
+    names = [
+        name
+        for name, layout in PARALLEL_LAYOUTS.items()
+        if layout_fits(world_size, **{k: v for k, v in layout.items() if k != "vpp"})
+    ]
+    pattern, flags = LAYOUT_PATTERNS["attention"]
+    sequences = random_sequences(vocab_size=VOCAB, seed=5)
+    with exact_float32():
+        pg = initialize_model_parallel(seed=5)
+        model = layout_model(pg, pattern, *flags, device=device).eval()
+        reference = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+        reference = [[p.float().cpu().tolist() for p in pair] for pair in reference]
+        dist_checkpointing.save(model_sharded_state([model]), shared_dir)
+        results = run_layouts(rank, world_size, shared_dir, sequences, device=device, names=names)
+    rows = [("layout", "forward_logprobs vs TP1", "packed vs alone", "leaking control")]
+    failures = []
+    for name in names:
+        result = results[name]
+        error = max_error(result["logprobs"], reference)
+        packed, control = "", ""
+        if not error <= FP32_BOUND:
+            failures.append(f"{name}: log-probs {error:.2e} from TP1's > {FP32_BOUND:.0e}")
+        if "leaking logprobs" in result:
+            leak = max_error(result["leaking logprobs"], reference)
+            control = f"{leak:.2e} (log-probs)"
+            if not leak >= CONTROL:
+                failures.append(f"{name}: the leaking control moved log-probs only {leak:.2e}")
+        if "errors" in result:
+            errors = result["errors"]
+            worst, leak = max(errors["attention"] + errors["mla"]), max(errors["leaking"][1:])
+            packed, control = f"{worst:.2e}", f"{leak:.2e} (logits)"
+            if not worst <= FP32_BOUND:
+                failures.append(f"{name}: packed logits {worst:.2e} from alone > {FP32_BOUND:.0e}")
+            if not leak >= CONTROL:
+                failures.append(f"{name}: the leaking control moved logits only {leak:.2e}")
+        rows.append((name, f"{error:.2e}", packed, control))
+    report(f"layouts vs TP1 (float32, TF32 off), {world_size} ranks, bound {FP32_BOUND:.0e}", rows)
+    assert not failures, failures

@@ -29,7 +29,7 @@ def _model(builder, config, pattern, pg, device):
 
 def _forward_backward(model, device):
     """Per-token losses of a fixed batch and the gradients by checkpoint key."""
-    from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
+    from support.checkpoints import grads_by_checkpoint_key
 
     inputs = device_inputs(device, batch=2, seq=64, seed=3)
     model.zero_grad(set_to_none=True)
@@ -52,8 +52,9 @@ def _save_load(source, target, directory):
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_te_checkpoint_and_math_equal_gpt(world, shared_dir, pattern):
     pytest.importorskip("transformer_engine")
+    from support.checkpoints import sharded_metadata
+
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.checkpoints import sharded_metadata
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world
@@ -112,8 +113,9 @@ def test_te_fp8_equals_gpt(world, shared_dir):
 def test_te_gpt_tp1_checkpoint_loads_into_grouped_tp2(world, shared_dir):
     """TE's own tensor-parallel layers (fused layer norm + linear) under TP2 + SP."""
     pytest.importorskip("transformer_engine")
+    from support.checkpoints import assemble_global_tensors, local_shard_mismatches
+
     from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
 
     rank, world_size, device = world

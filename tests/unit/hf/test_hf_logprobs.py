@@ -18,8 +18,8 @@ import hf_oracle
 import pytest
 import torch
 from hf_oracle import CONVERTED
+from support.packing import PACKING_LENGTHS, random_sequences
 
-from megatron_hybrid.testing.packing import PACKING_LENGTHS, random_sequences
 from megatron_hybrid.testing.spawn import run_distributed
 
 BOUND = 1e-3

@@ -11,44 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.layouts import LAYOUTS, PATTERNS, VOCAB, max_error, run_layouts
+from support.layouts import layout_model as _model
+from support.packing import PACKING_LENGTHS, random_sequences
 
-from megatron_hybrid.testing.packing import (
-    PACKING_LENGTHS,
-    packing_errors,
-    random_sequences,
-)
 from megatron_hybrid.testing.spawn import run_distributed
 
-FLAGS = ("--swiglu", "--num-experts", "4", "--moe-router-topk", "2")
-MLA = ("--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
-       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")  # fmt: skip
-# Every symbol the local backend builds ('*' and '+' cannot share a model).
-PATTERNS = {"attention": ("[*E][GE][M-][*-]", FLAGS), "mla": ("[+E][G-]", FLAGS + MLA)}
-# The same layers split over two pipeline stages, and over 2 x 2 virtual stages.
-PIPED = {"pp2": "[*E][GE]|[M-][*-]", "pp2-vpp2": "[*E]|[GE]|[M-]|[*-]"}
-VOCAB = 120  # the model has 128 output rows: 8 of them vocabulary padding
+FLAGS = PATTERNS["attention"][1]
 EXACT = 1e-5
-
-
-def train_config(pattern, *flags, **overrides):
-    """``train``'s config of ``pattern`` and ``flags``, with the CPU runtime's settings."""
-    from megatron_hybrid.runtime.cpu import cpu_config_overrides
-    from megatron_hybrid.training.config import config_from_flags
-
-    return config_from_flags(pattern, *flags, **{**cpu_config_overrides(), **overrides})
-
-
-def _model(pg, pattern, *flags, vp_stage=None, **overrides):
-    from megatron_hybrid.testing.models import build_hybrid
-
-    config = train_config(pattern, *flags, **overrides)
-    torch.manual_seed(0)
-    model = build_hybrid(config, pattern, pg, vp_stage=vp_stage, max_sequence_length=256)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.fill_(-4.0)  # long memories: a leak would not fade in the padding
-    return model
 
 
 def _reference(model, sequences, vocab=VOCAB):
@@ -141,69 +111,14 @@ def test_packed_refused_where_a_layer_cannot_pack(pg):
     assert forward_logprobs(model, [torch.tensor([3, 4, 5])])[0].shape == (2,)
 
 
-LAYOUTS = {
-    "tp2": dict(tp=2),
-    "ep2": dict(ep=2),
-    "pp2": dict(pp=2),
-    "pp2-vpp2": dict(pp=2, vpp=2),
-}
-
-
-def _layout_flags(layout) -> tuple[str, ...]:
-    flags = []
-    if layout.get("tp"):
-        flags += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    if layout.get("ep"):
-        flags += ["--expert-model-parallel-size", "2"]
-    if layout.get("pp"):
-        flags += ["--pipeline-model-parallel-size", "2"]
-    return tuple(flags)
-
-
 def _layouts_worker(rank, world_size, checkpoint, sequences):
-    """Per layout: forward_logprobs of the checkpoint's model; at TP2/EP2 also packing errors."""
-    from megatron_hybrid.hf.dist import load_model_state
-    from megatron_hybrid.logprobs import forward_logprobs
-    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+    """Per layout: forward_logprobs of the checkpoint's model; at TP2/EP2 also packing errors
+    (the comparison the GPU suite runs on NCCL: ``support.layouts``)."""
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
-    from megatron_hybrid.testing.packing import pack_with_gaps
 
     enable_cpu_emulation()
     torch.set_num_threads(1)
-    out = {}
-    for name, layout in LAYOUTS.items():
-        reset_megatron_state()
-        pg = initialize_model_parallel(**layout)
-        pattern = PIPED.get(name, PATTERNS["attention"][0])
-        flags = FLAGS + _layout_flags(layout)
-        chunks = [_model(pg, pattern, *flags, vp_stage=v) for v in range(layout.get("vpp", 0))]
-        chunks = chunks or [_model(pg, pattern, *flags)]
-        load_model_state(chunks, checkpoint)
-        mine = sequences if rank == 0 or name != "ep2" else sequences[::-1]  # DP ranks differ
-        got = forward_logprobs(chunks if len(chunks) > 1 else chunks[0], mine,
-                               max_tokens_per_micro_batch=64, with_entropy=True,
-                               vocab_size=VOCAB)  # fmt: skip
-        got = got if mine is sequences else got[::-1]
-        # Plain lists: tensors would travel through shared memory the rank releases on exit.
-        out[name] = {"logprobs": [[p.tolist() for p in pair] for pair in got]}
-        if name in ("tp2", "ep2"):
-            errors = {}
-            for key, (p, f) in PATTERNS.items():
-                model = _model(pg, p, *f, *_layout_flags(layout)).eval()
-                errors[key] = packing_errors(
-                    model, sequences, pack_with_gaps(sequences, tp=2), align=2
-                )
-            # Control: GatedDeltaNet's state not reset at the boundaries.
-            layers = [m for m in model.modules() if hasattr(m, "gated_delta_rule")]
-            for layer in layers:
-                rule = layer.gated_delta_rule
-                layer.gated_delta_rule = lambda *a, r=rule, cu_seqlens=None, **k: r(*a, **k)
-            errors["leaking"] = packing_errors(
-                model, sequences, pack_with_gaps(sequences, tp=2), align=2
-            )
-            out[name]["errors"] = errors
-    reset_megatron_state()
-    return out
+    return run_layouts(rank, world_size, checkpoint, sequences)
 
 
 @pytest.mark.distributed
@@ -218,14 +133,17 @@ def test_layouts_give_tp1_results_and_pack_exactly(pg, tmp_path):
     model = _model(pg, pattern, *flags).eval()
     sequences = random_sequences(vocab_size=VOCAB, seed=5)
     reference = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+    reference = [[p.tolist() for p in pair] for pair in reference]
     dist_checkpointing.save(model_sharded_state([model]), str(tmp_path))
     per_rank = run_distributed(_layouts_worker, 2, str(tmp_path), sequences, timeout=900)
     for rank, results in enumerate(per_rank):
-        for name in LAYOUTS:
+        assert set(results) == set(LAYOUTS)
+        for name, result in results.items():
             where = f"{name} rank {rank}"
-            got = [[torch.tensor(p) for p in pair] for pair in results[name]["logprobs"]]
-            assert _max_error(got, [tuple(p.double() for p in r) for r in reference]) < EXACT, where
-            errors = results[name].get("errors")
+            assert max_error(result["logprobs"], reference) < EXACT, where
+            if "leaking logprobs" in result:  # control: the state runs across sequences
+                assert max_error(result["leaking logprobs"], reference) > 1e-3, where
+            errors = result.get("errors")
             if errors:
                 assert max(errors["attention"] + errors["mla"]) < EXACT, (where, errors)
                 assert max(errors["leaking"][1:]) > 1e-3, (where, errors)

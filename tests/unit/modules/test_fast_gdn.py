@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.gdn_reference import make_gdn_inputs, recurrent_gated_delta_rule
 
-from megatron_hybrid.testing.gdn_reference import make_gdn_inputs, recurrent_gated_delta_rule
 from megatron_hybrid.testing.overlap import rel_error
 
 NAMES = ("q", "k", "v", "g", "beta")

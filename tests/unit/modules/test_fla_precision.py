@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 import torch
+from support import TESTS_DIR
 
-fla_precision = pytest.importorskip("megatron_hybrid.testing.fla_precision")
+fla_precision = pytest.importorskip("support.fla_precision")
 pytest.importorskip("fla")
 
 HOPPER = ("cuda", 90, 32)
@@ -83,11 +84,12 @@ def test_bad_precision_and_unknown_fla_are_named(monkeypatch):
 
 _AUDIT = textwrap.dedent("""
     import collections, contextlib, json, sys
+    sys.path.insert(0, {root!r})  # tests/, for support
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interpreter
     from triton._C.libtriton import ir
-    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
+    from support.triton_interpreter import counting_ranges, one_autotune_config
 
     one_autotune_config()
     running = [None]
@@ -114,9 +116,9 @@ _AUDIT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_gdn_gates import _recurrent64
     from test_wy_solve import REGIMES, solve_inputs
-    from megatron_hybrid.testing.fla_precision import fla_wy_inverse, solve_dot_precision
-    from megatron_hybrid.testing.gdn_gates import gate_gradients
-    from megatron_hybrid.testing.wy_solve import check_solve, from_fla_layout, merge_error_bound
+    from support.fla_precision import fla_wy_inverse, solve_dot_precision
+    from support.gdn_gates import gate_gradients
+    from support.wy_solve import check_solve, from_fla_layout, merge_error_bound
 
     # Weak decays (nearly dependent keys): where TF32 in the merge shows.
     k, _, beta = solve_inputs(*REGIMES[1][1:])
@@ -153,7 +155,7 @@ def test_tf32_sites_under_triton_interpreter(tmp_path):
     """fla's own kernels on the CPU, forward and backward: where TF32 is, and what it does."""
     pytest.importorskip("triton.runtime.interpreter")
     script = tmp_path / "fla_audit.py"
-    script.write_text(_AUDIT.format(tests=os.path.dirname(__file__)))
+    script.write_text(_AUDIT.format(tests=os.path.dirname(__file__), root=TESTS_DIR))
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "TRITON_F32_DEFAULT": "ieee"}  # fmt: skip
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,

@@ -3,7 +3,7 @@
 The float64 step-by-step recurrence is the truth. Every float32 path (the recurrence, megatron's
 torch chunked rule, the CPU stand-in of fla's kernel and, under Triton's CPU interpreter, fla's
 kernel itself) must be *consistent*: its gate-gradient errors within the Cauchy-Schwarz bound of
-the ``dg`` and ``g`` it had (``megatron_hybrid.testing.gdn_gates``), and its ``dg`` within float32
+the ``dg`` and ``g`` it had (``support.gdn_gates``), and its ``dg`` within float32
 precision of the chunked algorithm. The inputs have cancelling gate sums (amplification in the
 hundreds), as small models have. Controls: a gate whose backward is wrong, and a kernel whose
 ``dg`` is off, are both reported as defects. Also: the package's GatedDeltaNet takes ``exp`` of
@@ -19,11 +19,12 @@ import textwrap
 
 import pytest
 import torch
+from support import TESTS_DIR
+from support.gdn_gates import gate_gradients, gate_report, gate_weights
+from support.gdn_reference import recurrent_gated_delta_rule
 from torch.nn.functional import normalize, softplus
 
 from megatron_hybrid.modules import gdn_torch
-from megatron_hybrid.testing.gdn_gates import gate_gradients, gate_report, gate_weights
-from megatron_hybrid.testing.gdn_reference import recurrent_gated_delta_rule
 
 # dg of the chunked float32 rules: ~2e-5 at these decays (cumulative log decays of hundreds
 # within a chunk, exp of their float32 differences); a wrong gradient is off by O(1).
@@ -168,7 +169,8 @@ def test_layer_decay_is_float32_in_a_bf16_model(pg):
 
 _FLA_UNDER_INTERPRETER = textwrap.dedent("""
     import sys
-    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
+    sys.path.insert(0, {root!r})  # tests/, for support
+    from support.triton_interpreter import counting_ranges, one_autotune_config
 
     one_autotune_config()
     counting_ranges()
@@ -177,7 +179,7 @@ _FLA_UNDER_INTERPRETER = textwrap.dedent("""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     sys.path.insert(0, {tests!r})
     from test_gdn_gates import DG_FP32, _recurrent64, _report, gate_inputs
-    from megatron_hybrid.testing.gdn_gates import gate_gradients
+    from support.gdn_gates import gate_gradients
 
     inputs, grad_out = gate_inputs()
     reference = gate_gradients(_recurrent64, inputs, grad_out, torch.float64)
@@ -194,7 +196,9 @@ def test_fla_float32_gate_gradients_are_consistent_under_triton_interpreter(tmp_
     pytest.importorskip("fla")
     pytest.importorskip("triton.runtime.interpreter")
     script = tmp_path / "fla_gates.py"
-    script.write_text(_FLA_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)))
+    script.write_text(
+        _FLA_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__), root=TESTS_DIR)
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=900)  # fmt: skip

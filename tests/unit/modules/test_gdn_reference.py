@@ -1,6 +1,6 @@
 """The naive gated delta rule reference, and megatron's torch chunked path checked against it.
 
-float32 on the CPU. The reference (``megatron_hybrid.testing.gdn_reference``) is checked first
+float32 on the CPU. The reference (``support.gdn_reference``) is checked first
 against independently written math, then megatron-core's ``torch_chunk_gated_delta_rule`` (the
 ``deterministic_mode`` path of its GatedDeltaNet) against the reference: forward output and the
 gradients of all five inputs.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.functional import normalize, silu
-
-from megatron_hybrid.testing.gdn_reference import (
+from support.gdn_reference import (
     depthwise_causal_conv1d,
     make_gdn_inputs,
     recurrent_gated_delta_rule,
 )
+from torch.nn.functional import normalize, silu
+
 from megatron_hybrid.testing.overlap import rel_error
 
 NAMES = ("q", "k", "v", "g", "beta")

@@ -1,7 +1,7 @@
 """The CPU stand-ins of fla's GatedDeltaNet kernels against the naive references, packed rows too.
 
 A packed row with ``cu_seqlens`` must give every sequence what the step-by-step recurrence and
-the plain causal convolution (``megatron_hybrid.testing.gdn_reference``) give that sequence alone,
+the plain causal convolution (``support.gdn_reference``) give that sequence alone,
 forward and gradients; the same row without ``cu_seqlens`` (state and window running through) is
 the negative control.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megatron_hybrid.modules import gdn_torch
-from megatron_hybrid.testing.gdn_reference import (
+from support.gdn_reference import (
     depthwise_causal_conv1d,
     make_gdn_inputs,
     recurrent_gated_delta_rule,
 )
+
+from megatron_hybrid.modules import gdn_torch
 from megatron_hybrid.testing.overlap import rel_error
 
 LENGTHS = (3, 70, 1, 64, 29)  # partial, two and exactly one chunk of 64, a single step

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.checkpoints import grads_by_checkpoint_key, sharded_metadata
 
-from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key, sharded_metadata
 from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid, model_inputs, small_config
 
 GPT_EQUIVALENT = ["[*-]{3}", "[*E]{3}", "[*-][*E]{2}", "[*E]{2}[*-]", "[*E]{2}/*E"]

@@ -14,8 +14,7 @@ import contextlib
 
 import pytest
 import torch
-
-from megatron_hybrid.testing.packing import packing_errors, random_sequences
+from support.packing import packing_errors, random_sequences
 
 # Measured differences are <= 3e-7 (float32 rounding of differently sized matmuls); a leak moves
 # later sequences' logits by O(0.1 - 1).
@@ -123,7 +122,7 @@ def test_control_leaking_gated_delta_net_fails(pg, part):
 
 
 def test_control_leaking_mamba_state_fails(pg):
-    from megatron_hybrid.testing.packing import pack_with_gaps
+    from support.packing import pack_with_gaps
 
     model = _model(pg, "M")
     sequences = random_sequences()
@@ -138,7 +137,7 @@ def test_control_leaking_mamba_state_fails(pg):
 def test_control_positions_running_through_the_row_fail(pg, symbol):
     model = _model(pg, symbol, *SYMBOLS[symbol])
     sequences = random_sequences()
-    from megatron_hybrid.testing.packing import pack_with_gaps
+    from support.packing import pack_with_gaps
 
     packed = pack_with_gaps(sequences)
     through = torch.arange(packed.plan.total_tokens).unsqueeze(0)

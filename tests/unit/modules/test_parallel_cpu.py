@@ -37,10 +37,10 @@ def _batches():
 def _run_layout(name: str, checkpoint_dir: str, reference: dict | None):
     from megatron.core import dist_checkpointing
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from support.checkpoints import assemble_global_tensors, local_shard_mismatches
 
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.schedule.steps import lm_forward_step
-    from megatron_hybrid.testing.checkpoints import assemble_global_tensors, local_shard_mismatches
     from megatron_hybrid.testing.models import build_hybrid, small_config
 
     layout = LAYOUTS[name]

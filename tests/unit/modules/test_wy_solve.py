@@ -1,6 +1,6 @@
 """The exact WY inverse of a GatedDeltaNet chunk and the rounding bound of fla's block merge.
 
-``megatron_hybrid.testing.wy_solve`` is what the GPU gate test holds fla's ``T`` to: the bound
+``support.wy_solve`` is what the GPU gate test holds fla's ``T`` to: the bound
 must hold for an emulation of fla's blocking with IEEE and with TF32 (truncated) operands, must be
 broken by TF32 operands when held to the IEEE bound (else it could not tell the two apart), and
 must be broken by a wrong inverse (negative control). Inputs as the layer makes them: keys after
@@ -13,15 +13,14 @@ import math
 
 import pytest
 import torch
-from torch.nn.functional import normalize, silu, softplus
-
-from megatron_hybrid.testing.wy_solve import (
+from support.wy_solve import (
     check_solve,
     emulate_fla_solve,
     merge_error_bound,
     tf32_truncate,
     wy_inverse,
 )
+from torch.nn.functional import normalize, silu, softplus
 
 TF32 = 2.0**-10
 #: (id, the heads' A (decay rate), dt_bias): megatron's initial dt_bias (1) and A in [1, 16]

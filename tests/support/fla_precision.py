@@ -78,7 +78,7 @@ def _solve_module() -> types.ModuleType:
 
         raise RuntimeError(
             f"fla {fla.__version__}: {SOLVE_MODULE} has no {', '.join(missing)}; the precision "
-            "audit in megatron_hybrid/testing/fla_precision.py is for fla 0.6.0: redo it for "
+            "audit in tests/support/fla_precision.py is for fla 0.6.0: redo it for "
             "this version"
         )
     return module

@@ -11,7 +11,7 @@ backward reuses the same ``T``. ``chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve
 in 16 x 16 blocks: each diagonal block by forward substitution (float32, elementwise), the six
 blocks below them by 16 block products (its "block merge", see :func:`emulate_fla_solve`). Those
 products' operands are what fla rounds to TF32 on NVIDIA GPUs (``SOLVE_TRIL_DOT_PRECISION``, see
-:mod:`megatron_hybrid.testing.fla_precision`).
+:mod:`support.fla_precision`).
 
 :func:`wy_inverse` computes ``T`` exactly (float64 triangular solve) from the inputs the kernel
 had; :func:`merge_error_bound` bounds, per element, how far a kernel that follows fla's blocking
