@@ -19,7 +19,8 @@ Checkpoints of older versions record no run identity: they count as this run's w
 settings equal this run's (as every version before accepted them).
 
 ``DIR`` may never be one of the run's sources (``--load-hf``, ``--load-base``, ``--load-peft``,
-a LoRA run's recorded base, a converted checkpoint it starts from), ``--overwrite`` or not.
+a LoRA run's recorded base, a converted checkpoint it starts from, the Hugging Face folder a
+checkpoint it starts from records), ``--overwrite`` or not.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron_hybrid.checkpointing.store import (
     read_tracker,
     resolve_load,
 )
+from megatron_hybrid.hf.dist import read_hf_record
 from megatron_hybrid.peft.checkpoint import LORA_RECORD
 
 __all__ = ["RUN_KEY", "SaveTarget", "check_save_sources", "decide_save_target", "run_of"]
@@ -84,12 +86,16 @@ def check_save_sources(args: argparse.Namespace, lora=None, source=None) -> None
     """
     if not args.save:
         return
+    recorded = getattr(source, "checkpoint", None) or getattr(source, "recorded_in", None)
     sources = {
         "--load-hf": getattr(args, "load_hf", None),
         "--load-base": getattr(args, "load_base", None),
         "--load-peft": getattr(args, "load_peft", None),
         "the LoRA run's base": None if lora is None else lora.hf_path or lora.checkpoint,
         "the converted checkpoint the run starts from": getattr(source, "checkpoint", None),
+        "the Hugging Face folder the model came from": (
+            read_hf_record(recorded).get("hf_path") if recorded else None
+        ),
     }
     # overwrite=True: whether a non-empty DIR may be written is decided against its contents.
     check_output(args.save, overwrite=True, sources=sources, flag="--save")
