@@ -248,7 +248,6 @@ class _Stage:
         self.path = target.with_name(f".{target.name}{PARTIAL}{self.token}")
 
     def begin(self) -> Path:
-        recover(self.target)
         self.target.parent.mkdir(parents=True, exist_ok=True)
         if self.kind == "folder":
             self.path.mkdir()
@@ -426,6 +425,9 @@ class Output:
     def __enter__(self) -> Output:
         if self.first:
             try:
+                # What an interrupted write of this target left goes first (an old folder set
+                # aside comes back), so the checks see the target as it is.
+                recover(_real(self.given))
                 self.target = check_output(
                     self.given,
                     kind=self.kind,
@@ -435,7 +437,7 @@ class Output:
                     exists_error=self.exists_error,
                 )
                 self._stage = _Stage(self.target, self.kind, self.overwrite)
-            except (OutputError, OutputExistsError) as error:
+            except (OutputError, OutputExistsError, OSError) as error:
                 self.failure = error
             else:
                 self.run(self._stage.begin)
