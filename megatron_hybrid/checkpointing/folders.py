@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError
+from megatron_hybrid.checkpointing.outputs import is_leftover
 
 __all__ = [
     "COMMON_RECORD",
+    "HF_FILES_DIR",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
     "METADATA_FILE",
@@ -47,6 +49,9 @@ RELEASE = "release"
 INCOMPLETE_DIR = "incomplete"
 #: The JSON record of the Hugging Face model a checkpoint holds (``hf/dist.py`` writes it).
 HF_RECORD_FILE = "hf_model.json"
+#: Subfolder of a checkpoint with the files of its Hugging Face source that serving needs
+#: (tokenizer, generation config, chat template), so that ``convert --to-hf`` writes them again.
+HF_FILES_DIR = "hf_files"
 #: Key of the package's entry in a checkpoint's common state: ``format``, the pattern, and the
 #: model settings of a ``train`` checkpoint.
 COMMON_RECORD = "megatron_hybrid"
@@ -128,7 +133,9 @@ def _holds_only_leftovers(path: Path) -> bool:
     if not path.is_dir():
         return False
     leftovers = set(incomplete_iterations(path).values())
-    return all(p in leftovers or p.name == INCOMPLETE_DIR for p in path.iterdir())
+    return all(
+        p in leftovers or p.name == INCOMPLETE_DIR or is_leftover(p.name) for p in path.iterdir()
+    )
 
 
 def resolve_load(path: str | Path) -> LoadTarget:

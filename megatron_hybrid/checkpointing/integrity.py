@@ -45,13 +45,16 @@ def _digest(path: Path) -> str:
 
 
 def write_integrity_manifest(folder: str | Path) -> Path:
-    """Record the digest and size of every file in ``folder`` (call on one rank, after saving)."""
+    """Record the digest and size of every file under ``folder`` (one rank, after saving)."""
     folder = Path(folder)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != INTEGRITY_FILE)
+    # Files in subfolders (carried files such as hf_files/tokenizer.json) by relative path, as
+    # megatron-core's verification joins the names to the folder.
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / INTEGRITY_FILE)
+    names = {p: p.relative_to(folder).as_posix() for p in files}
     manifest = {
         "algorithm": _ALGORITHM,
-        "files": {p.name: _digest(p) for p in files},
-        "sizes": {p.name: p.stat().st_size for p in files},
+        "files": {names[p]: _digest(p) for p in files},
+        "sizes": {names[p]: p.stat().st_size for p in files},
     }
     tmp = folder / f".{INTEGRITY_FILE}.tmp"
     with open(tmp, "w") as stream:

@@ -8,12 +8,13 @@ exported here with the rest, so that the store is one import. What a checkpoint 
 business of its writer: ``training/checkpoint.py`` adds optimizer and RNG state, ``hf/dist.py``
 the record of the Hugging Face model, ``training/resume.py`` decides what a run resumes from.
 
-:func:`write` is atomic in the sense that matters after a crash: a folder counts as a checkpoint
-only once megatron-core's ``metadata.json`` is in it, the records are written before that, the
-integrity manifest after it, and the tracker last. It refuses NaN and infinite values by name, and
-every rank agrees before anything is written.
+:func:`write` is atomic: the folder is written beside its place (``checkpointing/outputs.py``,
+the package's one way to write a folder), complete with records, megatron-core's data and
+``metadata.json`` and the integrity manifest, and moved into place only once every rank
+succeeded; the tracker comes last. A failed, interrupted or killed save leaves the root as it
+was. It refuses NaN and infinite values by name before anything is written.
 
-Writers add what they need through two arguments, without touching this module:
+Writers add what they need through three arguments, without touching this module:
 
 * ``state`` takes any sharded state dict: model tensors, optimizer state, and tensors a writer
   carries that are not model parameters (a vision tower kept bitwise, ...). Carried tensors go
@@ -23,6 +24,8 @@ Writers add what they need through two arguments, without touching this module:
 * ``records`` takes JSON records, one file each (``hf_model.json``, a LoRA config and base
   fingerprint, a source-format record, ...): readable without torch or the data files, and
   covered by the integrity manifest. :func:`read_record` reads one.
+* ``files`` takes files to carry in a subfolder (the Hugging Face source's tokenizer files, in
+  :data:`HF_FILES_DIR`), also covered by the manifest.
 """
 
 from __future__ import annotations
@@ -35,13 +38,12 @@ import re
 import shutil
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from megatron_hybrid.checkpointing.finite import (
-    collective_device,
     first_nonfinite,
     named_leaves,
     nonfinite_on_any_rank,
@@ -49,6 +51,7 @@ from megatron_hybrid.checkpointing.finite import (
 )
 from megatron_hybrid.checkpointing.folders import (
     COMMON_RECORD,
+    HF_FILES_DIR,
     HF_RECORD_FILE,
     INCOMPLETE_DIR,
     METADATA_FILE,
@@ -74,10 +77,17 @@ from megatron_hybrid.checkpointing.integrity import (
     verify_checkpoint_files,
     write_integrity_manifest,
 )
+from megatron_hybrid.checkpointing.outputs import (
+    Output,
+    OutputError,
+    OutputExistsError,
+    OutputWriteError,
+)
 from megatron_hybrid.checkpointing.sharded import model_sharded_state
 
 __all__ = [
     "COMMON_RECORD",
+    "HF_FILES_DIR",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
     "INTEGRITY_FILE",
@@ -91,6 +101,8 @@ __all__ = [
     "CheckpointExistsError",
     "LoadTarget",
     "NonFiniteCheckpointError",
+    "OutputError",
+    "OutputWriteError",
     "common_record",
     "complete_iterations",
     "incomplete_iterations",
@@ -113,8 +125,9 @@ _RESERVED = frozenset({METADATA_FILE, INTEGRITY_FILE, "common.pt", ".metadata"})
 _RECORD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.json")
 
 
-class CheckpointExistsError(FileExistsError):
-    """The iteration folder already exists and overwriting was not asked for."""
+class CheckpointExistsError(OutputExistsError):
+    """The iteration folder already exists (or the root is not empty, for a checkpoint that
+    replaces it) and overwriting was not asked for."""
 
 
 class NonFiniteCheckpointError(ValueError):
@@ -210,7 +223,7 @@ def _on_first_rank(work: Callable[[], Any], group) -> Any:
 @contextmanager
 def _prepared_folder_is_expected():
     """Hide megatron-core's "Overwriting old incomplete / corrupted checkpoint" warning while
-    saving into a folder :func:`write` has just emptied and given its records
+    saving into a staging folder :func:`write` has just given its records
     (``dist_checkpointing/serialization.py``: ``save`` warns on any non-empty folder)."""
     logger = logging.getLogger("megatron.core.dist_checkpointing.serialization")
 
@@ -239,17 +252,36 @@ def _in_process_write_results() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def _empty(folder: Path) -> None:
-    """Make ``folder`` an empty folder; its completeness markers go first, so that a kill midway
-    leaves a leftover, never a checkpoint that looks complete (or verified)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for marker in (METADATA_FILE, INTEGRITY_FILE):
-        (folder / marker).unlink(missing_ok=True)
-    for entry in folder.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+def _checked_files(files: Mapping[str, str | Path] | None) -> dict[str, Path]:
+    """Carried files (``sub/folder/name`` -> source file), checked before anything is written."""
+    checked = {}
+    for name, source in (files or {}).items():
+        parts = PurePosixPath(name).parts
+        if (
+            not parts
+            or PurePosixPath(name).is_absolute()
+            or ".." in parts
+            or len(parts) < 2
+            or parts[0] in _RESERVED
+        ):
+            raise ValueError(
+                f"carried file {name!r}: give a relative path inside a subfolder of the "
+                "checkpoint (such as hf_files/tokenizer.json)"
+            )
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"carried file {name!r}: {source} is not a file")
+        checked[name] = Path(source)
+    return checked
+
+
+def _fill(folder: Path, records: Mapping[str, str], files: Mapping[str, Path]) -> None:
+    """The first rank's part of a save before megatron-core's: the folder, records, files."""
+    folder.mkdir(exist_ok=True)
+    for name, text in records.items():
+        _write_atomically(folder / name, text)
+    for name, source in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, folder / name)
 
 
 def write(
@@ -258,7 +290,10 @@ def write(
     state: dict,
     records: Mapping[str, Mapping] | None = None,
     *,
+    files: Mapping[str, str | Path] | None = None,
     overwrite: bool = False,
+    replace_root: bool = False,
+    sources=None,
     group=None,
 ) -> Path:
     """Save ``state`` as the checkpoint of ``iteration`` under the save root ``root``.
@@ -266,19 +301,27 @@ def write(
     Collective over ``group`` (default: the world; megatron-core 0.19.2's
     ``dist_checkpointing.save`` runs over the world, so the group must hold every rank). In
     order: every floating tensor of ``state`` is checked (nothing is written if one is NaN or
-    infinite anywhere), the ranks agree whether the folder exists, the group's first rank
-    empties the folder (when overwriting) and writes the records, megatron-core writes the data
-    and then ``metadata.json`` (the folder is complete from here), the first rank writes the
-    integrity manifest over every file and only then replaces the tracker.
+    infinite anywhere); the first rank checks the target and stages it beside itself
+    (``checkpointing/outputs.py``): the iteration folder, or with ``replace_root`` the whole
+    root; it writes the records and carried files there, megatron-core writes the data and
+    ``metadata.json``, the first rank writes the integrity manifest over every file, and the
+    ranks agree that all of it succeeded. Only then is the staged folder moved into place and
+    the tracker replaced. A failure or interruption anywhere leaves the root as it was.
 
     Args:
         root: the save root.
         iteration: the iteration (``iter_0000010``), or ``"release"`` for a weights-only
-            checkpoint (the root's only one).
+            checkpoint (the root's only one: it implies ``replace_root``).
         state: the sharded state dict to save (``ShardedTensor``/factories/``ShardedObject``
             entries and common values), as ``dist_checkpointing.save`` takes it.
         records: file name (``*.json``) -> JSON object, written into the folder.
-        overwrite: replace an existing folder instead of refusing.
+        files: ``subfolder/name`` -> a file to copy into the folder (the Hugging Face source's
+            tokenizer files: ``hf_files/``); covered by the integrity manifest.
+        overwrite: replace an existing iteration folder (with ``replace_root``: whatever the
+            root holds) instead of refusing.
+        replace_root: the checkpoint becomes the root's only content: the root is staged whole
+            (iteration folder and tracker) and replaces what it held.
+        sources: ``role -> path`` the command reads, which the output may not overlap.
         group: the process group of the ranks saving.
 
     Returns:
@@ -287,8 +330,10 @@ def write(
     Raises:
         NonFiniteCheckpointError: a tensor of ``state`` is NaN or infinite (named; nothing is
             written).
-        CheckpointExistsError: the folder exists (or, for ``release``, the root holds another
-            checkpoint) and ``overwrite`` is False.
+        CheckpointExistsError: the folder exists (or, with ``replace_root``, the root is not
+            empty) and ``overwrite`` is False.
+        OutputError: the root is a source of the command, a file, or cannot be written.
+        OutputWriteError: the write failed (a full disk, ...); the root is as it was.
         ValueError, TypeError: a record name or value that cannot be written.
     """
     from megatron.core import dist_checkpointing
@@ -297,39 +342,41 @@ def write(
                                  or iteration < 0):  # fmt: skip
         raise ValueError(f"iteration {iteration!r}: give an int >= 0 or {RELEASE!r}")
     root = Path(root)
-    folder = root / iteration_folder_name(iteration)
+    replace_root = replace_root or iteration == RELEASE
+    name = iteration_folder_name(iteration)
+    folder = root / name
     encoded = _encoded_records(records)
+    carried = _checked_files(files)
     found = nonfinite_on_any_rank(first_nonfinite(state_tensors(state)), group)
     if found is not None:
-        name, rank = found
+        key, rank = found
         raise NonFiniteCheckpointError(
-            f"not saving {folder}: {name} has NaN or infinite values (rank {rank}); nothing "
+            f"not saving {folder}: {key} has NaN or infinite values (rank {rank}); nothing "
             "was written"
         )
-    # A release checkpoint repoints the tracker: it may not hide the root's other checkpoints.
-    taken = folder.exists() or (iteration == RELEASE and (root / TRACKER_FILE).exists())
-    exists = torch.tensor([float(taken)], device=collective_device(group))
-    torch.distributed.all_reduce(exists, op=torch.distributed.ReduceOp.MAX, group=group)
-    if exists.item() and not overwrite:
-        where = folder if folder.exists() else root
-        raise CheckpointExistsError(
-            f"{where} already holds a checkpoint; save to another directory, or replace it "
-            "(train's --overwrite-checkpoint, overwrite=True in Python)"
-        )
-    first = torch.distributed.get_rank(group) == 0
-    if first:
-        _empty(folder)
-        for name, text in encoded.items():
-            _write_atomically(folder / name, text)
-    torch.distributed.barrier(group=group)
-    _in_process_write_results()
-    with _prepared_folder_is_expected():
-        dist_checkpointing.save(state, str(folder))
-    torch.distributed.barrier(group=group)
-    if first:
-        write_integrity_manifest(folder)
-        _write_atomically(root / TRACKER_FILE, str(iteration))
-    torch.distributed.barrier(group=group)
+    target = root if replace_root else folder
+    with Output(
+        target,
+        overwrite=overwrite,
+        sources=sources,
+        exists_error=CheckpointExistsError,
+        group=group,
+    ) as output:
+        data = output.path / name if replace_root else output.path
+        if output.first:
+            output.run(_fill, data, encoded, carried)
+        output.agree()
+        _in_process_write_results()
+        with _prepared_folder_is_expected():
+            output.run(dist_checkpointing.save, state, str(data))
+        output.agree()
+        if output.first:
+            output.run(write_integrity_manifest, data)
+            if replace_root:
+                output.run(_write_atomically, output.path / TRACKER_FILE, str(iteration))
+            else:
+                tracker = output.target.parent / TRACKER_FILE
+                output.after_commit(lambda: _write_atomically(tracker, str(iteration)))
     return folder
 
 

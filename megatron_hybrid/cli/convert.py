@@ -10,9 +10,14 @@
 or without a use, shapes) and copies nothing if it finds a problem. Block-scaled FP8 folders
 (DeepSeek-V3, the Qwen FP8 releases) are dequantized on load and written as FP8 again by
 ``--to-hf`` (``--quantize source``, the default); the vision tower of a multimodal Qwen3.5 is
-carried through untouched. Runs in one process (CPU or
-one GPU) or under ``torchrun`` with TP/PP/EP for models that do not fit one device. Exit codes:
-0 done, 1 the dry run found problems, 2 bad input.
+carried through untouched, and so are the tokenizer files, chat template and
+``generation_config.json`` (a checkpoint keeps them in ``hf_files/``). Every output is checked
+before any work and written beside its place, then moved in complete: one that is not empty is
+refused unless ``--overwrite`` (which replaces it whole), a source of the command (the Hugging
+Face folder a checkpoint was converted from, a LoRA run's base) is never written, and a failure
+or Ctrl-C leaves the output as it was. Runs in one process (CPU or one GPU) or under
+``torchrun`` with TP/PP/EP for models that do not fit one device. Exit codes: 0 done, 1 the dry
+run found problems, 2 bad input or a failed write, 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_hybrid.cli.main import Command, CommandError
+from megatron_hybrid.checkpointing.outputs import check_output
+from megatron_hybrid.cli.main import Command, CommandError, add_overwrite_flag
 from megatron_hybrid.runtime import select_backend
 
 __all__ = ["COMMAND"]
@@ -40,6 +46,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="with --load of a LoRA run: PEFT adapter folder to write (docs/lora.md)",
     )
     options = parser.add_argument_group("options")
+    add_overwrite_flag(options, "--save/--to-hf/--to-peft")
     options.add_argument(
         "--merge-lora",
         action="store_true",
@@ -142,6 +149,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CommandError("--base-hf goes with --to-peft or --merge-lora (a LoRA run's base)")
     if args.dry_run and not forward:
         raise CommandError("--dry-run checks a --from-hf conversion")
+    if args.overwrite and args.dry_run:
+        raise CommandError("--overwrite replaces an output; --dry-run writes none")
     if forward and args.quantize != "source":
         raise CommandError(
             "--quantize chooses what --to-hf writes; --from-hf dequantizes FP8 folders itself"
@@ -219,6 +228,8 @@ def _from_hf(args: argparse.Namespace) -> int:
     from megatron_hybrid.hf import HFWeightsError, load_hf_model
     from megatron_hybrid.hf.dist import save_model_state
 
+    sources = {"--from-hf": args.from_hf}
+    check_output(args.save, overwrite=args.overwrite, sources=sources, flag="--save")
     check = _check_conversion(args)
     conversion = check.conversion
     if not check.report.ok:
@@ -243,10 +254,9 @@ def _from_hf(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     finally:
         progress.close()
-    try:
-        folder = save_model_state(model, args.save, model.hf_conversion)
-    except FileExistsError as error:
-        raise CommandError(str(error)) from None
+    folder = save_model_state(
+        model, args.save, model.hf_conversion, overwrite=args.overwrite, sources=sources
+    )
     if dist.get_rank() == 0:
         for line in check.report.notes:
             print(line)
@@ -294,6 +304,8 @@ def _to_hf(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     if args.no_mtp and conversion.mtp_layers:
         raise CommandError("--no-mtp: the checkpoint holds MTP layers; they are always exported")
+    sources = {**_checkpoint_sources("--load", args.load), "--hf-config": args.hf_config}
+    check_output(args.to_hf, overwrite=args.overwrite, sources=sources, flag="--to-hf")
     # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 
@@ -320,12 +332,27 @@ def _to_hf(args: argparse.Namespace) -> int:
         conversion=conversion,
         dtype=_dtype(args),
         max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        sources=sources,
     )
     if dist.get_rank() == 0:
         carried = len(getattr(model, "hf_carried", None) or {})
         kept = f"; {carried} tensors carried through untouched" if carried else ""
         print(f"wrote {out} ({conversion.family}, quantize={args.quantize}{kept})")
     return 0
+
+
+def _checkpoint_sources(role: str, path) -> dict:
+    """A checkpoint as a source, with the Hugging Face folder it records it came from (an
+    output may replace neither)."""
+    # lazy: loads torch and megatron, and --help imports every command module
+    from megatron_hybrid.hf.dist import read_hf_record
+
+    try:
+        recorded = read_hf_record(path).get("hf_path")
+    except (OSError, ValueError):  # not a checkpoint (the command says so when it reads it)
+        recorded = None
+    return {role: path, f"the Hugging Face folder {path} was converted from": recorded}
 
 
 def _is_lora_run(args: argparse.Namespace) -> bool:
@@ -398,12 +425,18 @@ def _lora_export(args: argparse.Namespace) -> int:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
     )
+    base = args.base_hf or trained.get("hf") or trained.get("checkpoint")
+    sources = {
+        "--load": args.load,
+        "the recorded base": trained.get("hf") or trained.get("checkpoint"),
+        **_checkpoint_sources("the base", base),
+    }
+    out, flag = (args.to_peft, "--to-peft") if args.to_peft else (args.to_hf, "--to-hf")
+    check_output(out, overwrite=args.overwrite, sources=sources, flag=flag)
     if args.base_hf or trained.get("hf"):
-        base = args.base_hf or trained["hf"]
         check_base(record, base_fingerprint(hf_path=base), where=str(folder), base=base)
         model = load_hf_model(base, transformer_impl=args.transformer_impl, **sizes)
     else:  # a torch_dist base: read where the run recorded it
-        base = trained.get("checkpoint")
         check_base(record, base_fingerprint(checkpoint=base), where=str(folder), base=base)
         model = _model_from_checkpoint(base, args, sizes)
     apply_lora(model, config_of_record(record))
@@ -415,6 +448,8 @@ def _lora_export(args: argparse.Namespace) -> int:
             format=args.peft_format or "peft",
             dtype=_dtype(args),
             base_model_name_or_path=base,
+            overwrite=args.overwrite,
+            sources=sources,
         )
     else:
         out = save_hf_checkpoint(
@@ -424,6 +459,8 @@ def _lora_export(args: argparse.Namespace) -> int:
             dtype=_dtype(args),
             max_shard_size=args.max_shard_size,
             merge_lora=True,
+            overwrite=args.overwrite,
+            sources=sources,
         )
     if dist.get_rank() == 0:
         what = "adapter" if args.to_peft else "merged model"

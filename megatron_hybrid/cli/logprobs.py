@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hybrid.cli.main import Command
+from megatron_hybrid.cli.main import Command, add_overwrite_flag
 from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
 from megatron_hybrid.runtime import select_backend
 from megatron_hybrid.training.arguments import add_hybrid_args
@@ -33,8 +33,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--output",
         metavar="FILE",
-        help="write the JSONL results here (default: standard output)",
+        help="write the JSONL results here (default: standard output); checked before any "
+        "scoring, written whole or not at all",
     )
+    add_overwrite_flag(group, "--output FILE")
     group.add_argument("--entropy", action="store_true", help="also write per-token entropies")
     group.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature of the log-probs"

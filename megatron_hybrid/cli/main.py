@@ -7,8 +7,13 @@ megatron) at import time: every module is imported to build ``--help``.
 
 Bad input exits with code 2 and one message on stderr, never a traceback: argparse does so for
 bad flags, and :func:`main` does so for :class:`CommandError`, ``ImportError`` (a backend the
-flags ask for is missing) and ``ValueError`` (which includes
-``HybridPatternError``) raised by a command.
+flags ask for is missing), ``ValueError`` (which includes ``HybridPatternError``) and
+``OSError`` (a file-system failure: a full disk, a folder that cannot be written) raised by a
+command. Ctrl-C exits with code 130 (128 + SIGINT, as shells report it) and one line; the
+writers leave their outputs as they were (``checkpointing/outputs.py``).
+
+Every command that writes takes ``--overwrite`` (:func:`add_overwrite_flag`), with one meaning:
+an output that is not empty is replaced whole once the new one is complete, never mixed with it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ from megatron_hybrid.package_info import __version__
 from megatron_hybrid.pattern import HybridPatternError, layer_symbols
 from megatron_hybrid.training.settings import SettingsError
 
-__all__ = ["COMMAND_MODULES", "Command", "CommandError", "build_parser", "main"]
+__all__ = [
+    "COMMAND_MODULES",
+    "Command",
+    "CommandError",
+    "add_overwrite_flag",
+    "build_parser",
+    "main",
+]
 
 #: Modules that define a ``COMMAND``, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -40,6 +52,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 #: Exit code for bad input, as argparse uses.
 USAGE_ERROR = 2
+#: Exit code after Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
 
 
 def _pattern_chars() -> frozenset[str]:
@@ -49,6 +63,24 @@ def _pattern_chars() -> frozenset[str]:
 
 class CommandError(Exception):
     """Bad input or a missing optional dependency: printed as one message, exit code 2."""
+
+
+def add_overwrite_flag(parser, target: str, detail: str | None = None) -> None:
+    """Add ``--overwrite`` (the one definition every writing command uses).
+
+    Args:
+        parser: the command's parser or argument group.
+        target: the output it applies to, as the user writes it (``--to-hf/--to-peft OUT_DIR``).
+        detail: what that means for this command, where it says more.
+    """
+    more = f" ({detail})" if detail else ""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace what {target} holds instead of refusing an output that is not empty"
+        f"{more}: the old contents are removed once the new output is complete, never mixed "
+        "with it; a source of the command is never replaced",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,3 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         # interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as error:
+        # A file-system failure (a full disk, permissions): the writers name the output and
+        # leave it as it was; anything else is named with its file.
+        print(f"{parser.prog} {args.command}: error: {_os_message(error)}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt as interrupt:
+        text = str(interrupt) or "interrupted"
+        print(f"{parser.prog} {args.command}: {text}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _os_message(error: OSError) -> str:
+    """One line for an ``OSError``: the writers' own messages as they are, others with the
+    file they name."""
+    if error.strerror and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_hybrid.cli.main import Command, CommandError
+from megatron_hybrid.cli.main import Command, add_overwrite_flag
 from megatron_hybrid.runtime import select_backend
 from megatron_hybrid.training.arguments import PATTERN_REQUIRED, add_hybrid_args
 
@@ -42,10 +42,11 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
         help="a step with a NaN or infinite loss or gradient is never applied: stop the run "
         "(exit 2) or skip the step",
     )
-    group.add_argument(
-        "--overwrite-checkpoint",
-        action="store_true",
-        help="allow --save to replace an existing iteration folder",
+    add_overwrite_flag(
+        group,
+        "--save DIR",
+        "another run's checkpoints or other files, all of them at the first save; iteration "
+        "folders this run writes again",
     )
 
 
@@ -60,17 +61,13 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     # lazy: loads torch and megatron, and --help imports every command module
-    from megatron_hybrid.checkpointing.store import CheckpointExistsError
     from megatron_hybrid.training.run import run_training
 
     if not (args.hybrid_layer_pattern or args.load_hf or args.load or args.load_base):
         raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
     started_world = not torch.distributed.is_initialized()
     try:
-        try:
-            summary = run_training(args, backend=select_backend())
-        except CheckpointExistsError as error:  # an OSError: main() would print a traceback
-            raise CommandError(str(error)) from None
+        summary = run_training(args, backend=select_backend())
     except BaseException:
         # A check that refuses the run after this command started the world: a process group
         # left to the interpreter's exit can abort it ("terminate called without an active

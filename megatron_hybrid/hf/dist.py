@@ -19,18 +19,26 @@ vision tower), which :func:`restore_hf_source` gives back to a model loaded from
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from megatron_hybrid.checkpointing import store
 from megatron_hybrid.checkpointing.sharded import model_sharded_state
-from megatron_hybrid.checkpointing.store import COMMON_RECORD, HF_RECORD_FILE, MODEL_ONLY_FORMAT
+from megatron_hybrid.checkpointing.store import (
+    COMMON_RECORD,
+    HF_FILES_DIR,
+    HF_RECORD_FILE,
+    MODEL_ONLY_FORMAT,
+)
 from megatron_hybrid.hf.config import HFConversion, hf_config_to_megatron
+from megatron_hybrid.hf.io import side_files
 from megatron_hybrid.hf.weights import model_chunks
 
 __all__ = [
     "HF_SOURCE_KEY",
+    "carried_files",
     "conversion_of_checkpoint",
     "hf_config_of_checkpoint",
     "hf_dtypes_of_checkpoint",
@@ -62,7 +70,10 @@ def hf_record(model, conversion: HFConversion | None = None, *, model_only: bool
     if conversion is None:
         return {}
     dtypes = getattr(first, "hf_source_dtypes", None) or {}
+    path = getattr(first, "hf_source_path", None)
     return {
+        # The folder the weights came from (absolute): a command that writes may not replace it.
+        "hf_path": None if path is None else os.path.abspath(path),
         # The whole config.json (a multimodal one with its vision_config), quantization_config
         # included: export writes the source format again from it.
         "hf_config": getattr(conversion, "config_json", conversion.hf_config),
@@ -102,18 +113,38 @@ def hf_source_state(model) -> dict:
     return entries
 
 
+def carried_files(model) -> dict[str, Path]:
+    """The store's ``files`` for the files serving needs that the model carries (tokenizer,
+    generation config, chat template: ``hf_side_files``), under
+    :data:`~megatron_hybrid.checkpointing.store.HF_FILES_DIR`."""
+    files = getattr(model_chunks(model)[0], "hf_side_files", None) or {}
+    return {f"{HF_FILES_DIR}/{name}": Path(path) for name, path in files.items()}
+
+
 def read_hf_record(root) -> dict:
     """The HF record of the checkpoint ``root`` resolves to ({} if it has none)."""
     return store.read_record(root, HF_RECORD_FILE) or {}
 
 
-def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool = False) -> Path:
+def save_model_state(
+    model, root, conversion: HFConversion, *, overwrite: bool = False, sources=None
+) -> Path:
     """Write the model's weights as a release ``torch_dist`` checkpoint; every rank calls it.
 
+    The root is written whole beside its place and moved in complete (the store's
+    ``replace_root``), with the source's tokenizer files in ``hf_files/``.
+
+    Args:
+        overwrite: replace what ``root`` holds (refused otherwise when it is not empty).
+        sources: ``role -> path`` the caller reads; ``root`` may not overlap one. The model's
+            Hugging Face folder is always one.
+
     Raises:
-        CheckpointExistsError: ``root`` already holds a checkpoint and ``overwrite`` is False
-            (a ``FileExistsError``).
+        CheckpointExistsError: ``root`` is not empty and ``overwrite`` is False (a
+            ``FileExistsError``).
         NonFiniteCheckpointError: a weight is NaN or infinite (named; nothing is written).
+        OutputError, OutputWriteError: ``root`` may not be written, or writing failed (``root``
+            is then as it was).
     """
     state = {
         **model_sharded_state(model_chunks(model)),
@@ -125,7 +156,16 @@ def save_model_state(model, root, conversion: HFConversion, *, overwrite: bool =
         HF_SOURCE_KEY: hf_source_state(model),
     }
     record = hf_record(model, conversion, model_only=True)
-    return store.write(root, store.RELEASE, state, {HF_RECORD_FILE: record}, overwrite=overwrite)
+    own = {"the Hugging Face source": record.get("hf_path")}
+    return store.write(
+        root,
+        store.RELEASE,
+        state,
+        {HF_RECORD_FILE: record},
+        files=carried_files(model),
+        overwrite=overwrite,
+        sources={**own, **(sources or {})},
+    )
 
 
 def hf_dtypes_of_checkpoint(root) -> dict[str, torch.dtype]:
@@ -164,8 +204,9 @@ def conversion_of_checkpoint(root, hf_config: dict | None = None, **kwargs) -> H
 
 def restore_hf_source(model, root) -> None:
     """Give a model loaded from the checkpoint ``root`` what it keeps of its Hugging Face source
-    (as ``load_hf_weights`` does): each tensor's stored dtype, the FP8 scales, and on global
-    rank 0 the carried tensors. Collective (every rank calls it).
+    (as ``load_hf_weights`` does): each tensor's stored dtype, the FP8 scales, on global rank 0
+    the carried tensors, the files serving needs (``hf_files/``) and the recorded source folder.
+    Collective (every rank calls it).
 
     Raises:
         CheckpointDamagedError: the record names carried tensors the checkpoint does not hold.
@@ -198,10 +239,14 @@ def restore_hf_source(model, root) -> None:
     loaded = store.read(folder, {HF_SOURCE_KEY: request}).get(HF_SOURCE_KEY, {}) if saved else {}
     scales = {k[len(_SCALES) :]: t for k, t in loaded.items() if k.startswith(_SCALES)}
     carried = {k[len(_CARRIED) :]: t for k, t in loaded.items() if k.startswith(_CARRIED)}
+    files = side_files(folder / HF_FILES_DIR)
     for chunk in model_chunks(model):
         chunk.hf_source_dtypes = dtypes
         chunk.hf_fp8_scales = scales
         chunk.hf_carried = carried
+        chunk.hf_side_files = files
+        if record.get("hf_path"):
+            chunk.hf_source_path = record["hf_path"]
 
 
 def load_model_state(model, root) -> Path:

@@ -358,11 +358,29 @@ class DequantizingReader:
         bo, bi = self.format.block
         q = self.source.read(name, (slice(r0, r1), slice(c0, c1)))
         s = self.source.read(scale, (slice(r0 // bo, -(-r1 // bo)), slice(c0 // bi, -(-c1 // bi))))
+        self._check_positive(scale, s, (r0 // bo, c0 // bi))
         return dequantize(q, s, self.format.block, (r0, c0))
 
     def scale_tensors(self) -> dict[str, torch.Tensor]:
-        """Every FP8 weight's scales as stored, by scale name."""
-        return {scale: self.source.get(scale) for scale in self.scales.values()}
+        """Every FP8 weight's scales as stored, by scale name (each checked positive)."""
+        scales = {scale: self.source.get(scale) for scale in self.scales.values()}
+        for scale, values in scales.items():
+            self._check_positive(scale, values, (0, 0))
+        return scales
+
+    def _check_positive(self, scale: str, values: torch.Tensor, first: tuple[int, int]) -> None:
+        """Refuse a negative or zero block scale: the recipe never writes one (an all-zero block
+        gets 1), and it flips or erases a block of the weight without a NaN to show for it (NaN
+        and infinite scales show in the values, which the read path refuses by name)."""
+        bad = values.float() <= 0
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            value = values[row, col].item()
+            raise HFCheckpointError(
+                f"{self.source.file_of(scale)}: {scale} holds the scale {value} at block "
+                f"[{first[0] + row}, {first[1] + col}]; block scales must be positive "
+                "(the checkpoint is damaged or not block-scaled FP8); repair or re-download it"
+            )
 
 
 def quantize_reference(

@@ -18,16 +18,60 @@ import torch
 from megatron_hybrid.checkpointing.finite import tensor_is_finite
 
 __all__ = [
+    "GENERATION_CONFIG_FILE",
+    "SIDE_FILES",
     "HFCheckpoint",
     "HFCheckpointError",
     "HFCheckpointWriter",
     "parse_size",
     "require_finite",
+    "side_files",
 ]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+#: Files of a Hugging Face model folder that serving needs beside config.json and the weights
+#: (the names transformers 5.23 saves and reads: ``tokenization_utils_base.py``,
+#: ``utils/hub.py``, ``utils/__init__.py``): the tokenizer (fast and slow), the generation
+#: defaults, chat templates, processor configs. Folders are taken whole.
+SIDE_FILES = (
+    GENERATION_CONFIG_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "audio_tokenizer_config.json",
+)
+
+
+def side_files(folder: str | os.PathLike | None) -> dict[str, Path]:
+    """The :data:`SIDE_FILES` a folder holds: relative name (``chat_template.jinja``,
+    ``additional_chat_templates/tool.jinja``) -> file ({} for None or a missing folder)."""
+    if folder is None or not Path(folder).is_dir():
+        return {}
+    folder = Path(folder)
+    found = {}
+    for name in SIDE_FILES:
+        path = folder / name
+        if name.endswith("/") and path.is_dir():
+            for file in sorted(p for p in path.rglob("*") if p.is_file()):
+                found[file.relative_to(folder).as_posix()] = file
+        elif path.is_file():
+            found[name] = path
+    return found
 
 
 class HFCheckpointError(ValueError):
@@ -82,7 +126,9 @@ class HFCheckpoint:
         if missing:
             raise HFCheckpointError(f"{index_file} names files that do not exist: {missing}")
         self.weight_map: dict[str, str] = dict(weight_map)
-        # Every file's header now: a truncated or foreign file is named before any work starts.
+        # Every file's header now: a truncated or foreign file is named before any work starts,
+        # and so is a tensor stored in two files (which one the index names would be a guess).
+        holder: dict[str, str] = {}
         for file in sorted(set(self.weight_map.values())):
             held = set(self._open(file).keys())
             absent = sorted(n for n, f in self.weight_map.items() if f == file and n not in held)
@@ -91,6 +137,14 @@ class HFCheckpoint:
                     f"{index_file} places {len(absent)} tensor(s) in {self.path / file} that it "
                     f"does not hold, e.g. {absent[0]!r}; the index and the files disagree"
                 )
+            for name in sorted(held):
+                if name in holder:
+                    raise HFCheckpointError(
+                        f"{self.path}: tensor {name} is stored twice, in {self.path / holder[name]}"
+                        f" and in {self.path / file}; remove it from one of them (the index names "
+                        f"{self.weight_map.get(name)!r})"
+                    )
+                holder[name] = file
 
     def _open(self, file: str):
         """The open safetensors file ``file`` (its header read and checked)."""

@@ -12,6 +12,7 @@ holds more than the tensor being yielded and the checkpoint tensors it is cut fr
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import torch
 from megatron_hybrid.hf.config import HFConversion, conversion_for, family_named
 from megatron_hybrid.hf.fp8 import FP8_DTYPE, SCALE_SUFFIX, DequantizingReader
 from megatron_hybrid.hf.fp8_stream import BucketQuantizer, FP8Spec, fp8_specs
-from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite
+from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite, side_files
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, build_plan, check_plan
 
 __all__ = [
@@ -157,7 +158,9 @@ def load_hf_weights(
     blocks only. The model keeps what export needs to write the source format again: each
     tensor's stored dtype (``hf_source_dtypes``), the FP8 scales (``hf_fp8_scales``), and on
     global rank 0 the tensors of declared parts it does not compute (``hf_carried``: a
-    multimodal checkpoint's vision tower).
+    multimodal checkpoint's vision tower); and where it came from (``hf_source_path``, absolute)
+    with the files serving needs beside the weights (``hf_side_files``: tokenizer, generation
+    config, chat template), which checkpoints carry and exports write.
 
     Args:
         model: a HybridModel, a list of model chunks, or wrapped ones (DDP, Float16Module).
@@ -249,6 +252,8 @@ def load_hf_weights(
         chunk.hf_fp8_scales = scales
         chunk.hf_carried = kept
         chunk.hf_conversion = conversion
+        chunk.hf_source_path = os.path.abspath(folder.path)
+        chunk.hf_side_files = side_files(folder.path)  # tokenizer etc., for checkpoints, exports
     return model
 
 

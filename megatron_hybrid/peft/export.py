@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_hybrid.checkpointing.outputs import Output
 from megatron_hybrid.peft.apply import lora_state
 from megatron_hybrid.peft.config import LoRAConfigError
 from megatron_hybrid.peft.formats import config_targets, pack_experts
@@ -246,30 +247,37 @@ def save_peft_adapter(
     dtype: torch.dtype | None = None,
     base_model_name_or_path: str | None = None,
     group=None,
+    overwrite: bool = False,
+    sources=None,
 ) -> Path | None:
     """Write the adapter as a PEFT folder (``adapter_config.json`` and
     ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads on the transformers
-    model. Collective over ``group``; rank 0 writes.
+    model. Collective over ``group``; rank 0 writes, beside ``out``, and moves the folder into
+    place complete (``checkpointing/outputs.py``): a failure or Ctrl-C leaves ``out`` as it was.
+
+    Args:
+        overwrite: replace what ``out`` holds (refused otherwise when it is not empty).
+        sources: ``role -> path`` the caller reads; ``out`` may not overlap one (the base is
+            always one).
 
     Returns:
         The folder on rank 0, None elsewhere.
     """
     from safetensors.torch import save_file
 
-    writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     source = base_model_name_or_path
     if source is None:
         state = lora_state(model)
         source = getattr(state, "base_path", None)
-    config = lora_config_dict(model, format=format, base_model_name_or_path=source, group=group)
-    tensors = {}
-    for name, tensor in iter_lora_weights(model, format=format, dtype=dtype, group=group):
-        if writer:  # own memory: shared-A pieces are views of one tensor
-            tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
-    if not writer:
-        return None
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
+    sources = {"the base": source, **(sources or {})}
+    with Output(out, overwrite=overwrite, sources=sources, group=group) as output:
+        config = lora_config_dict(model, format=format, base_model_name_or_path=source, group=group)
+        tensors = {}
+        for name, tensor in iter_lora_weights(model, format=format, dtype=dtype, group=group):
+            if output.first:  # own memory: shared-A pieces are views of one tensor
+                tensors[name] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        if output.first:
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+            output.run(save_file, tensors, str(output.path / ADAPTER_WEIGHTS), {"format": "pt"})
+            output.run((output.path / ADAPTER_CONFIG).write_text, text)
+    return Path(out) if output.first else None

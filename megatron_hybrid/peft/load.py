@@ -46,7 +46,14 @@ def _read_config(folder: Path) -> dict:
         raise PeftAdapterError(
             f"{folder}: not a PEFT adapter folder (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         )
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise PeftAdapterError(f"{path} is not readable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise PeftAdapterError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of adapter settings"
+        )
     if config.get("peft_type") != "LORA":
         raise PeftAdapterError(f"{path}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
     for name, value in _REFUSED.items():
@@ -287,7 +294,7 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
         PeftAdapterError: the folder does not fit the model (the message says which tensor or
             field and why).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
     config = _read_config(folder)
@@ -304,7 +311,14 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
     naming = Naming(conversion, plan)
     rank = int(config["r"])
     path = folder / ADAPTER_WEIGHTS
-    with safe_open(str(path), framework="pt") as handle:
+    try:
+        opened = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise PeftAdapterError(
+            f"{path} is damaged ({error}): it is not a complete safetensors file; copy or export "
+            "it again"
+        ) from None
+    with opened as handle:
         names = list(handle.keys())
         if not names:
             raise PeftAdapterError(f"{path} holds no tensors: loading it would change nothing")

@@ -9,7 +9,8 @@ GPTModel checkpoint (``check-checkpoint`` reads either).
 
 The folder itself is the checkpoint store's (``checkpointing/store.py``): it refuses NaN and
 infinite tensors by name, never writes over an existing iteration folder unless ``overwrite`` is
-set, and ends every save with an integrity manifest written before the tracker names the folder.
+set, writes the folder beside its place and moves it in complete, with its integrity manifest,
+before the tracker names it. The common record names the run (``training/save_target.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron_hybrid.checkpointing.store import (
     CheckpointExistsError,
     NonFiniteCheckpointError,
 )
-from megatron_hybrid.hf.dist import HF_SOURCE_KEY, hf_record, hf_source_state
+from megatron_hybrid.hf.dist import HF_SOURCE_KEY, carried_files, hf_record, hf_source_state
 from megatron_hybrid.peft.apply import lora_state
 from megatron_hybrid.peft.checkpoint import (
     LORA_RECORD,
@@ -45,6 +46,7 @@ from megatron_hybrid.training.optimizer_state import (
     cpu_optimizer_sharded_state,
     load_cpu_optimizer_state,
 )
+from megatron_hybrid.training.save_target import RUN_KEY
 
 __all__ = [
     "CheckpointExistsError",
@@ -134,6 +136,8 @@ def save_checkpoint(
     layout: dict | None = None,
     model_settings: Mapping | None = None,
     records: Mapping[str, Mapping] | None = None,
+    run: str | None = None,
+    replace_root: bool = False,
 ):
     """Save a step's state under ``root`` through the checkpoint store; return the folder.
 
@@ -146,7 +150,10 @@ def save_checkpoint(
             ``check-checkpoint`` needs no flags.
         records: further JSON records (file name -> object) for the folder; a model started
             from Hugging Face weights gets its :data:`~megatron_hybrid.checkpointing.store.
-            HF_RECORD_FILE` without asking.
+            HF_RECORD_FILE` and the source's tokenizer files (``hf_files/``) without asking.
+        run: the run's identity (recorded; see ``training/save_target.py``).
+        replace_root: the checkpoint replaces everything ``root`` holds (the store's
+            ``replace_root``; with ``overwrite``).
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
@@ -156,6 +163,8 @@ def save_checkpoint(
     record = {"format": TRAIN_FORMAT, "hybrid_layer_pattern": pattern}
     if model_settings is not None:
         record["model"] = dict(model_settings)
+    if run is not None:
+        record[RUN_KEY] = run
     state = {
         **model,
         "optimizer": _optimizer_state(optimizer, model, loading=False),
@@ -175,12 +184,21 @@ def save_checkpoint(
     if from_hf:
         state[HF_SOURCE_KEY] = hf_source_state(_unwrapped(chunks))
     all_records = {**({HF_RECORD_FILE: from_hf} if from_hf else {}), **(records or {})}
+    files = carried_files(_unwrapped(chunks)) if from_hf else {}
     if _adapted(chunks):
         # The adapters' config, and where their base came from with its fingerprint: a resume
         # or export needs nothing else and refuses another base.
         base = lora_state(_unwrapped(chunks)).base_info or {}
         all_records[LORA_RECORD] = lora_record(_unwrapped(chunks), base=base)
-    return store.write(root, iteration, state, all_records, overwrite=overwrite)
+    return store.write(
+        root,
+        iteration,
+        state,
+        all_records,
+        files=files,
+        overwrite=overwrite,
+        replace_root=replace_root,
+    )
 
 
 def _materialize_optimizer_state(optimizer) -> None:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_hybrid.checkpointing.outputs import Output, check_output
 from megatron_hybrid.hf.dist import load_model_state
 from megatron_hybrid.logprobs import forward_logprobs
 from megatron_hybrid.pattern import parse_pattern
@@ -43,9 +44,15 @@ def read_sequences(path) -> list[list[int]]:
     """
     file = Path(path)
     try:
-        lines = file.read_text().splitlines()
+        lines = file.read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise ValueError(f"cannot read {file}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        line = file.read_bytes()[: error.start].count(b"\n") + 1
+        raise ValueError(
+            f"{file} line {line} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+            f"offset {error.start}); JSONL is UTF-8: re-encode the file"
+        ) from None
     sequences = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -102,6 +109,8 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     sequences = read_sequences(args.input)  # before any process group or model exists
     if args.load_hf is None and args.load is None:
         raise ValueError("logprobs scores a trained model: give --load-hf HF_DIR or --load CKPT")
+    if args.output is not None:  # before any scoring, not after it
+        check_output(args.output, **_output_rules(args))
     source = hf_source(args)  # the architecture of --load-hf or a converted checkpoint
     if source is not None:
         args = source.applied_to(args)
@@ -140,18 +149,28 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     torch.distributed.all_gather_object(gathered, local, group=pg.dp)
     records = dict(pair for part in gathered for pair in part)
     ordered = [records[i] for i in range(len(sequences))]
+    lines = "".join(json.dumps(record) + "\n" for record in ordered)
+    if args.output is None:
+        if rank == 0:
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        return ordered
+    with Output(args.output, **_output_rules(args)) as output:  # every rank: rank 0 writes
+        if output.first:
+            output.run(output.path.write_text, lines, encoding="utf-8")
     if rank == 0:
-        _write(ordered, args.output)
+        _report(ordered, args.output)
     return ordered
 
 
-def _write(records: list[dict], output) -> None:
-    lines = "".join(json.dumps(record) + "\n" for record in records)
-    if output is None:
-        sys.stdout.write(lines)
-        sys.stdout.flush()
-        return
-    Path(output).write_text(lines)
+def _output_rules(args) -> dict:
+    """How ``--output`` is checked and written: a file, never one of the command's sources."""
+    sources = {"--input": args.input, "--load-hf": args.load_hf, "--load": args.load}
+    overwrite = getattr(args, "overwrite", False)
+    return dict(kind="file", overwrite=overwrite, sources=sources, flag="--output")
+
+
+def _report(records: list[dict], output) -> None:
     scored = sum(len(r["logprobs"]) for r in records)
     total = sum(sum(r["logprobs"]) for r in records)
     mean = total / scored if scored else float("nan")

@@ -1,12 +1,13 @@
 """Where a run resumes from, decided before training, and what it must not do.
 
 Restarting the same command after a crash must work without a human: a save that was killed
-leaves an iteration folder without ``metadata.json`` (megatron-core writes it last), which is not
-a checkpoint. :func:`prepare_resume` moves such leftovers of ``--save`` into its ``incomplete/``
-folder (kept for inspection, out of the way of the next save), resumes from the checkpoint the
-store resolves ``--load`` to (``checkpointing.store.resolve_load``), verifies its files against
-the integrity manifest, and starts from scratch when ``--load`` holds no complete checkpoint
-yet, as Megatron-LM does.
+leaves a staging folder beside the iteration folder it was writing (``.iter_*.partial-*``), or,
+from versions that wrote in place, an iteration folder without ``metadata.json``; neither is a
+checkpoint. :func:`prepare_resume` removes the former and moves the latter into ``--save``'s
+``incomplete/`` folder (kept for inspection, out of the way of the next save), resumes from the
+checkpoint the store resolves ``--load`` to (``checkpointing.store.resolve_load``), verifies its
+files against the integrity manifest, and starts from scratch when ``--load`` holds no complete
+checkpoint yet, as Megatron-LM does.
 
 Rank 0 looks at the file system and decides; every rank gets the same decision.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megatron_hybrid.checkpointing.integrity import CheckpointDamagedError, verify_checkpoint_files
+from megatron_hybrid.checkpointing.outputs import recover_all
 from megatron_hybrid.checkpointing.store import (
     INCOMPLETE_DIR,
     LoadTarget,
@@ -56,6 +58,9 @@ def set_aside_incomplete(root: str | Path) -> list[tuple[Path, Path]]:
 def _decide(load, save) -> LoadTarget:
     notes = []
     if save:
+        # Staging folders of killed saves go; an old iteration folder set aside by a save killed
+        # while replacing it comes back (checkpointing/outputs.py).
+        notes.extend(recover_all(save))
         for old, new in set_aside_incomplete(save):
             notes.append(f"{old} is the leftover of an interrupted save, not a checkpoint: "
                          f"moved to {new}")  # fmt: skip

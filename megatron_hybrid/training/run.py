@@ -19,7 +19,6 @@ import torch
 
 from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
 from megatron_hybrid.checkpointing.settings import mismatched_flags
-from megatron_hybrid.checkpointing.store import iteration_folders
 from megatron_hybrid.hf.api import stack_spec_for
 from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.pattern import GDN, parse_pattern
@@ -36,6 +35,11 @@ from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
 from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
+from megatron_hybrid.training.save_target import (
+    SaveTarget,
+    check_save_sources,
+    decide_save_target,
+)
 from megatron_hybrid.training.validation import validate_settings
 
 __all__ = [
@@ -190,6 +194,7 @@ def run_training(
     if source is not None:
         args = source.applied_to(args)  # the conversion's settings, validated and read below
     validate_settings(args)  # every setting, before any process group or model exists
+    check_save_sources(args, lora, source)  # a file, unwritable, or one of the run's sources
     parsed = parse_pattern(args.hybrid_layer_pattern)
     backend = backend or select_backend()
     # fla's GatedDeltaNet kernels autotune in the first step (51 s on one H100 with Triton 3.6):
@@ -220,12 +225,13 @@ def run_training(
         autotunes=autotunes,
         lora=lora,
     )
-    start, consumed = _resume(setup, chunks, optimizer)
-    _refuse_overwrite(args, start)
+    start, consumed, resumed = _resume(setup, chunks, optimizer)
+    settings = recorded_settings(args, seq_length)
+    target = decide_save_target(args, start, resumed, settings, lora=lora is not None)
     counts = parameter_counts(chunks, pg)  # collective: before rank 0 alone prints
     if rank == 0:
         print(_start_line(setup, world, start, counts), flush=True)
-    return _train(setup, chunks, optimizer, start, consumed)
+    return _train(setup, chunks, optimizer, start, consumed, target)
 
 
 def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) -> str:
@@ -353,8 +359,9 @@ def build_chunks(
     return chunks
 
 
-def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
-    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed)``."""
+def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int, object]:
+    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed,
+    the folder resumed from or None)``."""
     args = setup.args
     try:
         point = resume.prepare_resume(setup.load, args.save)
@@ -363,7 +370,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     for note in point.notes if setup.rank == 0 else ():
         print(note, flush=True)
     if point.folder is None:
-        return 0, 0
+        return 0, 0, None
     folder = point.folder
     if setup.lora is not None:
         check_resumable(setup.lora, chunks, folder)
@@ -375,7 +382,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int]:
     consumed = start * setup.global_batch if consumed is None else consumed
     if setup.rank == 0:
         print(f"resumed from {folder} at iteration {start}", flush=True)
-    return start, consumed
+    return start, consumed, folder
 
 
 def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
@@ -386,25 +393,11 @@ def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
     return settings
 
 
-def _refuse_overwrite(args: argparse.Namespace, start: int) -> None:
-    """Refuse before training, not after hours of it, if a save would replace a checkpoint."""
-    if not args.save or args.overwrite_checkpoint:
-        return
-    planned = {args.train_iters} | (
-        set(range(args.save_interval, args.train_iters + 1, args.save_interval))
-        if args.save_interval
-        else set()
-    )
-    clash = sorted(i for i in iteration_folders(args.save) if i in planned and i > start)
-    if clash:
-        raise TrainingError(
-            f"--save {args.save} already holds iteration(s) {clash} that this run would "
-            "write; pass --overwrite-checkpoint to replace them or choose another --save"
-        )
-
-
-def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> TrainingSummary:
-    """The steps from ``start`` to ``--train-iters``, with periodic and final saves."""
+def _train(
+    setup: _Setup, chunks, optimizer, start: int, consumed: int, target: SaveTarget
+) -> TrainingSummary:
+    """The steps from ``start`` to ``--train-iters``, with periodic and final saves (the first
+    one replacing what ``--save`` held where ``target`` says so)."""
     args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
     dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)
@@ -456,9 +449,11 @@ def _train(setup: _Setup, chunks, optimizer, start: int, consumed: int) -> Train
                     optimizer,
                     pattern=args.hybrid_layer_pattern,
                     model_settings=recorded_settings(args, setup.seq_length),
-                    overwrite=args.overwrite_checkpoint,
+                    overwrite=args.overwrite,
                     consumed_samples=consumed,
                     layout=resume.layout_of(setup.pg),
+                    run=target.run,
+                    replace_root=target.replace_root and saved is None,
                 )
             )
             if done != args.train_iters:  # the final save is in the summary line

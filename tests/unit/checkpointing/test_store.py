@@ -68,7 +68,7 @@ def test_write_refuses_an_existing_folder_and_overwrites_when_asked(megatron_cpu
     root = tmp_path / "ckpt"
     folder = store.write(root, 2, _tensor_state(_finite()), {"old.json": {"v": 1}})
     (folder / "stray.bin").write_bytes(b"x")
-    with pytest.raises(store.CheckpointExistsError, match=r"iter_0000002 already holds"):
+    with pytest.raises(store.CheckpointExistsError, match=r"iter_0000002: the folder is not empty"):
         store.write(root, 2, _tensor_state(_finite()))
     assert (folder / "stray.bin").exists()  # refused before anything was touched
     store.write(root, 2, _tensor_state(_finite()), {"new.json": {"v": 2}}, overwrite=True)
@@ -80,7 +80,7 @@ def test_write_refuses_an_existing_folder_and_overwrites_when_asked(megatron_cpu
 def test_release_does_not_hide_another_checkpoint(megatron_cpu, tmp_path):
     root = tmp_path / "ckpt"
     store.write(root, 4, _tensor_state(_finite()))
-    with pytest.raises(store.CheckpointExistsError, match=r"ckpt already holds a checkpoint"):
+    with pytest.raises(store.CheckpointExistsError, match=r"ckpt: the folder is not empty; pass -"):
         store.write(root, store.RELEASE, _tensor_state(_finite()))
     assert store.read_tracker(root / store.TRACKER_FILE) == 4
 
@@ -103,28 +103,36 @@ def test_bad_records_are_refused_before_writing(megatron_cpu, tmp_path, records,
     assert not root.exists()
 
 
-def test_a_save_that_fails_midway_leaves_a_leftover_and_the_tracker(
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint_whole(
     megatron_cpu, tmp_path, monkeypatch
 ):
-    """Markers are cleared first and the tracker comes last: a failed overwrite leaves a folder
-    that is not complete, and the tracker still names the old iteration."""
+    """The folder is staged beside its place: a failed overwrite (a full disk while megatron-core
+    writes) leaves the old checkpoint complete and verified, no staging folder, and the tracker
+    on it; the re-run writes."""
     from megatron.core import dist_checkpointing
 
     root = tmp_path / "ckpt"
     store.write(root, 1, _tensor_state(_finite()))
     folder = store.write(root, 2, _tensor_state(_finite()))
+    before = (folder / store.INTEGRITY_FILE).read_text()
+    save = dist_checkpointing.save
 
     def broken(state, path, **kwargs):
         (Path(path) / "__0_0.distcp").write_bytes(b"\0")
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device", str(Path(path) / "__0_0.distcp"))
 
     monkeypatch.setattr(dist_checkpointing, "save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(store.OutputWriteError, match=r"iter_0000002: No space left on device"):
         store.write(root, 2, _tensor_state(_finite()), overwrite=True)
-    assert not store.is_complete(folder) and not (folder / store.INTEGRITY_FILE).exists()
+    assert verify_checkpoint_files(folder) is True
+    assert (folder / store.INTEGRITY_FILE).read_text() == before
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000001", "iter_0000002", store.TRACKER_FILE
+    ]  # fmt: skip
     assert store.read_tracker(root / store.TRACKER_FILE) == 2
-    target = store.resolve_load(root)  # the tracker names a leftover: the newest complete one
-    assert target.folder == root / "iter_0000001" and "not a complete checkpoint" in target.notes[0]
+    monkeypatch.setattr(dist_checkpointing, "save", save)
+    store.write(root, 2, _tensor_state(_finite()), overwrite=True)
+    assert verify_checkpoint_files(folder) is True
 
 
 def _nonfinite_checkpoint(root: Path, monkeypatch) -> Path:

@@ -742,3 +742,36 @@ def logits_bound(folder, input_ids, reference=None) -> float:
         floor=TOLERANCE,
     )
     return bounds["logits"]
+
+
+#: What :func:`add_serving_files` gives a folder: a chat template and generation defaults that
+#: differ from every default, so that a copy is told from a stand-in.
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "max_new_tokens": 7,
+              "temperature": 0.6, "top_p": 0.9, "do_sample": True}  # fmt: skip
+
+
+def add_serving_files(folder: str | Path) -> Path:
+    """Give a model folder what serving needs beside the weights, built locally (no hub): a
+    WordLevel tokenizer trained on a few strings (``tokenizers``) wrapped in
+    ``PreTrainedTokenizerFast`` with a chat template, saved with ``save_pretrained``, and a
+    ``generation_config.json`` of :data:`GENERATION`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    text = ["the hybrid model reads tokens", "a tokenizer goes with every export", "hello world"]
+    tokenizer.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    GenerationConfig(**GENERATION).save_pretrained(folder)
+    return Path(folder)

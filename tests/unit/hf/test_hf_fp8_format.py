@@ -235,6 +235,36 @@ def test_inconsistent_fp8_folders_are_refused_by_name(tensors, quantization, mat
         DequantizingReader(source, fmt)
 
 
+@pytest.mark.parametrize("value", [-0.5, 0.0, -0.0], ids=["negative", "zero", "minus-zero"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=["s-fp32", "s-bf16"])
+def test_a_scale_that_is_not_positive_is_refused_by_name(value, scale_dtype, tmp_path):
+    """A negative scale flips a block's signs, a zero one erases it, with finite values either
+    way (no NaN for the later checks to find): both reading paths refuse it by name and file."""
+    q, s = fp8_oracle.quantize_blocks_loop(_weights((40, 50)), (16, 24), scale_dtype)
+    s[2, 1] = value
+    folder = _fp8_folder(tmp_path, {"a.weight": q, "a.weight_scale_inv": s}, FORMAT)
+    source = HFCheckpoint(folder)
+    reader = DequantizingReader(source, block_fp8_format(source.config))
+    match = (
+        rf"{folder / 'model.safetensors'}: a\.weight_scale_inv holds the scale -?0?\.?[0-9]* at "
+        r"block \[2, 1\]; block scales must be positive"
+    )
+    with pytest.raises(HFCheckpointError, match=match):
+        reader.get("a.weight")
+    with pytest.raises(HFCheckpointError, match=match):
+        reader.scale_tensors()
+    assert reader.read("a.weight", (slice(0, 16), slice(0, 24))).abs().sum() > 0  # other blocks
+
+
+def test_negative_control_without_the_check_a_negative_scale_reads_as_values(tmp_path, monkeypatch):
+    q, s = fp8_oracle.quantize_blocks_loop(_weights((40, 50)), (16, 24))
+    s[2, 1] = -s[2, 1]
+    source = HFCheckpoint(_fp8_folder(tmp_path, {"a.weight": q, "a.weight_scale_inv": s}, FORMAT))
+    monkeypatch.setattr(DequantizingReader, "_check_positive", lambda *args: None)
+    values = DequantizingReader(source, block_fp8_format(source.config)).get("a.weight")
+    assert torch.isfinite(values).all()  # silently wrong: the refusal above is the only guard
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [

@@ -117,6 +117,25 @@ def test_an_index_that_disagrees_with_its_files_is_named(source, tmp_path, pg):
         load_hf_model(folder)
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["different-values", "equal-values"])
+def test_a_tensor_stored_in_two_shards_is_refused_naming_both(source, tmp_path, pg, same):
+    """A copy of a tensor in a second shard: the index names one file, the loader would read
+    that one, another reader the other. Refused by name with both files, equal values or not."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(source, tmp_path)
+    name, file = _expert_tensor(folder)
+    other = next(f for f in hf_oracle.safetensors_files(folder) if f != file)
+    value = load_file(folder / file)[name]
+    tensors = load_file(folder / other)
+    tensors[name] = value.clone() if same else value + 1
+    save_file(tensors, folder / other, metadata={"format": "pt"})
+    first, second = sorted([file, other])
+    match = rf"tensor {name} is stored twice, in {folder / first} and in {folder / second}"
+    with pytest.raises(HFCheckpointError, match=match):
+        load_hf_model(folder)
+
+
 @pytest.mark.parametrize(
     ("edit", "match"),
     [

@@ -31,6 +31,7 @@ def train(*argv: str) -> list[float]:
 def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
     """--load-hf, --load of its convert --from-hf checkpoint, and a resume all agree."""
     source = hf_oracle.make_hf_checkpoint("qwen3_5_moe", tmp_path / "hf")
+    hf_oracle.add_serving_files(source)  # the run's checkpoints carry them to the export
     from_hf = train("--load-hf", str(source), "--train-iters", "4", *SHORT,
                     "--save", str(tmp_path / "run"), "--save-interval", "2")  # fmt: skip
     assert len(from_hf) == 4 and all(torch.isfinite(torch.tensor(from_hf)))
@@ -57,6 +58,15 @@ def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
     assert set(exported) == set(hf_oracle.read_tensors(source))
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(hf_oracle.hf_logits(tmp_path / "out", ids)).all()
+    from transformers import AutoTokenizer, GenerationConfig
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (source / name).read_bytes(), name
+    text = "a tokenizer goes with every export"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")(text) == (
+        AutoTokenizer.from_pretrained(source)(text)
+    )
+    assert GenerationConfig.from_pretrained(tmp_path / "out").max_new_tokens == 7
 
 
 def _cli_worker(rank, world_size, argv):

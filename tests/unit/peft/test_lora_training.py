@@ -137,6 +137,11 @@ def test_convert_writes_the_adapter_and_the_merged_model(runs, base, tmp_path):
     assert cli("convert", "--load", run, "--to-peft", str(tmp_path / "peft")) == 0
     assert cli("convert", "--load", run, "--to-hf", str(tmp_path / "merged"), "--merge-lora") == 0
     assert cli("convert", "--load", run, "--to-hf", str(tmp_path / "plain")) == 2
+    # The base the run records is never written, --overwrite or not (it was, with exit 0).
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert cli("convert", "--load", run, "--to-hf", str(folder), "--merge-lora",
+               "--overwrite") == 2  # fmt: skip
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     input_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     peft_logits, live = peft_oracle.peft_logits(folder, tmp_path / "peft", input_ids)
     assert live == 78  # every adapter of the run, none dropped by PEFT

@@ -29,7 +29,7 @@ HYBRID_FLAGS = [
     "--weight-decay",
 ]  # fmt: skip
 TRAIN_ONLY_FLAGS = [
-    "--on-nonfinite", "--overwrite-checkpoint", "--packed", "--round-up-seq-length", "--verbose"
+    "--on-nonfinite", "--overwrite", "--packed", "--round-up-seq-length", "--verbose"
 ]  # fmt: skip
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).

@@ -135,6 +135,6 @@ def test_run_is_quiet_and_reports_intermediate_saves(tmp_path):
     assert f"saved {tmp_path / 'iter_0000001'}" in lines
     assert lines[-1].startswith("done: 2 steps") and "async" not in result.stdout
     verbose = subprocess.run([sys.executable, "-m", "megatron_hybrid", "train", *argv,
-                              "--overwrite-checkpoint", "--verbose"],
+                              "--overwrite", "--verbose"],
                              capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert verbose.returncode == 0 and "Warning" in verbose.stderr  # negative control

@@ -142,20 +142,26 @@ def test_load_of_mismatched_pattern_fails_before_training(resumed, pattern, expe
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("overwrite", "code"),
-    [pytest.param(False, 2, id="refused"), pytest.param(True, 0, id="overwrite_checkpoint")],
+    [pytest.param(False, 2, id="refused"), pytest.param(True, 0, id="overwrite")],
 )
 def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
-    folder = tmp_path / "iter_0000001"
-    folder.mkdir()
+    """``--save`` holding something that is not this run's checkpoints (here a folder that
+    only looks complete) is refused before any step; ``--overwrite`` replaces all of it at the
+    first save, so nothing of the old contents is mixed with the new."""
+    root = tmp_path / "run"
+    folder = root / "iter_0000001"
+    folder.mkdir(parents=True)
     (folder / "keep.txt").write_text("old")
-    (folder / "metadata.json").write_text("{}")  # a complete checkpoint (leftovers are moved)
-    flags = ["--overwrite-checkpoint"] if overwrite else []
-    result = run_cli(*DEFAULT, "--train-iters", "1", "--save", str(tmp_path), *flags)
+    (folder / "metadata.json").write_text("{}")  # complete-looking (leftovers are moved)
+    flags = ["--overwrite"] if overwrite else []
+    result = run_cli(*DEFAULT, "--train-iters", "1", "--save", str(root), *flags)
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
-    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker = root / "latest_checkpointed_iteration.txt"
     if overwrite:
         assert (folder / "metadata.json").read_text() != "{}" and tracker.read_text() == "1"
+        assert not (folder / "keep.txt").exists()  # replaced whole, not mixed
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging left
         lines = result.stdout.splitlines()
         # The start-up line names the device, layout and trainable parameters (all of them
         # without LoRA); the closing line the warm-up apart.
@@ -165,8 +171,8 @@ def test_save_does_not_overwrite_unless_asked(tmp_path: Path, overwrite, code):
         assert lines[-1].startswith("done: 1 steps (0->1) | loss ")
     else:
         # Refused at start-up, before any step runs.
-        message = "already holds iteration(s) [1] that this run would write"
-        assert message in result.stderr and "--overwrite-checkpoint" in result.stderr
+        message = f"--save {root} holds a checkpoint that cannot be read"
+        assert message in result.stderr and "pass --overwrite to replace" in result.stderr
         assert sum("error:" in line for line in result.stderr.splitlines()) == 1
         assert "step" not in result.stdout
         assert sorted(p.name for p in folder.iterdir()) == ["keep.txt", "metadata.json"]
