@@ -364,7 +364,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     group=None,
     source_path=None,
-    merge_lora: bool = False,
+    merge_lora: bool | None = None,
 ) -> Path | None:
     """Write the model as a Hugging Face folder: sharded safetensors, index and config.json.
 
@@ -388,8 +388,9 @@ def save_hf_checkpoint(
         max_shard_size: largest safetensors file, e.g. ``"5GB"``.
         group: process group over all model ranks (default: the world).
         source_path: Hugging Face folder whose side files (tokenizer, ...) to copy.
-        merge_lora: write the weights with their LoRA adapters merged (see
-            :func:`iter_hf_weights`): a plain Hugging Face model of the fine-tuned weights.
+        merge_lora: for a model with LoRA adapters, True writes the weights with the
+            adapters merged (a plain Hugging Face model of the fine-tuned weights), False the
+            base weights alone; it must be said for such a model (see :func:`iter_hf_weights`).
 
     Returns:
         The folder on rank 0, None elsewhere.
