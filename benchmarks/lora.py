@@ -169,7 +169,7 @@ def train_worker(mode: str, args) -> dict:
         model = chunks[0]
         for key, stream in (
             ("adapter", lambda: iter_lora_weights(model)),
-            ("plain", lambda: iter_hf_weights(model)),
+            ("plain", lambda: iter_hf_weights(model, merge_lora=False)),
             ("merged", lambda: iter_hf_weights(model, merge_lora=True)),
         ):
             rounds = [_stream(stream()) for _ in range(args.repeats + 1)][1:]

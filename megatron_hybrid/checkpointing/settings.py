@@ -3,8 +3,9 @@
 ``check-checkpoint`` needs the pattern and the model-shape flags of the model to compare with.
 A checkpoint written by ``train`` records them all (the store's common record); for older and
 foreign checkpoints the sizes follow from tensor shapes (``embedding.word_embeddings.weight`` is
-``[vocab, hidden]``, a dense MLP's ``linear_fc2`` is ``[hidden, ffn]`` and its ``linear_fc1``
-twice as tall with SwiGLU, a router is ``[experts, hidden]``).
+``[vocab, hidden]``, learned positions ``[positions, hidden]``, a dense MLP's ``linear_fc2`` is
+``[hidden, ffn]`` and its ``linear_fc1`` twice as tall with SwiGLU, a router is
+``[experts, hidden]``).
 :func:`settings_from_checkpoint` returns what it can tell; :func:`mismatched_flags` turns
 global-shape mismatches back into the flags that differ.
 """
@@ -19,6 +20,7 @@ __all__ = ["mismatched_flags", "settings_from_checkpoint"]
 # Suffix of a dense MLP's weights in megatron-core's keys (MoE experts have "experts." in them).
 _FC1, _FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
+_POSITIONS = "embedding.position_embeddings.weight"
 _ROUTER = "mlp.router.weight"
 
 
@@ -32,6 +34,10 @@ def settings_from_checkpoint(tensors: Mapping[str, Sequence[int]]) -> dict[str, 
     embedding = tensors.get(_EMBEDDING)
     if embedding is not None and len(embedding) == 2:
         found["vocab_size"], found["hidden_size"] = int(embedding[0]), int(embedding[1])
+    positions = tensors.get(_POSITIONS)
+    if positions is not None and len(positions) == 2:
+        found["position_embedding_type"] = "learned_absolute"
+        found["max_position_embeddings"] = int(positions[0])
     found["untie_embeddings_and_output_weights"] = "output_layer.weight" in tensors
     dense_fc2 = next((k for k in sorted(tensors) if k.endswith(_FC2) and "experts" not in k), None)
     if dense_fc2 is not None:
@@ -64,7 +70,7 @@ def _suspects(key: str) -> tuple[str, ...]:
     if "word_embeddings" in key or key.startswith("output_layer"):
         return ("--vocab-size", "--hidden-size")
     if "position_embeddings" in key:
-        return ("--max-position-embeddings", "--hidden-size")
+        return ("--max-position-embeddings", "--seq-length", "--hidden-size")
     if "router" in key:
         return ("--num-experts", "--hidden-size")
     if "experts" in key:
@@ -96,6 +102,10 @@ def mismatched_flags(
             values[flag] = None
     if values["--ffn-hidden-size"] is None and values["--hidden-size"]:
         values["--ffn-hidden-size"] = 4 * values["--hidden-size"]
+    # train's learned absolute positions default to --seq-length.
+    values["--seq-length"] = None
+    if getattr(args, "max_position_embeddings", None) is None:
+        values["--seq-length"] = getattr(args, "seq_length", None)
     found: dict[str, set[int]] = {}
     for key, model, checkpoint in mismatches:
         if len(model) != len(checkpoint):
@@ -106,8 +116,16 @@ def mismatched_flags(
             flag = next((f for f in _suspects(key) if values[f] == want), None)
             if flag is not None:
                 found.setdefault(flag, set()).add(int(have))
-    return [
-        f"{flag} {values[flag]} does not match the checkpoint's "
-        f"{' or '.join(map(str, sorted(have)))}"
-        for flag, have in found.items()
-    ]
+    out = []
+    for flag, have in found.items():
+        theirs = " or ".join(map(str, sorted(have)))
+        line = f"{flag} {values[flag]} does not match the checkpoint's {theirs}"
+        if flag == "--seq-length":
+            line = (
+                f"--seq-length {values[flag]} sets the number of learned absolute positions "
+                f"(--max-position-embeddings is not given), the checkpoint has {theirs}: use "
+                f"--seq-length {theirs}, or shorter sequences with --max-position-embeddings "
+                f"{theirs}"
+            )
+        out.append(line)
+    return out

@@ -15,7 +15,7 @@ import argparse
 from functools import partial
 
 from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
-from megatron_hybrid.checkpointing.settings import mismatched_flags, settings_from_checkpoint
+from megatron_hybrid.checkpointing.settings import mismatched_flags
 from megatron_hybrid.cli.main import Command, CommandError
 from megatron_hybrid.pattern import parse_pattern
 from megatron_hybrid.runtime import select_backend
@@ -24,7 +24,6 @@ from megatron_hybrid.training.arguments import (
     add_hybrid_args,
     model_setting_dests,
     spec_backend,
-    with_defaults,
 )
 
 __all__ = ["COMMAND"]
@@ -58,62 +57,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         else:
             text += f" (default: {_FROM_CHECKPOINT})"
         action.help = text.replace("%", "%%")
-    # None = not given: taken from the checkpoint (see _settings).
+    # None = not given: taken from the checkpoint (training/recorded.py).
     parser.set_defaults(**dict.fromkeys(dests))
-
-
-def _flag_text(dest: str, value) -> str:
-    flag = "--" + dest.replace("_", "-")
-    if value is True:
-        return flag
-    if value is False:
-        return f"no {flag}"
-    if dest == "hybrid_layer_pattern":
-        return f"{flag}={value!r}"
-    return f"{flag} {value}"
-
-
-def _settings(args: argparse.Namespace, folder):
-    """The model settings to compare with: those given, else the checkpoint's.
-
-    Returns:
-        ``(args, read, differ, agreed)``: the completed flags, the settings read from the
-        checkpoint (those that are not the flags' defaults), the given ones its record
-        contradicts, and the ``dest`` of those that equal the checkpoint's.
-    """
-    # lazy: loads torch and megatron, and --help imports every command module
-    from megatron_hybrid.checkpointing.inspect import checkpoint_model_tensors
-    from megatron_hybrid.checkpointing.store import common_record, read_common
-
-    dests = model_setting_dests()
-    defaults = vars(with_defaults(argparse.Namespace()))
-    given = {d: getattr(args, d) for d in dests if getattr(args, d) is not None}
-    record = common_record(read_common(folder))
-    recorded = record.get("model")
-    if not isinstance(recorded, dict):  # older or foreign checkpoints: the tensors' word
-        recorded = settings_from_checkpoint(checkpoint_model_tensors(folder))
-        if record.get("hybrid_layer_pattern"):
-            recorded["hybrid_layer_pattern"] = record["hybrid_layer_pattern"]
-    if "hybrid_layer_pattern" not in given and not recorded.get("hybrid_layer_pattern"):
-        raise CommandError(
-            f"{folder} records no layer pattern (it was not saved by 'train'): pass "
-            "--hybrid-layer-pattern"
-        )
-    values, read, differ = dict(given), [], []
-    for dest in dests:
-        if dest not in recorded:
-            continue
-        have = recorded[dest]
-        if dest not in given:
-            values[dest] = have
-            if have != defaults.get(dest):
-                read.append(_flag_text(dest, have))
-        elif have is not None and given[dest] != have:
-            differ.append(f"{_flag_text(dest, given[dest])} (the checkpoint's: "
-                          f"{_flag_text(dest, have)})")  # fmt: skip
-    agreed = {d for d in recorded if recorded[d] is not None and values.get(d) == recorded[d]}
-    kept = {k: v for k, v in vars(args).items() if k not in dests}
-    return with_defaults(argparse.Namespace(**kept, **values)), read, differ, agreed
 
 
 def _listing(title: str, entries: list[str]) -> list[str]:
@@ -136,8 +81,13 @@ def _run(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         raise CommandError(str(error)) from None
     # lazy: loads torch and megatron, and --help imports every command module
+    from megatron_hybrid.checkpointing.store import read_record
     from megatron_hybrid.hf.dist import read_hf_record
+    from megatron_hybrid.peft.checkpoint import LORA_RECORD
 
+    lora = read_record(folder, LORA_RECORD)
+    if lora is not None:
+        return _lora_run(args, folder, lora, verified)
     from_hf = read_hf_record(folder).get("hf_config") is not None
     if from_hf and args.hybrid_layer_pattern is None:
         build, args, read, differ, agreed = _hf_model(args, folder)
@@ -187,15 +137,71 @@ def _run(args: argparse.Namespace) -> int:
     return 1
 
 
+def _lora_run(args: argparse.Namespace, folder, record: dict, verified: bool) -> int:
+    """A LoRA run's adapter checkpoint: its adapters, the base they need (found, and the one
+    they were trained on?), and how to export them. Exit 0 if the base is there and matches."""
+    # lazy: loads torch and megatron, and --help imports every command module
+    from megatron_hybrid.peft.checkpoint import BaseMismatchError, base_fingerprint, check_base
+    from megatron_hybrid.peft.config import LoRAConfig
+
+    given = [f"--{d.replace('_', '-')}" for d in model_setting_dests()
+             if getattr(args, d) is not None]  # fmt: skip
+    if given:
+        raise CommandError(
+            f"{folder} holds LoRA adapters, whose base sets the model: drop {', '.join(given)}"
+        )
+    config = LoRAConfig.from_dict(record["lora"])
+    trained = record.get("base", {})
+    base, kind = (trained.get("hf"), "Hugging Face folder")
+    if base is None:
+        base, kind = trained.get("checkpoint"), "torch_dist checkpoint"
+    try:
+        fingerprint = base_fingerprint(
+            **({"hf_path": base} if kind.startswith("Hugging") else {"checkpoint": base})
+        )
+        check_base(record, fingerprint, where=str(folder), base=str(base))
+        state = "present, the one the adapters were trained on"
+    except BaseMismatchError as error:
+        state = f"DIFFERS: {error}"
+    except (OSError, ValueError) as error:
+        state = f"MISSING ({type(error).__name__}: {error})"
+    targets = "all-linear" if config.all_linear else ", ".join(config.targets)
+    print(f"checkpoint: {folder}")
+    print(f"files:      {'match integrity.json' if verified else 'not verified (no manifest)'}")
+    print("LoRA run:   adapters only (their base's weights are not in it)")
+    print(f"adapters:   rank {config.rank}, alpha {config.alpha:g} (scale {config.scale:g}"
+          f"{', rsLoRA' if config.use_rslora else ''}), dropout {config.dropout:g}")  # fmt: skip
+    print(f"targets:    {targets}" + (f" (exclude: {', '.join(config.exclude)})"
+                                      if config.exclude else ""))  # fmt: skip
+    print(f"base:       {base} ({kind}): {state}")
+    print("export:     python -m megatron_hybrid convert --load "
+          f"{args.load} --to-peft OUT_DIR   (a PEFT adapter folder)")  # fmt: skip
+    print("            python -m megatron_hybrid convert --load "
+          f"{args.load} --to-hf OUT_DIR --merge-lora   (the merged model)")  # fmt: skip
+    if state.startswith("present"):
+        print("OK: the adapters load on their recorded base")
+        return 0
+    print("NOT LOADABLE: the recorded base is missing or another one; give the base's "
+          "Hugging Face folder to convert with --base-hf HF_DIR")  # fmt: skip
+    return 1
+
+
 def _flag_model(args: argparse.Namespace, folder):
     """The model of the flags, completed from the checkpoint: ``(build, args, read, differ,
     agreed)``."""
     # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.model import expected_keys
     from megatron_hybrid.training.config import hybrid_config_from_args
+    from megatron_hybrid.training.recorded import recorded_settings_of
     from megatron_hybrid.training.validation import validate_settings
 
-    args, read, differ, agreed = _settings(args, folder)
+    settings = recorded_settings_of(args, folder)
+    if not settings.recorded:
+        raise CommandError(
+            f"{folder} records no layer pattern (it was not saved by 'train'): pass "
+            "--hybrid-layer-pattern"
+        )
+    args, read, differ, agreed = settings.args, settings.read, settings.differ, settings.agreed
     validate_settings(args, scopes=("model",))
     # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
     unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
@@ -213,9 +219,10 @@ def _hf_model(args: argparse.Namespace, folder):
     from megatron_hybrid.checkpointing.store import common_record, read_common
     from megatron_hybrid.hf.api import expected_key_shapes
     from megatron_hybrid.hf.dist import conversion_of_checkpoint
+    from megatron_hybrid.training.recorded import flag_text
 
     conversion = conversion_of_checkpoint(folder)
-    ignored = [_flag_text(d, getattr(args, d)) for d in model_setting_dests()
+    ignored = [flag_text(d, getattr(args, d)) for d in model_setting_dests()
                if getattr(args, d) is not None and d != "transformer_impl"]  # fmt: skip
     if ignored:
         raise CommandError(

@@ -354,7 +354,7 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "5GB",
     group=None,
     source_path=None,
-    merge_lora: bool = False,
+    merge_lora: bool | None = None,
     overwrite: bool = False,
     sources=None,
 ) -> Path | None:
@@ -389,8 +389,9 @@ def save_hf_checkpoint(
         group: process group over all model ranks (default: the world).
         source_path: Hugging Face folder whose side files (tokenizer, ...) to copy instead of
             the ones the model carries.
-        merge_lora: write the weights with their LoRA adapters merged (see
-            :func:`iter_hf_weights`): a plain Hugging Face model of the fine-tuned weights.
+        merge_lora: for a model with LoRA adapters, True writes the weights with the
+            adapters merged (a plain Hugging Face model of the fine-tuned weights), False the
+            base weights alone; it must be said for such a model (see :func:`iter_hf_weights`).
         overwrite: replace what ``out`` holds (its old contents are removed once the new folder
             is complete, never mixed with it).
         sources: ``role -> path`` of folders the caller reads (the base, the checkpoint): ``out``

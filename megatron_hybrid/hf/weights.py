@@ -402,7 +402,7 @@ def iter_hf_weights(
     group=None,
     device=None,
     bucket_size: int | str = "256MB",
-    merge_lora: bool = False,
+    merge_lora: bool | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` in the on-disk Hugging Face names and layouts.
 
@@ -435,15 +435,22 @@ def iter_hf_weights(
         device: where tensors are assembled and yielded (default: the current CUDA device, or
             CPU without CUDA).
         bucket_size: most memory FP8 quantization holds at once, e.g. ``"256MB"``.
-        merge_lora: yield the weights with their LoRA adapters merged: ``W + (alpha / rank)
-            B A``, computed in float32 on each rank's shard before anything is gathered, then
-            cast to the usual dtype (or quantized: merged per shard, gathered, then quantized);
-            same names, dtypes and order as without, and tensors without an adapter bitwise the
-            same. Raises if no weight has an adapter.
+        merge_lora: for a model with LoRA adapters, which weights to stream; it must be
+            said (None, the default, raises for such a model: a sync that silently sends the
+            base of a fine-tuned policy is the failure RL users report). True: the weights
+            with their adapters merged, ``W + (alpha / rank) B A``, computed in float32 on
+            each rank's shard before anything is gathered, then cast to the usual dtype (or
+            quantized: merged per shard, gathered, then quantized); same names, dtypes and
+            order as without, tensors without an adapter bitwise the same; raises if no weight
+            has an adapter. False: the base weights alone (the adapters go separately, through
+            ``megatron_hybrid.peft.iter_lora_weights``). A model without adapters streams its
+            weights with None or False.
 
     Raises:
         ValueError: an unknown ``quantize``; ``UnsupportedQuantizationError`` (a ValueError):
-            ``quantize="fp8"`` for a family without an FP8 release recipe.
+            ``quantize="fp8"`` for a family without an FP8 release recipe; ``HFWeightsError``
+            (a ValueError): adapters and ``merge_lora=None``, or no adapter and
+            ``merge_lora=True``.
     """
     import torch.distributed as dist
 
@@ -472,16 +479,25 @@ def iter_hf_weights(
     # Parameter slices found once are reused by later calls; merged pieces are new tensors
     # each call, so a merging stream neither reads nor fills that cache.
     views = {} if merge_lora else state.views
-    if merge_lora:
-        local = _MergedPieces(local, state.params)
-        adapted = torch.tensor([local.count], dtype=torch.float64, device=device)
-        if world:
+    if merge_lora is not False:
+        merged = _MergedPieces(local, state.params)
+        adapted = torch.tensor([merged.count], dtype=torch.float64, device=device)
+        if world:  # pipeline stages differ: every rank must reach the same verdict
             dist.all_reduce(adapted, group=group)
-        if not adapted.item():
+        if merge_lora and not adapted.item():
             raise HFWeightsError(
                 "merge_lora=True, but no weight of the model has a LoRA adapter: apply one "
                 "first (megatron_hybrid.peft.apply_lora or load_peft_adapter)"
             )
+        if merge_lora is None and adapted.item():
+            raise HFWeightsError(
+                f"the model has LoRA adapters ({int(adapted.item())} adapted weights): say "
+                "which weights to stream, merge_lora=True for the weights with the adapters "
+                "merged in (what the model computes) or merge_lora=False for the base weights "
+                "alone (with the adapters sent apart, megatron_hybrid.peft.iter_lora_weights)"
+            )
+        if merge_lora:
+            local = merged
 
     def assemble(key: str, expert: int | None) -> tuple[torch.Tensor, torch.dtype]:
         shape = key_shapes[key][1:] if expert is not None else key_shapes[key]

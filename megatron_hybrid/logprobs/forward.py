@@ -35,7 +35,7 @@ from megatron_hybrid.padding import (
     thd_unsupported_reason_for,
 )
 
-__all__ = ["forward_logprobs"]
+__all__ = ["forward_logprobs", "real_vocab_size"]
 
 
 def _chunks(model) -> list:
@@ -43,6 +43,14 @@ def _chunks(model) -> list:
     if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
         raise ValueError("model must be a model chunk (torch.nn.Module) or a list of them (VPP)")
     return chunks
+
+
+def real_vocab_size(model) -> int:
+    """The vocabulary a model's log-probs are over: its ``real_vocab_size`` (the tokenizer's,
+    where the output layer holds padding rows; set by ``HybridModel`` and checkpoints), else
+    its ``vocab_size``."""
+    real = getattr(model, "real_vocab_size", None)
+    return model.vocab_size if real is None else real
 
 
 def _device(inner: list) -> torch.device:
@@ -182,8 +190,9 @@ def forward_logprobs(
         max_tokens_per_micro_batch: tokens per forward pass, alignment padding included.
         temperature: the sampling temperature the log-probs are for.
         with_entropy: also return each position's entropy.
-        vocab_size: the real vocabulary size (default: the model's); ids at and past it are
-            refused, and logits of padded vocabulary rows are excluded.
+        vocab_size: the real vocabulary size (default: the model's ``real_vocab_size``, which
+            ``HybridModel`` keeps when its vocabulary is padded, else its ``vocab_size``); ids
+            at and past it are refused, and logits of padded vocabulary rows are excluded.
         packed: THD micro-batches (True), padded rows (False), or None: packed whenever every
             layer type packs (``thd_unsupported_reason_for``).
 
@@ -214,7 +223,7 @@ def forward_logprobs(
         raise ValueError(
             f"max_tokens_per_micro_batch must be an int, got {max_tokens_per_micro_batch!r}"
         )
-    vocab = vocab_size if vocab_size is not None else inner[0].vocab_size
+    vocab = vocab_size if vocab_size is not None else real_vocab_size(inner[0])
     device = _device(inner)
     error, tokens = _input_error(sequences, vocab)
     if error is None and max_tokens_per_micro_batch < 1:

@@ -26,6 +26,7 @@ from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
+from megatron_hybrid.checks import check_int
 from megatron_hybrid.pattern import (
     ParsedPattern,
     parse_pattern,
@@ -122,6 +123,18 @@ def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
         )
 
 
+def _real_vocab_size(real: int | None, vocab_size: int) -> int:
+    if real is None:
+        return vocab_size
+    check_int("real_vocab_size", real, where="HybridModel")
+    if real > vocab_size:
+        raise ValueError(
+            f"HybridModel: real_vocab_size={real} exceeds vocab_size={vocab_size} (the padded "
+            "vocabulary the embedding and output layer hold)"
+        )
+    return real
+
+
 class HybridModel(LanguageModule):
     """Hybrid language model; a drop-in for megatron-core 0.19.2's ``HybridModel``.
 
@@ -152,6 +165,10 @@ class HybridModel(LanguageModule):
             MLPs, MoE routers and shared experts) as CUDA graphs, replayed in the plain schedule
             and the EP-overlap plan alike; ``self.hybrid_cuda_graphs`` then reports what is graphed
             and what stays eager (``docs/ep_overlap.md``, "CUDA graphs").
+        real_vocab_size: the tokenizer's vocabulary when ``vocab_size`` is padded
+            (Megatron-LM pads it to a multiple of ``make_vocab_size_divisible_by`` x TP); kept
+            as ``self.real_vocab_size`` (default: ``vocab_size``), so that log-probs leave the
+            padding rows out of the softmax and checkpoints record it.
     """
 
     def __init__(
@@ -178,6 +195,7 @@ class HybridModel(LanguageModule):
         vp_stage: int | None = None,
         *,
         hybrid_cuda_graphs: bool = False,
+        real_vocab_size: int | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         pattern = _resolve_pattern(
@@ -196,6 +214,7 @@ class HybridModel(LanguageModule):
         self.hybrid_layer_pattern = parsed.pattern
         self.parsed_pattern = parsed
         self.vocab_size = vocab_size
+        self.real_vocab_size = _real_vocab_size(real_vocab_size, vocab_size)
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
         self.post_process = post_process

@@ -42,6 +42,7 @@ from megatron_hybrid.modules.fast.specs import fast_layer_specs
 from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
 from megatron_hybrid.modules.hybrid_stack import HybridStack
 from megatron_hybrid.modules.mamba_torch import TorchMambaMixer, resolve_mamba_impl
+from megatron_hybrid.modules.mla import HybridMLASelfAttention
 from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
 from megatron_hybrid.modules.registry import LAYER_RUNTIMES
 from megatron_hybrid.modules.router import PaddingAwareTopKRouter
@@ -210,6 +211,12 @@ def _local_layers(opts: _SpecOptions) -> dict:
         # head sizes; the package's local core attention takes both.
         multi_latent = kwargs.get("multi_latent_attention")
         attention.core_attention = MLACoreAttention if multi_latent else LocalCoreAttention
+        if multi_latent:
+            # megatron-core's MLA splits the RoPE key's gradient over TP without summing it
+            # (column-parallel linear_kv_down_proj, the local spec): modules/mla.py sums it.
+            sub.self_attention = dataclasses.replace(
+                sub.self_attention, module=HybridMLASelfAttention
+            )
         return sub
 
     layers = _gpt_derived_layers(gpt_submodules, opts)

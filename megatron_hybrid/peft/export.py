@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_hybrid.checkpointing.outputs import Output
+from megatron_hybrid.peft.adapter_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatron_hybrid.peft.apply import lora_state
 from megatron_hybrid.peft.config import LoRAConfigError
 from megatron_hybrid.peft.formats import config_targets, pack_experts
@@ -24,10 +25,6 @@ __all__ = [
     "lora_config_dict",
     "save_peft_adapter",
 ]
-
-#: File names of a PEFT adapter folder.
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def naming_of(model, format: str) -> Naming:
@@ -58,8 +55,8 @@ def _check(records, naming: Naming) -> None:
         if rec.path.startswith("mtp."):
             raise LoRAConfigError(
                 f"{rec.path} (an MTP layer) has an adapter, but transformers has no MTP modules "
-                "and PEFT would drop it; export the merged weights (merge_lora=True), or leave "
-                "MTP out of the adapters (LoRAConfig(exclude=['mtp.*']))"
+                "and PEFT would drop it; export the merged weights (merge_lora=True), or train "
+                "without MTP adapters (only targets that name mtp.* adapt MTP layers)"
             )
         reason = naming.peft.refused.get((rec.symbol, rec.name))
         if reason:

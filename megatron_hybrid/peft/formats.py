@@ -42,26 +42,46 @@ class PeftFamily:
             experts, and the dense and shared MLPs then get no adapter, silently
             (``utils/transformers_weight_conversion.py``: ``_MOE_TARGET_MODULE_MAPPING``).
         refused: ``(layer symbol, Megatron target) -> reason`` for adapters PEFT cannot hold.
+        moved_targets: ``target_modules`` names peft 0.21 moves to the routed experts'
+            parameters (old name -> the parameter it becomes) when it loads an adapter of this
+            family (its transformers-v4-to-v5 conversion, ``_MOE_TARGET_MODULE_MAPPING``: a
+            regular expression is first turned into the leaf names it matches), so they no
+            longer adapt the modules they name.
+        incompatible_leaves: module names peft refuses as LoRA targets for this family
+            (``_check_lora_target_modules_mamba``), with the reason.
     """
 
     modules_as_parameters: frozenset[str] = frozenset()
     refused: dict = field(default_factory=dict)
+    moved_targets: dict = field(default_factory=dict)
+    incompatible_leaves: dict = field(default_factory=dict)
 
 
 _MLP = frozenset({"linear_fc1", "linear_fc2"})
+#: peft 0.21's ``qwen2_moe`` conversion pattern (Qwen3-Next and DeepSeek-V3 reuse it).
+_QWEN2_MOE_MOVED = {
+    "gate": "gate.weight",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+}
+_MAMBA_OUT_PROJ = (
+    "peft 0.21 refuses LoRA on Mamba's out_proj for nemotron_h "
+    "(tuners/tuners_utils.py: _check_lora_target_modules_mamba), so no PEFT folder "
+    "can hold it; export the merged weights instead (iter_hf_weights(model, "
+    "merge_lora=True), save_hf_checkpoint(..., merge_lora=True), convert --to-hf "
+    "OUT --merge-lora), or train without it (LoRAConfig(exclude=['out_proj']))"
+)
 _FAMILIES = {
-    "qwen3_next": PeftFamily(modules_as_parameters=_MLP),
-    "deepseek_v3": PeftFamily(modules_as_parameters=_MLP),
+    "qwen3_next": PeftFamily(modules_as_parameters=_MLP, moved_targets=_QWEN2_MOE_MOVED),
+    "deepseek_v3": PeftFamily(modules_as_parameters=_MLP, moved_targets=_QWEN2_MOE_MOVED),
     "nemotron_h": PeftFamily(
-        refused={
-            ("M", "out_proj"): (
-                "peft 0.21 refuses LoRA on Mamba's out_proj for nemotron_h "
-                "(tuners/tuners_utils.py: _check_lora_target_modules_mamba), so no PEFT folder "
-                "can hold it; export the merged weights instead (iter_hf_weights(model, "
-                "merge_lora=True), save_hf_checkpoint(..., merge_lora=True), convert --to-hf "
-                "OUT --merge-lora), or train without it (LoRAConfig(exclude=['out_proj']))"
-            )
-        }
+        refused={("M", "out_proj"): _MAMBA_OUT_PROJ},
+        incompatible_leaves={
+            "out_proj": _MAMBA_OUT_PROJ,
+            "conv1d": "peft 0.21 refuses LoRA on Mamba's conv1d for nemotron_h "
+            "(tuners/tuners_utils.py: _check_lora_target_modules_mamba)",
+        },
     ),
 }
 

@@ -1,100 +1,168 @@
-"""Adapters in: ``load_peft_adapter`` reads a PEFT folder strictly.
+"""Adapters in: ``load_peft_adapter`` reads a PEFT folder as peft 0.21.2 reads it.
 
-Every tensor of the file must name a piece of the model (module LoRA, PEFT's 3-D routed-expert
-layout, or per-expert names), have the shape the piece needs and come with its partner; the
-config fields that change the math and are not modelled (DoRA, biases, per-module ranks, ...)
-are refused by name. Nothing is dropped silently, unlike loaders that skip names they do not
-know (peft 0.21 itself drops per-expert names on Qwen3.5-MoE and Nemotron-H).
+``adapter_config.json`` decides what is adapted, with peft's own matching rules
+(:mod:`megatron_hybrid.peft.adapter_config`); its fields that change the math and are not
+modelled (DoRA, aLoRA, biases, per-module ranks, ...) are refused by name, as are folders peft
+itself refuses (targets that match nothing). Every tensor of the file must name a piece of the
+model (module LoRA or PEFT's 3-D routed-expert layout), have the shape the piece needs and come
+with its partner; tensors of pieces the config does not target are left out, as peft leaves
+them out, with a warning. Per-expert names, which peft 0.21 drops without a word on
+transformers 5 models, are refused.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import warnings
 from pathlib import Path
 
 import torch
 
 from megatron_hybrid.hf.weights import model_chunks
+from megatron_hybrid.peft.adapter_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterConfig,
+    PeftAdapterError,
+    read_adapter_config,
+)
 from megatron_hybrid.peft.apply import apply_lora, lora_state, model_plan
-from megatron_hybrid.peft.config import MEGATRON_TARGETS, LoRAConfig, LoRAConfigError
-from megatron_hybrid.peft.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from megatron_hybrid.peft.config import MEGATRON_TARGETS, LoRAConfig
 from megatron_hybrid.peft.formats import PEFT_PREFIX, unpack_experts
 from megatron_hybrid.peft.naming import Naming, target_of_key
 
 __all__ = ["PeftAdapterError", "load_peft_adapter"]
 
 
-class PeftAdapterError(LoRAConfigError):
-    """A PEFT folder that does not fit the model; the message names what and where."""
-
-
-#: adapter_config.json fields that change the math, with the value this loader models.
-_REFUSED = {
-    "use_dora": False,
-    "lora_bias": False,
-    "fan_in_fan_out": False,
-    "modules_to_save": None,
-    "layer_replication": None,
-    "trainable_token_indices": None,
-    "bias": "none",
-}
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / ADAPTER_CONFIG
-    if not path.is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+def _folder_config(folder: Path) -> AdapterConfig:
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
         raise PeftAdapterError(
             f"{folder}: not a PEFT adapter folder (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError included
-        raise PeftAdapterError(f"{path} is not readable JSON ({error})") from None
-    if not isinstance(config, dict):
+    return read_adapter_config(folder)
+
+
+def _shown(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _converted(config: AdapterConfig, naming: Naming, names: list[str]) -> AdapterConfig:
+    """``config`` as peft 0.21 reads it for a family whose MoE layout changed in transformers 5:
+    a regular expression becomes the leaf names it matches, and names peft then moves to the
+    routed experts (``gate_proj`` of a dense MLP would adapt the experts instead) are refused
+    (``utils/transformers_weight_conversion.py``: ``_convert_peft_config_moe``)."""
+    moved = naming.peft.moved_targets
+    targets = config.target_modules
+    if not moved or targets is None:
+        return config
+    if isinstance(targets, str):
+        resolved = set(config.resolve_regex(names))
+        containers: dict[str, list[str]] = {}
+        for name in names:
+            container, _, last = name.rpartition(".")
+            containers.setdefault(last, []).append(container)
+        for old, new in moved.items():  # experts fused in transformers 5: probe the old names
+            if old not in resolved and any(
+                config.targets_module(f"{c}.{old}") for c in containers.get(new, ())
+            ):
+                resolved.add(old)
+        if not resolved:
+            return config
+        config = dataclasses.replace(config, target_modules=frozenset(resolved))
+    hit = sorted(
+        t for t in config.target_modules if any(t == m or t.endswith(f".{m}") for m in moved)
+    )
+    if hit:
         raise PeftAdapterError(
-            f"{path} holds a JSON {type(config).__name__}, not an object of adapter settings"
+            f"{config.path}: target_modules {hit}: for {naming.conversion.family} peft 0.21 "
+            f"turns {sorted(moved)} into the routed experts' parameters (its transformers-v5 "
+            "conversion), so these entries would not adapt the modules they name and the "
+            "experts would get an adapter of another rank; name dense and shared MLP linears "
+            "as target_parameters (gate_proj.weight, ...) and the experts as "
+            "mlp.experts.gate_up_proj / mlp.experts.down_proj, as save_peft_adapter writes them"
         )
-    if config.get("peft_type") != "LORA":
-        raise PeftAdapterError(f"{path}: peft_type {config.get('peft_type')!r}, expected 'LORA'")
-    for name, value in _REFUSED.items():
-        if config.get(name) not in (value, None, [], {}, False) or (
-            name == "bias" and config.get(name, "none") != "none"
-        ):
-            raise PeftAdapterError(
-                f"{path}: {name}={config[name]!r} is not supported (only {value!r}): the "
-                "adapter would not compute what PEFT computes"
-            )
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise PeftAdapterError(f"{path}: r={rank!r} is not a rank")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise PeftAdapterError(f"{path}: lora_alpha={alpha!r} is not a number")
-    for name, uniform in (("rank_pattern", rank), ("alpha_pattern", alpha)):
-        other = {k: v for k, v in (config.get(name) or {}).items() if v != uniform}
-        if other:
-            raise PeftAdapterError(
-                f"{path}: {name} gives some modules another value ({other}); one rank and "
-                "alpha for every adapter is supported"
-            )
     return config
 
 
-def _adapted_params(config: dict, naming: Naming, module: str, params: list) -> list[str]:
+def _select(config: AdapterConfig, naming: Naming) -> set[str]:
+    """The pieces peft adapts for ``config`` on this model: module pieces (on-disk names) and
+    routed-expert parameters (``<experts module>.<param>``), as :class:`LoRAConfig` targets.
+
+    Raises:
+        PeftAdapterError: the config selects modules or parameters this package does not adapt,
+            nothing at all, or a combination peft refuses (the message names them).
+    """
+    modules, parameters = naming.model_names()
+    path = config.path
+    config = _converted(config, naming, [*modules, *parameters])
+    chosen = [m for m in modules if config.targets_module(m)]
+    params = [p for p in parameters if config.targets_parameter(p)]
+    for name in chosen:
+        reason = naming.peft.incompatible_leaves.get(name.rsplit(".", 1)[-1])
+        if reason:
+            raise PeftAdapterError(f"{path}: target_modules select {name}: {reason}")
+    foreign = [m for m in chosen if modules[m] is None]
+    foreign += [p for p in params if parameters[p] is None]
+    if foreign:
+        raise PeftAdapterError(
+            f"{path}: the targets select {len(foreign)} module(s) or parameter(s) that are not "
+            f"linears of the model's layers or routed-expert weights ({_shown(sorted(foreign))}"
+            "); peft would adapt them (embeddings, the output layer, gates) or refuse them "
+            "(containers, norms), and this package adapts neither: narrow the targets"
+        )
+    if not chosen and not params:
+        raise PeftAdapterError(
+            f"{path}: target_modules {_described(config.target_modules)} and target_parameters "
+            f"{list(config.target_parameters)} match no module of the model (peft refuses such "
+            "a folder: 'Target modules ... not found in the base model'); the adapter was made "
+            "for another model"
+        )
+    twice = sorted({modules[m] for m in chosen} & {parameters[p] for p in params})
+    if twice:
+        raise PeftAdapterError(
+            f"{path}: {_shown(twice)} are targeted both as modules and through their weight in "
+            "target_parameters (peft refuses to wrap an adapted layer's parameter)"
+        )
+    if params and config.dropout:
+        raise PeftAdapterError(
+            f"{path}: lora_dropout={config.dropout} with target_parameters: peft refuses it "
+            "(dropout cannot be factored out of a wrapped parameter); set lora_dropout to 0"
+        )
+    if params and not chosen and config.fan_in_fan_out:
+        raise PeftAdapterError(
+            f"{path}: fan_in_fan_out=true with target_parameters only: peft refuses it"
+        )
+    for name in chosen + params:
+        rank, alpha = config.rank_of(name), config.alpha_of(name)
+        if rank != config.rank or alpha != config.alpha:
+            raise PeftAdapterError(
+                f"{path}: rank_pattern / alpha_pattern give {name} rank {rank} and alpha {alpha} "
+                f"(r={config.rank}, lora_alpha={config.alpha}); one rank and alpha for every "
+                "adapter is supported"
+            )
+    pieces = {modules[m] for m in chosen}
+    for name in params:
+        target = parameters[name]
+        pieces.add(target if isinstance(target, str) else f"{target.module}.{target.param}")
+    return pieces
+
+
+def _described(targets) -> str:
+    return repr(targets) if isinstance(targets, str) or targets is None else str(sorted(targets))
+
+
+def _adapted_params(config: AdapterConfig, naming: Naming, module: str, params: list) -> list[str]:
     """The 3-D parameters of experts module ``module`` that the config adapts (PEFT matches
     ``target_parameters`` as suffixes of the full parameter name)."""
-    targets = config.get("target_parameters") or []
     memory = naming.memory(module)
-    out = []
-    for fused in params:
-        full = f"{memory}.{fused.param}"
-        if any(full == t or full.endswith(f".{t}") for t in targets):
-            out.append(fused.param)
-    return out
+    return [f.param for f in params if config.targets_parameter(f"{memory}.{f.param}")]
 
 
-def _name_table(config: dict, naming: Naming) -> dict[str, tuple]:
-    """File name -> ``("module", piece, "A"|"B")``, ``("fused", FusedExperts, "A"|"B")`` or
-    ``("expert", FusedExperts, expert, hf_name, "A"|"B")``."""
+def _name_table(config: AdapterConfig, naming: Naming) -> dict[str, tuple]:
+    """File name -> ``("module", piece, "A"|"B")``, ``("fused", FusedExperts, "A"|"B")``,
+    ``("expert", FusedExperts, expert, hf_name, "A"|"B")`` or ``("stray", experts module,
+    "A"|"B")`` (a routed-expert name the config does not target)."""
     plan = naming.plan
     table: dict[str, tuple] = {}
 
@@ -119,34 +187,73 @@ def _name_table(config: dict, naming: Naming) -> dict[str, tuple]:
         for fused in params:
             if fused.param in adapted:
                 add(naming.experts(fused, adapted), "fused", fused)
+        # Names of this module's other parameters (another nesting of PEFT's wrappers): peft
+        # leaves them out when the config does not target them.
+        for depth in range(len(params)):
+            names = naming.experts(params[-1 - depth], [f.param for f in params])
+            for name, half in zip(names, "AB", strict=True):
+                table.setdefault(name, ("stray", module, half))
     return table
 
 
-def _selection(names, table, path) -> tuple[set[str], dict]:
-    """The pieces a file adapts, checking each has both ``A`` and ``B``."""
+def _piece_of(what: tuple) -> str:
+    """The LoRAConfig target a table entry belongs to (never a target for stray names)."""
+    if what[0] == "module":
+        return what[1]
+    if what[0] == "stray":
+        return f"{what[1]}.<not targeted>"
+    return f"{what[1].module}.{what[1].param}"
+
+
+def _selection(names, table, selected: set[str], path) -> tuple[set[str], dict]:
+    """The pieces to load: those the config selects, each with its ``A`` and ``B`` in the
+    file. Tensors of pieces the config does not select are left out, as peft leaves them out
+    (with a warning here).
+
+    Raises:
+        PeftAdapterError: a tensor names nothing this model adapts, names a per-expert module
+            peft would drop, lacks its partner, or a selected piece has no tensors.
+    """
     unknown = sorted(n for n in names if n not in table)
     if unknown:
-        shown = ", ".join(unknown[:5]) + (
-            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        )
         raise PeftAdapterError(
-            f"{path}: {len(unknown)} tensors name no adaptable piece of this model ({shown}); "
-            "the adapter was made for another model, or for modules this loader does not adapt"
+            f"{path}: {len(unknown)} tensors name no adaptable piece of this model "
+            f"({_shown(unknown)}); the adapter was made for another model, or for modules this "
+            "loader does not adapt"
+        )
+    per_expert = sorted(n for n in names if table[n][0] == "expert")
+    if per_expert:
+        raise PeftAdapterError(
+            f"{path}: {len(per_expert)} tensors adapt routed experts one by one "
+            f"({_shown(per_expert, 2)}); transformers 5 holds each layer's experts as one 3-D "
+            "parameter, so peft 0.21 leaves these tensors out without a word: write the "
+            "adapter in peft's layout (save_peft_adapter(format='peft'), convert --to-peft "
+            "without --peft-format per_expert)"
         )
     halves: dict = {}
     for name in names:
         what = table[name]
         halves.setdefault(what[:-1], set()).add(what[-1])
+    in_file = {_piece_of(what) for what in halves}
+    missing = sorted(selected - in_file)
+    if missing:
+        raise PeftAdapterError(
+            f"{path}: the config adapts {len(missing)} module(s) the file holds no tensors for "
+            f"({_shown(missing)}); peft would leave them at their initial values (warning "
+            "'Found missing adapter keys'): the folder is incomplete"
+        )
+    ignored = sorted(n for n in names if _piece_of(table[n]) not in selected)
+    if ignored:
+        warnings.warn(
+            f"{path}: {len(ignored)} tensors are left out because adapter_config.json does not "
+            f"target their modules ({_shown(ignored, 3)}), as peft leaves them out",
+            stacklevel=3,
+        )
+    halves = {what: got for what, got in halves.items() if _piece_of(what) in selected}
     for what, got in halves.items():
         if got != {"A", "B"}:
             raise PeftAdapterError(f"{path}: {what[1]} has lora_{got.pop()} without its partner")
-    pieces = set()
-    for what in halves:
-        if what[0] == "module":
-            pieces.add(what[1])
-        else:
-            pieces.add(f"{what[1].module}.{what[1].param}")
-    return pieces, halves
+    return selected, halves
 
 
 def _expected_shape(what: tuple, naming: Naming, rank: int) -> tuple[int, ...]:
@@ -275,11 +382,14 @@ def _fill(model, source: _Source, naming: Naming) -> None:
 def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None):
     """Apply the LoRA adapter of a PEFT folder to ``model`` and load its tensors strictly.
 
-    Reads ``adapter_config.json`` (rank, alpha, rsLoRA) and ``adapter_model.safetensors``,
-    adapts exactly the pieces the file holds (``apply_lora`` with those targets) and fills
-    each rank's shards. Accepts PEFT's own format (routed experts in the 3-D
-    ``target_parameters`` layout of peft >= 0.19) and the per-expert one. Call it on every rank
-    of ``group`` together, on a model without adapters, before wrapping it for training.
+    Reads ``adapter_config.json`` as peft 0.21.2 reads it
+    (:mod:`megatron_hybrid.peft.adapter_config`: every field honoured as peft applies it, or
+    refused by name), adapts exactly the modules and routed-expert parameters peft would adapt
+    on the transformers model (``apply_lora`` with those pieces), and fills each rank's shards
+    from ``adapter_model.safetensors`` (routed experts in the 3-D ``target_parameters`` layout of
+    peft >= 0.19). Tensors of modules the config does not target are left out, as peft leaves
+    them out (with a warning). Call it on every rank of ``group`` together, on a model without
+    adapters, before wrapping it for training.
 
     Args:
         model: the model (built with ``load_hf_model``, or with its ``hf_conversion`` set).
@@ -297,7 +407,7 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
     from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
-    config = _read_config(folder)
+    config = _folder_config(folder)
     chunks = model_chunks(model)
     if lora_state(model) is not None:
         raise PeftAdapterError("load_peft_adapter: the model already has LoRA adapters")
@@ -309,7 +419,8 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
         )
     _, plan = model_plan(chunks, conversion, group)
     naming = Naming(conversion, plan)
-    rank = int(config["r"])
+    selected = _select(config, naming)
+    rank = config.rank
     path = folder / ADAPTER_WEIGHTS
     try:
         opened = safe_open(str(path), framework="pt")
@@ -323,8 +434,10 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
         if not names:
             raise PeftAdapterError(f"{path} holds no tensors: loading it would change nothing")
         table = _name_table(config, naming)
-        pieces, halves = _selection(names, table, path)
+        pieces, halves = _selection(names, table, selected, path)
         for name in names:
+            if _piece_of(table[name]) not in pieces:
+                continue
             expected = _expected_shape(table[name], naming, rank)
             got = tuple(handle.get_slice(name).get_shape())
             if got != expected:
@@ -335,10 +448,10 @@ def load_peft_adapter(model, folder, *, group=None, dropout: float | None = None
                 )
         lora = LoRAConfig(
             rank=rank,
-            alpha=config["lora_alpha"],
-            dropout=float(config.get("lora_dropout") or 0.0) if dropout is None else dropout,
+            alpha=config.alpha,
+            dropout=config.dropout if dropout is None else dropout,
             targets=sorted(pieces),
-            use_rslora=bool(config.get("use_rslora", False)),
+            use_rslora=config.use_rslora,
         )
         apply_lora(model, lora, conversion=conversion, group=group)
         _fill(model, _Source(handle, halves, table, naming, rank), naming)

@@ -97,6 +97,50 @@ class Naming:
                     out.setdefault(group, set()).add(name)
         return out
 
+    def model_names(self) -> tuple[dict[str, str | None], dict[str, object]]:
+        """The module and parameter names of the transformers model, as peft matches them.
+
+        Derived from the plan's tensors (MTP layers and stored copies left out: transformers
+        has no modules for them); a routed expert is transformers' 3-D parameter, not the
+        per-expert tensors on disk.
+
+        Returns:
+            ``(modules, parameters)``: in-memory module name -> the module piece LoRA adapts
+            there (its on-disk name), or None for any other module (containers, norms,
+            embeddings, routers, the output layer); in-memory parameter name -> the
+            :class:`FusedExperts` or module piece it belongs to, or None.
+        """
+        modules: dict[str, str | None] = {}
+        parameters: dict[str, object] = {}
+        pieces = {}
+        for link in self.plan.links:
+            if _is_mtp(link.key) or link.key in self.plan.fused_experts:
+                continue
+            if target_of_key(link.key) in MEGATRON_TARGETS:
+                pieces[link.hf_name] = link.hf_name.removesuffix(".weight")
+        for name in self.plan.hf_shapes:
+            links = self.plan.by_hf.get(name, ())
+            if name in self.plan.shared_copies or (links and all(_is_mtp(x.key) for x in links)):
+                continue
+            if any(x.key in self.plan.fused_experts for x in links):
+                continue  # a per-expert tensor on disk: the fused parameter stands for it
+            memory = self.memory(name)
+            parameters[memory] = pieces.get(name)
+            parts = memory.split(".")[:-1]
+            for i in range(1, len(parts) + 1):
+                modules.setdefault(".".join(parts[:i]), None)
+        for fused in self.plan.fused_experts.values():
+            if _is_mtp(fused.key):
+                continue
+            module = self.memory(fused.module)
+            parameters[f"{module}.{fused.param}"] = fused
+            parts = module.split(".")
+            for i in range(1, len(parts) + 1):
+                modules.setdefault(".".join(parts[:i]), None)
+        for piece in pieces.values():
+            modules[self.memory(piece)] = piece
+        return modules, parameters
+
     def piece_entry(self, piece: str, key: str) -> tuple[str, str]:
         """``(group, name)`` of a module piece in ``adapter_config.json``: ``target_modules``
         hold module names grouped by leaf (``q_proj``); 2-D ``target_parameters`` hold

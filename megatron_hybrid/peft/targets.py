@@ -28,6 +28,9 @@ from megatron_hybrid.peft.linears import LinearInfo, linear_info
 
 __all__ = ["Candidate", "WeightPieces", "find_candidates", "select_pieces"]
 
+#: Module paths of MTP layers start so.
+_MTP = "mtp."
+
 #: (layer symbol, target) -> why an adapter there would never run.
 _UNHOOKABLE = {
     ("D", "linear_kv_up_proj"): (
@@ -209,18 +212,28 @@ class _Index:
                     self.by_leaf.setdefault(_leaf(piece), []).append((cand, {i}))
 
     def resolve(self, target: str) -> list[tuple[Candidate, set[int]]]:
-        """``(candidate, piece indices)`` that ``target`` selects."""
+        """``(candidate, piece indices)`` that ``target`` selects.
+
+        MTP layers only for targets that name them (``mtp.*``, ``mtp.layers.0.<...>``): the
+        Hugging Face model has no MTP modules, so ``all-linear`` and names there, as peft reads
+        them, never reach them, and a PEFT folder could not hold their adapters.
+        """
         if target == ALL_LINEAR:
-            return [(c, set(range(len(c.pieces)))) for c in self.candidates]
-        if any(ch in target for ch in "*?["):
-            return [
+            found = [(c, set(range(len(c.pieces)))) for c in self.candidates]
+        elif any(ch in target for ch in "*?["):
+            found = [
                 (c, set(range(len(c.pieces))))
                 for c in self.candidates
                 if fnmatch.fnmatchcase(c.path, target) or fnmatch.fnmatchcase(c.path, "*." + target)
             ]
-        found = self.by_name.get(target, []) + self.by_piece.get(target, [])
-        found += self.by_suffix.get(target, []) if "." in target else self.by_leaf.get(target, [])
-        return found
+        else:
+            found = self.by_name.get(target, []) + self.by_piece.get(target, [])
+            found += (
+                self.by_suffix.get(target, []) if "." in target else self.by_leaf.get(target, [])
+            )
+        if target.startswith(_MTP):
+            return found
+        return [(c, pieces) for c, pieces in found if not c.path.startswith(_MTP)]
 
 
 def select_pieces(candidates: list[Candidate], config: LoRAConfig, group=None) -> list[Candidate]:

@@ -22,6 +22,9 @@ from megatron_hybrid.pattern import (
 __all__ = [
     "FLAGS",
     "FLAG_GROUPS",
+    "FORWARD_LAYOUT_FLAGS",
+    "GIVEN",
+    "LOGPROBS_FLAGS",
     "MEGATRON_LM_GROUPS",
     "MODEL_SHAPE_GROUPS",
     "PATTERN_REQUIRED",
@@ -29,6 +32,7 @@ __all__ = [
     "Flag",
     "add_hybrid_args",
     "dest_of",
+    "given_flags",
     "model_setting_dests",
     "required_pattern",
     "spec_backend",
@@ -364,6 +368,19 @@ FLAGS: tuple[Flag, ...] = (
 
 #: Flag groups; ``check-checkpoint`` uses only the model-shape ones.
 FLAG_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT, _LORA)
+#: The parallel layout a forward pass runs on (``logprobs``; ``train`` has the whole
+#: parallelism group: EP overlap, delayed weight gradients and CUDA graphs concern training, and
+#: ``forward_logprobs`` refuses context parallelism).
+FORWARD_LAYOUT_FLAGS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
+    "--sequence-parallel",
+)
+#: What ``logprobs`` reads besides the model-shape groups: the layout, the dtype and where the
+#: model (and its adapter) come from.
+LOGPROBS_FLAGS = (*FORWARD_LAYOUT_FLAGS, "--bf16", "--load", "--load-hf", "--load-peft")
 #: The groups Megatron-LM's scripts get (``training/megatron_lm.py``): LoRA runs only through
 #: ``train``, so its flags are not offered where they would do nothing.
 MEGATRON_LM_GROUPS = (_MODEL, _PARALLEL, _MOE, _TRAIN, _CKPT)
@@ -396,25 +413,62 @@ def model_setting_dests() -> tuple[str, ...]:
     )
 
 
+#: Attribute of a parsed namespace: the ``dest`` of every package flag given on the command line
+#: (:func:`given_flags`), so that a flag a source overrides is refused, not ignored.
+GIVEN = "_given_flags"
+
+
+def _record_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, GIVEN, frozenset({*getattr(namespace, GIVEN, ()), dest}))
+
+
+class _GivenStore(argparse._StoreAction):  # argparse keeps no public action classes
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _record_given(namespace, self.dest)
+
+
+class _GivenStoreTrue(argparse._StoreTrueAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _record_given(namespace, self.dest)
+
+
+_RECORDING = {None: _GivenStore, "store_true": _GivenStoreTrue}
+
+
+def given_flags(args: argparse.Namespace) -> frozenset[str]:
+    """The ``dest`` of the package flags given on the command line (not their defaults)."""
+    return getattr(args, GIVEN, frozenset())
+
+
 def add_hybrid_args(
-    parser: argparse.ArgumentParser, groups: tuple[str, ...] = FLAG_GROUPS
+    parser: argparse.ArgumentParser,
+    groups: tuple[str, ...] = FLAG_GROUPS,
+    options: tuple[str, ...] = (),
 ) -> argparse.ArgumentParser:
     """Add the package's flags to ``parser``; flags it already defines are left alone.
 
-    Usable as Megatron-LM's ``extra_args_provider``.
+    Usable as Megatron-LM's ``extra_args_provider``. The flags record that they were given
+    (:func:`given_flags`).
 
     Args:
         parser: the parser to extend.
         groups: which flag groups to add (default: all).
+        options: further flags to add, by option string, from groups not in ``groups``.
     """
+    unknown = set(options) - {flag.option for flag in FLAGS}
+    if unknown:
+        raise ValueError(f"add_hybrid_args: no such flags {sorted(unknown)}")
     existing = set(parser._option_string_actions)  # argparse keeps no public registry
     added: dict[str, argparse._ArgumentGroup] = {}
     for flag in FLAGS:
-        if flag.option in existing or flag.group not in groups:
+        if flag.option in existing or (flag.group not in groups and flag.option not in options):
             continue
         if flag.group not in added:
             added[flag.group] = parser.add_argument_group(f"megatron_hybrid: {flag.group}")
-        added[flag.group].add_argument(flag.option, **flag.kwargs)
+        kwargs = {**flag.kwargs, "action": _RECORDING[flag.kwargs.get("action")]}
+        added[flag.group].add_argument(flag.option, **kwargs)
     return parser
 
 

@@ -49,12 +49,18 @@ from megatron_hybrid.training.optimizer_state import (
 from megatron_hybrid.training.save_target import RUN_KEY
 
 __all__ = [
+    "REAL_VOCAB_SIZE",
     "CheckpointExistsError",
     "NonFiniteCheckpointError",
+    "apply_recorded_vocab",
     "consumed_samples",
     "load_checkpoint",
     "save_checkpoint",
 ]
+
+#: Entry of the common record with the model's real (tokenizer's) vocabulary size, which
+#: differs from the embedding's rows when the vocabulary is padded (Megatron-LM's models).
+REAL_VOCAB_SIZE = "real_vocab_size"
 
 
 def _unwrapped(chunks) -> list:
@@ -165,6 +171,9 @@ def save_checkpoint(
         record["model"] = dict(model_settings)
     if run is not None:
         record[RUN_KEY] = run
+    real = getattr(_unwrapped(chunks)[0], "real_vocab_size", None)
+    if real is not None:  # the tokenizer's vocabulary, where the output layer is padded
+        record[REAL_VOCAB_SIZE] = int(real)
     state = {
         **model,
         "optimizer": _optimizer_state(optimizer, model, loading=False),
@@ -199,6 +208,26 @@ def save_checkpoint(
         overwrite=overwrite,
         replace_root=replace_root,
     )
+
+
+def apply_recorded_vocab(chunks, folder) -> int | None:
+    """Give the model chunks the real vocabulary ``folder``'s common record holds (None: it
+    records none); log-probs then leave the padding rows out (``forward_logprobs``).
+
+    Raises:
+        ValueError: the record's vocabulary exceeds the model's rows (another model).
+    """
+    real = store.common_record(store.read_common(folder)).get(REAL_VOCAB_SIZE)
+    if real is None:
+        return None
+    for chunk in _unwrapped(chunks):
+        if real > chunk.vocab_size:
+            raise ValueError(
+                f"{folder} records a vocabulary of {real} tokens, more than the model's "
+                f"{chunk.vocab_size} rows: it holds another model"
+            )
+        chunk.real_vocab_size = real
+    return real
 
 
 def _materialize_optimizer_state(optimizer) -> None:

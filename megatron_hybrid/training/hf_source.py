@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from megatron_hybrid.hf.config import HFConversion, conversion_for
@@ -21,7 +22,9 @@ from megatron_hybrid.hf.dist import (
     read_hf_record,
     restore_hf_source,
 )
+from megatron_hybrid.hf.io import CONFIG_FILE
 from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
+from megatron_hybrid.training.arguments import given_flags, model_setting_dests
 from megatron_hybrid.training.config import training_fields
 
 __all__ = ["HFSource", "hf_source", "hf_training_config"]
@@ -47,6 +50,10 @@ _SHAPE_FLAGS = {
     "mamba_num_groups": "mamba_num_groups",
     "mamba_num_heads": "mamba_num_heads",
 }
+
+
+#: Model settings a Hugging Face config leaves to the command line: how the model is computed.
+_CHOSEN_WITH_HF = frozenset({"transformer_impl"})
 
 
 @dataclasses.dataclass
@@ -89,8 +96,41 @@ class HFSource:
         return settings
 
     def applied_to(self, args: argparse.Namespace) -> argparse.Namespace:
-        """A new namespace: ``args`` with the model settings replaced by the conversion's."""
+        """A new namespace: ``args`` with the model settings replaced by the conversion's.
+
+        Raises:
+            ValueError: a model flag was given that the conversion sets otherwise (or that
+                this model does not have): it would be ignored, so it is refused by name.
+        """
+        self.check_given(args)
         return argparse.Namespace(**{**vars(args), **self.settings})
+
+    @property
+    def where(self) -> str:
+        """The flag and path the model comes from, for messages."""
+        if self.hf_path is not None:
+            return f"--load-hf {self.hf_path}"
+        return f"--load {self.checkpoint or self.recorded_in}"
+
+    def check_given(self, args: argparse.Namespace) -> None:
+        """Refuse model-shape flags given on the command line that the Hugging Face config
+        decides (``--transformer-impl``, which chooses how to compute it, stays free)."""
+        settings = self.settings
+        wrong = []
+        for dest in model_setting_dests():
+            if dest not in given_flags(args) or dest in _CHOSEN_WITH_HF:
+                continue
+            flag, value = "--" + dest.replace("_", "-"), getattr(args, dest)
+            if dest not in settings:
+                wrong.append(f"{flag} (the config decides it)")
+            elif value != settings[dest]:
+                wrong.append(f"{flag} {value} (the model's: {settings[dest]})")
+        if wrong:
+            raise ValueError(
+                f"{self.where} sets the model from its Hugging Face config "
+                f"({self.conversion.family}), so {', '.join(wrong)} would be ignored: drop "
+                f"{'it' if len(wrong) == 1 else 'them'}"
+            )
 
 
 def hf_source(args: argparse.Namespace) -> HFSource | None:
@@ -114,6 +154,12 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
             )
         source = HFSource(conversion_for(load_hf), hf_path=load_hf)
     elif args.load:
+        if (Path(args.load) / CONFIG_FILE).is_file():
+            raise ValueError(
+                f"--load {args.load} is a Hugging Face folder ({CONFIG_FILE} and its weights), "
+                f"not a checkpoint: start from it with --load-hf {args.load} (or convert it "
+                f"first: convert --from-hf {args.load} --save CKPT)"
+            )
         recorded = _recorded(args.load)
         if recorded.get("hf_config") is not None:
             if args.hybrid_layer_pattern:

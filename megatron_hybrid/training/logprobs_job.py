@@ -1,9 +1,13 @@
 """The ``logprobs`` command's work: per-token log-probs of JSONL token sequences under a model.
 
-The model comes from ``--load-hf`` (a Hugging Face folder), or ``--load`` (a checkpoint that
-``convert --from-hf`` or ``train`` wrote), built on the parallel layout the flags give, like
-``train`` builds it. Each data-parallel replica scores its share of the sequences with
-:func:`~megatron_hybrid.logprobs.forward_logprobs`; rank 0 writes one JSON line per input line,
+The model comes from ``--load-hf`` (a Hugging Face folder, with ``--load-peft`` a PEFT adapter
+on it, read as peft reads it), or ``--load``: a checkpoint that ``convert --from-hf`` or
+``train`` wrote (a ``train`` checkpoint's recorded settings give the model; model flags given
+must agree with them), or a LoRA run of ``train`` (its recorded base, checked by fingerprint,
+with its adapters). It is built on the parallel layout the flags give, like ``train`` builds
+it. Each data-parallel replica scores its share of the sequences with
+:func:`~megatron_hybrid.logprobs.forward_logprobs` over the model's real vocabulary (a
+checkpoint's recorded one: padding rows left out); rank 0 writes one JSON line per input line,
 in input order: ``{"logprobs": [...]}`` (and ``"entropies"``), where entry ``j`` is
 ``log p(input_ids[j + 1] | input_ids[: j + 1])``, the prompt log-probs inference engines report
 for every token but the first.
@@ -16,13 +20,21 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_hybrid.checkpointing import store
 from megatron_hybrid.checkpointing.outputs import Output, check_output
 from megatron_hybrid.hf.dist import load_model_state
+from megatron_hybrid.hf.weights import model_chunks
 from megatron_hybrid.logprobs import forward_logprobs
+from megatron_hybrid.logprobs.forward import real_vocab_size
 from megatron_hybrid.pattern import parse_pattern
+from megatron_hybrid.peft.checkpoint import load_adapter_state, lora_sharded_state
 from megatron_hybrid.process_groups import init_world
 from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.training.arguments import PATTERN_REQUIRED, with_defaults
+from megatron_hybrid.training.checkpoint import apply_recorded_vocab
 from megatron_hybrid.training.hf_source import hf_source
+from megatron_hybrid.training.lora import lora_run
+from megatron_hybrid.training.recorded import recorded_settings_of
 from megatron_hybrid.training.resume import prepare_resume
 from megatron_hybrid.training.run import (
     build_chunks,
@@ -34,30 +46,35 @@ from megatron_hybrid.training.validation import validate_settings
 
 __all__ = ["read_sequences", "replica_share", "run_logprobs"]
 
+#: Token ids are int64 in the model; a larger one can be no vocabulary's.
+_MAX_ID = (1 << 63) - 1
 
-def read_sequences(path) -> list[list[int]]:
-    """The ``input_ids`` of every line of a JSONL file.
+
+def read_numbered(path) -> list[tuple[int, list[int]]]:
+    """``(line number, input_ids)`` of every non-blank line of a JSONL file.
 
     Raises:
-        ValueError: the file cannot be read, is empty, or a line is not ``{"input_ids": [int,
-            ...]}`` with at least one id (the message names the line).
+        ValueError: the file cannot be read, is empty, or a line is not UTF-8, not JSON or not
+            ``{"input_ids": [int, ...]}`` with at least one id in [0, 2**63) (the message names
+            the file and line).
     """
     file = Path(path)
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        data = file.read_bytes()
     except OSError as error:
         raise ValueError(f"cannot read {file}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        line = file.read_bytes()[: error.start].count(b"\n") + 1
-        raise ValueError(
-            f"{file} line {line} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
-            f"offset {error.start}); JSONL is UTF-8: re-encode the file"
-        ) from None
-    sequences = []
-    for number, line in enumerate(lines, start=1):
+    numbered = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{file} line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{where} is not UTF-8 text (byte {error.start} of the line); write the JSONL "
+                "file as UTF-8"
+            ) from None
         if not line.strip():
             continue
-        where = f"{file} line {number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
@@ -69,10 +86,20 @@ def read_sequences(path) -> list[list[int]]:
             raise ValueError(f'{where} must be {{"input_ids": [token ids >= 0, ...]}}')
         if not ids:
             raise ValueError(f"{where} has no tokens; every sequence needs at least one")
-        sequences.append(ids)
-    if not sequences:
+        big = max(ids)
+        if big > _MAX_ID:
+            raise ValueError(
+                f"{where} holds token id {big}, beyond any vocabulary (ids are 64-bit)"
+            )
+        numbered.append((number, ids))
+    if not numbered:
         raise ValueError(f"{file} holds no sequences; write one JSON object per line")
-    return sequences
+    return numbered
+
+
+def read_sequences(path) -> list[list[int]]:
+    """The ``input_ids`` of every line of a JSONL file (see :func:`read_numbered`)."""
+    return [ids for _, ids in read_numbered(path)]
 
 
 def replica_share(count: int, dp: int, dp_rank: int) -> list[int]:
@@ -81,20 +108,72 @@ def replica_share(count: int, dp: int, dp_rank: int) -> list[int]:
     return list(range(dp_rank, count, dp))
 
 
-def _load_weights(args, chunks, source, rank: int) -> None:
-    """A ``train`` checkpoint's model weights (no optimizer), checked against the model first."""
-    if source is not None and not source.resumed:
-        return  # build_chunks loaded the Hugging Face weights (or the converted checkpoint's)
+def _checkpoint_settings(args: argparse.Namespace, where) -> argparse.Namespace:
+    """The model settings of a ``--load`` checkpoint (its record, or its tensors' shapes) in
+    the flags not given; given flags that the record contradicts are refused."""
     try:
-        target = prepare_resume(args.load, None)
+        target = store.resolve_checkpoint_dir(where)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
-    if target.folder is None:
-        raise ValueError(f"--load {args.load} holds no checkpoint")
-    check_resume_compatible(chunks, target.folder, args)
-    folder = load_model_state(chunks, target.folder)
+    settings = recorded_settings_of(args, target)
+    if settings.differ:
+        raise ValueError(
+            f"--load {where} records another model than the flags give: "
+            f"{'; '.join(settings.differ)}; drop those flags (the checkpoint's settings are "
+            "used)"
+        )
+    if not settings.recorded:
+        raise ValueError(f"{PATTERN_REQUIRED}: --load {where} records no layer pattern")
+    return settings.args
+
+
+def _model_args(args: argparse.Namespace, lora, longest: int):
+    """``(args, source)``: the flags with the model's settings (a Hugging Face config's, a
+    checkpoint's record, or the flags'), and the Hugging Face source if any."""
+    source = lora.source() if lora is not None else hf_source(args)
+    if source is not None:
+        args = source.applied_to(args)  # refuses model flags the config decides otherwise
+    elif args.load is not None:  # a train checkpoint, or a LoRA run on a torch_dist base
+        args = _checkpoint_settings(args, args.load)
+    # Only learned absolute positions need a length; a checkpoint records theirs.
+    args.seq_length = longest
+    return args, source
+
+
+def _load_weights(args, chunks, source, lora, rank: int) -> None:
+    """What ``build_chunks`` did not load: a ``train`` checkpoint's model weights (checked
+    against the model first) or a LoRA run's adapters; and a recorded real vocabulary."""
+    if lora is not None:
+        if lora.resumed is None:
+            return  # --load-peft: load_peft_adapter filled the adapters
+        target = prepare_resume(args.load, None)
+        load_adapter_state(chunks, store.read(target.folder, lora_sharded_state(chunks)))
+        where = f"adapters of {target.folder} on {lora.hf_path or lora.checkpoint}"
+    else:
+        if source is not None and not source.resumed:
+            return  # build_chunks loaded the Hugging Face weights (or the converted checkpoint's)
+        try:
+            target = prepare_resume(args.load, None)
+        except FileNotFoundError as error:
+            raise ValueError(str(error)) from None
+        if target.folder is None:
+            raise ValueError(f"--load {args.load} holds no checkpoint")
+        check_resume_compatible(chunks, target.folder, args)
+        where = str(load_model_state(chunks, target.folder))
+        apply_recorded_vocab(chunks, target.folder)
     if rank == 0:
-        print(f"loaded {folder}", file=sys.stderr, flush=True)
+        print(f"loaded {where}", file=sys.stderr, flush=True)
+
+
+def _check_ids(numbered, file, vocab: int) -> None:
+    """Refuse, naming the line, a token id the model's vocabulary does not have."""
+    for number, ids in numbered:
+        big = max(ids)
+        if big >= vocab:
+            raise ValueError(
+                f"{file} line {number} holds token id {big}, outside the model's vocabulary "
+                f"[0, {vocab})"
+            )
 
 
 def run_logprobs(args: argparse.Namespace, backend=None) -> list:
@@ -106,14 +185,21 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     """
     import torch
 
-    sequences = read_sequences(args.input)  # before any process group or model exists
+    numbered = read_numbered(args.input)  # before any process group or model exists
+    sequences = [ids for _, ids in numbered]
+    args = with_defaults(args)  # the settings logprobs takes no flag for: train's defaults
+    if args.load_peft and not args.load_hf:
+        raise ValueError(
+            f"--load-peft {args.load_peft} applies a PEFT adapter to its base: add --load-hf "
+            "HF_DIR, the Hugging Face model it was made for (a LoRA run of train is scored with "
+            "--load RUN alone)"
+        )
     if args.load_hf is None and args.load is None:
         raise ValueError("logprobs scores a trained model: give --load-hf HF_DIR or --load CKPT")
     if args.output is not None:  # before any scoring, not after it
         check_output(args.output, **_output_rules(args))
-    source = hf_source(args)  # the architecture of --load-hf or a converted checkpoint
-    if source is not None:
-        args = source.applied_to(args)
+    lora = lora_run(args)  # --load-hf with --load-peft, or --load of a LoRA run
+    args, source = _model_args(args, lora, max(len(s) for s in sequences))
     validate_settings(args, scopes=("model", "device", "parallel"))
     backend = backend or select_backend()
     config = model_config(args, source, backend)
@@ -121,8 +207,9 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     rank, world = init_world()
     pg, _, _ = parallel_setup(args, config, world)
     parsed = parse_pattern(args.hybrid_layer_pattern)
-    chunks = build_chunks(args, config, pg, parsed, source, args.seq_length, rank)
-    _load_weights(args, chunks, source, rank)
+    chunks = build_chunks(args, config, pg, parsed, source, args.seq_length, rank, lora=lora)
+    _load_weights(args, chunks, source, lora, rank)
+    _check_ids(numbered, args.input, real_vocab_size(model_chunks(chunks)[0]))
 
     # Every data-parallel replica scores its share; the replicas then swap their results.
     dp, dp_rank = pg.dp.size(), pg.dp.rank()

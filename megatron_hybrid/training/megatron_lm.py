@@ -56,6 +56,7 @@ __all__ = [
     "main",
     "model_provider",
     "parse_and_validate_args",
+    "tokenizer_vocab_size",
 ]
 
 
@@ -149,12 +150,24 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         hybrid_cuda_graphs=getattr(args, "hybrid_cuda_graphs", False),
+        real_vocab_size=tokenizer_vocab_size(args),
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+
+
+def tokenizer_vocab_size(args) -> int:
+    """The real vocabulary of a Megatron-LM run: ``--vocab-size`` if given, else the
+    tokenizer's. ``args.padded_vocab_size`` (the model's rows) pads it to a multiple of
+    ``--make-vocab-size-divisible-by`` x TP; log-probs must leave those rows out."""
+    if getattr(args, "vocab_size", None):
+        return int(args.vocab_size)
+    from megatron.training import get_tokenizer
+
+    return int(get_tokenizer().vocab_size)
 
 
 class SyntheticLMDataset(torch.utils.data.Dataset):

@@ -167,7 +167,7 @@ def test_logprobs_command_with_more_replicas_than_sequences(
         (['{"input_ids": [1, -2]}'], "token ids >= 0"),
         (['{"input_ids": []}'], "line 1 has no tokens"),
         ([""], "holds no sequences"),
-        (['{"input_ids": [1, 999]}'], "token id 999 at position 1, outside the vocabulary"),
+        (['{"input_ids": [1, 999]}'], r"line 1 holds token id 999, outside the model's vocab"),
     ],
     ids=["json", "key", "negative", "empty-sequence", "empty-file", "id-past-vocab"],
 )

@@ -189,3 +189,79 @@ def test_lora_flags_are_checked_first(argv, message):
     args = build_parser(load_commands()).parse_args(["train", *argv])
     with pytest.raises(SettingsError, match=message):
         validate_lora_flags(args)
+
+
+def _batch_worker(rank, world_size, commands):
+    import contextlib
+    import io
+
+    from megatron_hybrid.cli.main import main
+
+    out = []
+    for argv in commands:
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            out.append((main(argv), stdout.getvalue()))
+    return out
+
+
+def _peft_logprobs(hf, adapter, sequences) -> list[torch.Tensor]:
+    """log_softmax of peft's logits (transformers' alone without ``adapter``), per sequence."""
+    model = peft_oracle.load_base(hf)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    out = []
+    with torch.no_grad():
+        for s in sequences:
+            logits = model(input_ids=torch.tensor([s]), use_cache=False).logits[0].double()
+            log_p = torch.log_softmax(logits, -1)[:-1]
+            out.append(log_p.gather(-1, torch.tensor(s[1:])[:, None]).squeeze(-1))
+    return out
+
+
+def _error(path, reference) -> float:
+    records = [json.loads(line)["logprobs"] for line in path.read_text().splitlines()]
+    return max(
+        (torch.tensor(got, dtype=torch.float64) - want).abs().max().item()
+        for got, want in zip(records, reference, strict=True)
+    )
+
+
+def test_logprobs_and_check_checkpoint_read_adapters(runs, base, tmp_path):
+    """logprobs scores the adapted model, as peft computes it, for --load-hf BASE --load-peft
+    ADAPTER and for --load RUN (a LoRA run; base from its record); check-checkpoint names the
+    run's adapters and base and how to export them. Control: the base's own log-probs."""
+    root, *_ = runs
+    folder, _ = base
+    run = str(root / "whole")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    adapter, *_ = peft_oracle.make_adapter("qwen3_5_moe", folder, tmp_path / "adapter", ids)
+    sequences = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator()
+                                                .manual_seed(n))] for n in (5, 17, 9)]  # fmt: skip
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in sequences))
+    out = {name: tmp_path / f"{name}.jsonl" for name in ("peft", "run")}
+    commands = [
+        ["logprobs", "--load-hf", str(folder), "--load-peft", str(adapter), "--input",
+         str(source), "--output", str(out["peft"])],
+        ["logprobs", "--load", run, "--input", str(source), "--output", str(out["run"])],
+        ["convert", "--load", run, "--to-peft", str(tmp_path / "exported")],
+        ["check-checkpoint", "--load", run],
+    ]  # fmt: skip
+    done = run_distributed(_batch_worker, 1, commands, timeout=900)[0]
+    assert [code for code, _ in done] == [0, 0, 0, 0], done[-1][1]
+    base_logprobs = _peft_logprobs(folder, None, sequences)
+    for name, peft_folder in (("peft", adapter), ("run", tmp_path / "exported")):
+        reference = _peft_logprobs(folder, peft_folder, sequences)
+        assert _error(out[name], reference) <= 1e-3, name  # the bound of the HF logits tests
+        assert max((a - b).abs().max().item() for a, b in zip(reference, base_logprobs,
+                                                              strict=True)) > 1e-2  # fmt: skip
+    report = done[3][1]
+    assert (
+        "LoRA run" in report and "rank 4, alpha 8" in report and "targets:    all-linear" in report
+    )
+    assert f"base:       {folder}" in report and "present" in report
+    assert f"convert --load {run} --to-peft" in report and "--merge-lora" in report
+    assert "OK: the adapters load on their recorded base" in report

@@ -78,7 +78,7 @@ def test_merged_stream_is_merge_and_unload(family, cases, pg):
     model = adapted(case)
     base = hf_oracle.read_tensors(case.hf)
     merged = list(iter_hf_weights(model, merge_lora=True))
-    plain = list(iter_hf_weights(model))
+    plain = list(iter_hf_weights(model, merge_lora=False))
     assert [n for n, _ in merged] == [n for n, _ in plain]  # same names, same order
     assert {n for n, _ in merged} == set(case.merged) == set(base)
     changed = 0
@@ -96,6 +96,20 @@ def test_merge_without_adapters_is_refused(cases, pg):
     model = load_hf_model(cases["qwen3_5"].hf)
     with pytest.raises(ValueError, match="no weight of the model has a LoRA adapter"):
         next(iter_hf_weights(model, merge_lora=True))
+
+
+def test_streaming_an_adapted_model_needs_a_choice(cases, pg):
+    """merge_lora must be said for a model with adapters: True merges, False sends the base."""
+    case = cases["qwen3_5"]
+    model = adapted(case)
+    with pytest.raises(ValueError, match="has LoRA adapters.*merge_lora=True.*merge_lora=False"):
+        next(iter_hf_weights(model))
+    base = hf_oracle.read_tensors(case.hf)
+    plain = dict(iter_hf_weights(model, merge_lora=False))
+    assert set(plain) == set(base) and all(torch.equal(plain[n], base[n]) for n in base)
+    merged = dict(iter_hf_weights(model, merge_lora=True))
+    assert any(not torch.equal(merged[n], base[n]) for n in base)
+    assert set(dict(iter_hf_weights(load_hf_model(case.hf)))) == set(base)  # no adapters: fine
 
 
 # --- negative controls: what a loader or exporter with each bug computes --------------------

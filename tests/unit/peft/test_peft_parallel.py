@@ -13,17 +13,6 @@ from megatron_hybrid.testing.spawn import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-#: (layout, family) -> why the model's own backward differs from TP1 there.
-UPSTREAM_GRADIENT_BUGS = {
-    ("tp2", "deepseek_v3"): (
-        "megatron-core 0.19.2 MLA with a ColumnParallelLinear linear_kv_down_proj (the local "
-        "spec) all-gathers kv_combined over TP and splits its gradient back without summing "
-        "(multi_latent_attention.py: get_query_key_value_tensors), so the RoPE key part, used "
-        "by every rank's heads, gets only the local heads' gradient: the base's own gradients "
-        "are wrong under TP, the adapter's follow (its forward is exact)"
-    ),
-}
-
 LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),
     "ep2": dict(expert_model_parallel_size=2),
@@ -183,11 +172,9 @@ def test_layout_matches_peft(layout, two_ranks):
             assert r["grad_names"], where
             if r["grads"] is None:
                 continue
-            if (layout, family) in UPSTREAM_GRADIENT_BUGS:
-                # A tripwire: fails once megatron-core computes these gradients right.
-                assert r["grads"] > 1e-2, (where, UPSTREAM_GRADIENT_BUGS[(layout, family)])
-                continue
-            # Gradients: TP (sequence parallel, expert-TP) and EP give TP1's.
+            # Gradients: TP (sequence parallel, expert-TP) and EP give TP1's; DeepSeek-V3's MLA
+            # too (megatron-core's own MLA splits the RoPE key's gradient over TP without
+            # summing it; modules/mla.py sums it, test_mla_tensor_parallel.py).
             assert r["grads"] <= 1e-4, (where, r["grads"])
     assert any(r[layout][f]["max_abs"] is not None for r in per_rank for f in chosen)
 
