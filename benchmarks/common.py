@@ -9,14 +9,21 @@ import torch
 RESULTS = "benchmarks/results"
 
 
-def recorded_command(script: str, argv: list[str]) -> str:
-    """``python benchmarks/<script> ARGS`` as run, its ``--out`` folder shown as the
-    repository's results folder (a machine's output path does not belong in the record)."""
+def recorded_command(script: str, argv: list[str], launcher: str = "python") -> str:
+    """``<launcher> benchmarks/<script> ARGS`` as run, its ``--out`` folder shown as the
+    repository's results folder (a machine's output path does not belong in the record).
+
+    ``launcher`` is what started the script, e.g. ``NCCL_P2P_DISABLE=1 torchrun
+    --nproc_per_node 4`` for a distributed benchmark.
+
+    >>> recorded_command("x.py", ["--out", "/tmp/o", "--steps", "3"], launcher="torchrun")
+    'torchrun benchmarks/x.py --out benchmarks/results --steps 3'
+    """
     shown = list(argv)
     for i, arg in enumerate(shown[:-1]):
         if arg == "--out":
             shown[i + 1] = RESULTS
-    return " ".join([f"python benchmarks/{script}", *shown])
+    return " ".join([f"{launcher} benchmarks/{script}", *shown])
 
 
 def sync(device=None) -> None:

@@ -48,6 +48,13 @@
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
 #                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs
+#   hybridep     DeepEP's HybridEP through megatron-core's flex dispatcher: install the carried
+#                DeepEP wheel (.deepep/dist/deep_ep-*.whl, built once on a GPU machine, see
+#                docs/padding.md §9), then tests/functional/test_hybridep_gpu.py on all GPUs and
+#                its `train` launcher test; HybridEP compiles its kernels at first use with
+#                $CUDA_HOME/bin/nvcc (exported here)
+#   bench-hybridep  benchmarks/hybridep.py (hybridep vs alltoall, padded vs real tokens) with
+#                NVLink and with NCCL_P2P_DISABLE=1 ($HYBRIDEP_BENCH_ARGS; the DeepEP wheel as above)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
 #                (scripts/stage_mamba.sh --device) unless present, then the Mamba kernel tests
 #                (tests/functional/test_mamba_torch_gpu.py, Nemotron-H kernels vs torch vs
@@ -67,6 +74,21 @@ have_tsite() {
   [ -d $TSITE/triton ] || { echo "no Triton in $TSITE: run the triton part first"; return 1; }
 }
 with_tsite() { have_tsite && PYTHONPATH=$TSITE:$PYTHONPATH "$@"; }
+# DeepEP (HybridEP) from the carried wheel, and the CUDA toolkit its kernel compiler calls.
+have_deepep() {
+  python3 -c 'import deep_ep' 2>/dev/null && return 0
+  local wheel
+  wheel=$(ls .deepep/dist/deep_ep-*.whl 2>/dev/null | head -1)
+  [ -n "$wheel" ] || { echo "no DeepEP wheel in .deepep/dist/ (build it once: docs/padding.md)"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$wheel" >/dev/null 2>&1 || { echo "installing $wheel failed"; return 1; }
+  python3 -c 'import deep_ep; print("DeepEP", deep_ep.__file__)' || return 1
+}
+if [ -z "${CUDA_HOME:-}" ]; then  # a toolkit with nvcc and its headers (HybridEP compiles both)
+  for d in /usr/local/cuda /usr/local/cuda-13*; do
+    [ -x "$d/bin/nvcc" ] && [ -f "$d/include/cuda_runtime.h" ] && { export CUDA_HOME=$d; break; }
+  done
+fi
 status=0
 for part in "$@"; do
   start=$(date +%s)
@@ -235,6 +257,25 @@ for part in "$@"; do
       python3 benchmarks/mamba_torch.py --out "$OUT" ${MAMBA_BENCH_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/mamba_bench.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    hybridep)
+      have_deepep || { status=1; continue; }
+      timeout "${HYBRIDEP_TIMEOUT:-290}" torchrun --nproc_per_node "$NGPU" -m pytest -q -s \
+        -p no:cacheprovider -W ignore tests/functional/test_hybridep_gpu.py 2>&1 | quiet \
+        | tee "$OUT/hybridep.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "${HYBRIDEP_TIMEOUT:-290}" python3 -m pytest -q -s -p no:cacheprovider -W ignore \
+        -m launcher tests/functional/test_hybridep_gpu.py 2>&1 | quiet \
+        | tee "$OUT/hybridep_launcher.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    bench-hybridep)
+      have_deepep || { status=1; continue; }
+      for p2p in 0 1; do
+        label=nvlink; [ $p2p = 1 ] && label=no-p2p
+        NCCL_P2P_DISABLE=$p2p timeout "${HYBRIDEP_BENCH_TIMEOUT:-300}" torchrun \
+          --nproc_per_node "$NGPU" benchmarks/hybridep.py --label $label --out "$OUT" \
+          ${HYBRIDEP_BENCH_ARGS:-} 2>&1 | quiet | tee -a "$OUT/bench_hybridep.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
   echo "== $part took $(( $(date +%s) - start )) s"

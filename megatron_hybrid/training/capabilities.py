@@ -7,6 +7,7 @@ relaxes its check in one place.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
@@ -14,6 +15,7 @@ from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
 __all__ = [
     "fla_gated_backward_refused",
     "fla_installed",
+    "flex_backend_unavailable",
     "mamba_kernels_usable",
     "mla_core_attention_usable",
     "on_gpu",
@@ -78,5 +80,36 @@ def fla_gated_backward_refused() -> str | None:
         return (
             f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
             "GPUs (wrong results, fla #640)"
+        )
+    return None
+
+
+def flex_backend_unavailable(backend: str) -> str | None:
+    """Why megatron-core's flex dispatcher cannot use ``backend`` here, or None.
+
+    Both backends come from DeepEP (``deep_ep``). HybridEP is its ``hybrid_ep_cpp`` extension,
+    built only from DeepEP's hybrid-ep branch (its main branch and the old ``deep-ep`` release
+    on PyPI have none; megatron-core 0.19.2's ``fused_a2a.py`` then leaves ``hybrid_ep_dispatch``
+    None and the dispatcher raises when the model is built). HybridEP compiles its kernels at
+    first use with ``$CUDA_HOME/bin/nvcc`` (DeepEP ``csrc/hybrid_ep/jit/compiler.cu``), so an
+    unset ``CUDA_HOME`` fails in the first forward pass; the answer names that too. Nothing is
+    imported: the check runs on machines without GPUs as well.
+    """
+    if importlib.util.find_spec("deep_ep") is None:
+        return "needs DeepEP (the deep_ep package), which is not installed"
+    if backend != "hybridep":
+        return None
+    if importlib.util.find_spec("hybrid_ep_cpp") is None:
+        return (
+            "needs DeepEP built from its hybrid-ep branch (deep_ep.HybridEPBuffer); the installed "
+            "deep_ep has no HybridEP extension (hybrid_ep_cpp)"
+        )
+    cuda_home = os.environ.get("CUDA_HOME", "")
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    if not cuda_home or not os.access(nvcc, os.X_OK):
+        where = f"{nvcc} does not exist" if cuda_home else "CUDA_HOME is not set"
+        return (
+            f"compiles HybridEP's kernels at first use with $CUDA_HOME/bin/nvcc, but {where}: "
+            "export CUDA_HOME=<the CUDA toolkit folder>"
         )
     return None

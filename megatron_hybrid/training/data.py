@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from megatron_hybrid.padding import PaddingConfig, equalize_bshd, pack_thd, pad_bshd
+from megatron_hybrid.padding import PaddingConfig, equalize_bshd, equalize_thd, pack_thd, pad_bshd
 
 __all__ = ["MicroBatchBuilder", "SyntheticTokens"]
 
@@ -140,6 +140,9 @@ class MicroBatchBuilder:
         lengths = [len(s) - 1 for s in sequences]
         force = self.seq_length * len(sequences) if self.padding.fixed_length_required else None
         plan = self.padding.thd(lengths, force_total=force)
+        if self.equalize_group is not None and self.padding.needs_group_equalize:
+            # HybridEP: every rank of the TP x EP group dispatches the same number of tokens.
+            plan = equalize_thd(plan, self.equalize_group)
         packed = pack_thd(
             [
                 dict(input_ids=s[:-1], labels=s[1:], loss_mask=torch.ones(len(s) - 1))

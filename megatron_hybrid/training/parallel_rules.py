@@ -4,12 +4,12 @@ data and checkpoint folders (scope ``train``). The requirements follow megatron-
 
 from __future__ import annotations
 
-import importlib.util
 import tempfile
 from pathlib import Path
 
 from megatron_hybrid.pattern import MOE, pipeline_segments
 from megatron_hybrid.pattern.pipeline import with_option_names
+from megatron_hybrid.training import capabilities
 from megatron_hybrid.training.arguments import vpp_size_from_pattern
 from megatron_hybrid.training.settings import Rule, Settings, rule
 
@@ -90,11 +90,10 @@ def _flex(s: Settings) -> str | None:
         )
     if not s.on_gpu:
         return "--moe-token-dispatcher-type flex needs CUDA GPUs; use alltoall"
-    if importlib.util.find_spec("deep_ep") is None:  # DeepEP ships both backends
-        return (
-            f"--moe-flex-dispatcher-backend {s.moe_flex_dispatcher_backend} needs DeepEP "
-            "(the deep_ep package), which is not installed; use alltoall"
-        )
+    backend = s.moe_flex_dispatcher_backend
+    problem = capabilities.flex_backend_unavailable(backend)
+    if problem:
+        return f"--moe-flex-dispatcher-backend {backend} {problem} (or use alltoall)"
     return None
 
 

@@ -420,6 +420,79 @@ def test_gdn_on_a_gpu_where_fla_refuses_its_backward(monkeypatch):
         _validate(argv, on_gpu=True, scopes=("model", "device"))
 
 
+HYBRIDEP = BASE + ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+                   "hybridep", "--expert-model-parallel-size", "2", "--bf16"]  # fmt: skip
+
+
+@pytest.fixture
+def deep_ep_as(monkeypatch, tmp_path):
+    """``deep_ep_as(*modules, nvcc=bool)``: pretend exactly these DeepEP modules are installed
+    and ``CUDA_HOME`` holds (or lacks) an executable ``bin/nvcc``."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def install(*modules, nvcc=True):
+        fake = {name: object() for name in modules}
+        monkeypatch.setattr(
+            importlib.util, "find_spec",
+            lambda name, *a: fake.get(name) if name in ("deep_ep", "hybrid_ep_cpp") else real(
+                name, *a),
+        )  # fmt: skip
+        home = tmp_path / "cuda"
+        (home / "bin").mkdir(parents=True, exist_ok=True)
+        if nvcc:
+            (home / "bin" / "nvcc").write_text("#!/bin/sh\n")
+            (home / "bin" / "nvcc").chmod(0o755)
+        monkeypatch.setenv("CUDA_HOME", str(home))
+
+    return install
+
+
+@pytest.mark.parametrize(
+    "modules, nvcc, match",
+    [
+        ((), True, r"hybridep needs DeepEP \(the deep_ep package\), which is not installed"),
+        (("deep_ep",), True, r"needs DeepEP built from its hybrid-ep branch .*hybrid_ep_cpp"),
+        (("deep_ep", "hybrid_ep_cpp"), False, r"\$CUDA_HOME/bin/nvcc, but .*bin/nvcc does not"),
+    ],
+    ids=["no-deepep", "deepep-without-hybridep", "no-nvcc"],
+)
+def test_hybridep_needs_deepep_hybridep_and_nvcc(deep_ep_as, modules, nvcc, match):
+    """Refused by name before the model is built (megatron-core raises only at build time, and
+    HybridEP's kernel compiler only in the first forward pass)."""
+    from megatron_hybrid.training.validation import SettingsError
+
+    deep_ep_as(*modules, nvcc=nvcc)
+    with pytest.raises(SettingsError, match=match):
+        _validate(HYBRIDEP, world_size=2, on_gpu=True)
+
+
+def test_hybridep_cuda_home_unset(deep_ep_as, monkeypatch):
+    from megatron_hybrid.training.validation import SettingsError
+
+    deep_ep_as("deep_ep", "hybrid_ep_cpp")
+    monkeypatch.delenv("CUDA_HOME")
+    with pytest.raises(SettingsError, match=r"CUDA_HOME is not set: export CUDA_HOME="):
+        _validate(HYBRIDEP, world_size=2, on_gpu=True)
+
+
+def test_hybridep_with_ep_overlap_is_accepted(deep_ep_as):
+    """megatron-core 0.19.2 runs combined-1F1B with the flex dispatcher's hybridep backend
+    (``fine_grained_callables.py``), so the pair passes; the same flags fail on a CPU and
+    without DeepEP (negative controls)."""
+    from megatron_hybrid.training.validation import SettingsError
+
+    argv = HYBRIDEP + ["--overlap-moe-expert-parallel-comm"]
+    with pytest.raises(SettingsError, match=r"flex needs CUDA GPUs"):
+        _validate(argv, world_size=2, on_gpu=False)
+    deep_ep_as()
+    with pytest.raises(SettingsError, match=r"needs DeepEP"):
+        _validate(argv, world_size=2, on_gpu=True)
+    deep_ep_as("deep_ep", "hybrid_ep_cpp")
+    _validate(argv, world_size=2, on_gpu=True)
+
+
 def test_world_size_comes_from_torchrun(monkeypatch):
     """Without an explicit world size, WORLD_SIZE (set by torchrun) decides."""
     from megatron_hybrid.training.validation import SettingsError, validate_settings
