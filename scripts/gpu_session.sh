@@ -38,9 +38,9 @@
 #                ($LOGPROBS_ARGS)
 #   mfu          the fast TE-free path: its numerics against the reference path
 #                (tests/functional/test_fast_path_gpu.py, one GPU), then benchmarks/mfu.py --quick at
-#                the shape (every pattern fast, [*E] reference, TE runs where TE is
-#                installed; megatron DDP as train uses) and [*E] fast once more with plain
-#                autograd (--no-ddp); $MFU_ARGS come last (e.g. --runs ... or --shape large)
+#                the shape through train's own step (every pattern fast, [*E] reference,
+#                TE runs where TE is installed, [*E] with CUDA graphs); $MFU_ARGS come last
+#                (e.g. --runs ... or --shape large)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
 #                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs
@@ -199,9 +199,6 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick \
         ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick --no-ddp \
-        --runs star_e/fast ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu_autograd.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu-large)
       timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py --out "$OUT" --quick --shape large \
@@ -211,7 +208,7 @@ for part in "$@"; do
     mfu-fla)
       have_tsite || { status=1; continue; }
       PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-600}" python3 benchmarks/mfu.py \
-        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ge/fast-graphs \
+        --out "$OUT/fla" --quick --runs ge/fast star_e/fast ge/fast-graphs \
         star_e/fast-graphs ${MFU_ARGS:-} 2>&1 \
         | quiet | tee "$OUT/mfu_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;

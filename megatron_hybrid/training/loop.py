@@ -23,6 +23,7 @@ from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
 from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
     "CPUOptimizer",
@@ -190,7 +191,9 @@ class StepResult:
     ``finite`` is False when the loss or a gradient was NaN or infinite on some rank; the
     optimizer was then not stepped (the parameters are those before the step), and
     ``nonfinite`` says what was found first (``parameter NAME (rank R)``, ``gradient of NAME
-    (rank R)``, ``the loss`` or ``the gradient norm``).
+    (rank R)``, ``the loss`` or ``the gradient norm``). ``flops`` are the model FLOPs of the
+    global batch (the micro-batches' ``model_flops``, summed over data-parallel ranks; 0 where
+    the batches carry none).
     """
 
     loss: float
@@ -198,6 +201,7 @@ class StepResult:
     tokens: int
     finite: bool = True
     nonfinite: str | None = None
+    flops: float = 0.0
 
 
 def all_finite(tensors, pg_collection) -> bool:
@@ -234,10 +238,14 @@ def first_nonfinite_parameter(chunks) -> str | None:
     return None if found is None else f"{found[0]} (rank {found[1]})"
 
 
-def _configure_hooks(chunks, config, pg_collection) -> None:
+def _configure_hooks(chunks, config, pg_collection, timer=None) -> None:
     from megatron.core.distributed import finalize_model_grads
 
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = (
+        finalize_model_grads
+        if timer is None
+        else timer.wrap("gradient finalisation", finalize_model_grads)
+    )
     config.calculate_per_token_loss = True
     no_sync = [chunk.no_sync for chunk in chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -246,9 +254,20 @@ def _configure_hooks(chunks, config, pg_collection) -> None:
 
 
 def train_step(
-    chunks, optimizer, batches, config, *, seq_length: int, micro_batch_size: int, pg_collection
+    chunks,
+    optimizer,
+    batches,
+    config,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    pg_collection,
+    timer: PhaseTimer | None = None,
 ) -> StepResult:
     """One optimizer step over ``batches`` (a list of micro-batch dicts, or one list per chunk).
+
+    ``timer`` (a :class:`~megatron_hybrid.training.phases.PhaseTimer`, for benchmarks) times
+    the step's phases, waiting for the device around each; without it nothing waits.
 
     Returns:
         The step's per-token loss, the gradient norm before clipping and the real tokens of the
@@ -256,47 +275,53 @@ def train_step(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _configure_hooks(chunks, config, pg_collection)
+    _configure_hooks(chunks, config, pg_collection, timer)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_chunk = batches if isinstance(batches[0], list) else [batches] * len(chunks)
     iterators = [iter(list(b)) for b in per_chunk]
-    reports = get_forward_backward_func()(
-        forward_step_func=lm_forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(per_chunk[0]),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    with phase(timer, "forward-backward"):
+        reports = get_forward_backward_func()(
+            forward_step_func=lm_forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(per_chunk[0]),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
     # The last pipeline stage holds the losses; sum over data-parallel ranks, then share.
-    totals = torch.zeros(2, dtype=torch.float64)
-    for report in reports:
-        totals += report["lm loss"].double().cpu()
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    totals = totals.to(device)
-    torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
-    torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
-    # Checked before the update: a NaN or infinite gradient never reaches the parameters.
-    grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
-    finite = all_finite([totals, *grads], pg_collection)
+    with phase(timer, "guard"):
+        totals = torch.zeros(2, dtype=torch.float64)
+        for report in reports:
+            totals += report["lm loss"].double().cpu()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        totals = totals.to(device)
+        torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
+        torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
+        # Checked before the update: a NaN or infinite gradient never reaches the parameters.
+        grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
+        finite = all_finite([totals, *grads], pg_collection)
     nonfinite = None
     if finite:
-        step = optimizer.step()
+        with phase(timer, "optimizer"):
+            step = optimizer.step()
         grad_norm = step if isinstance(step, float) else float(step[1])
     else:
         grad_norm = float("nan")
         nonfinite = first_nonfinite_parameter(chunks) or "the loss"
-    # Real tokens of this rank's micro-batches, summed over data-parallel ranks.
+    # Real tokens and model FLOPs of this rank's micro-batches, summed over data-parallel ranks.
     tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
-    token_count = torch.tensor([tokens], dtype=torch.float64, device=device)
+    flops = sum(b.get("model_flops", 0.0) for b in per_chunk[0])
+    token_count = torch.tensor([tokens, flops], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(token_count, group=pg_collection.dp_cp)
+    tokens, flops = token_count.tolist()
     return StepResult(
         loss=float(totals[0] / totals[1].clamp(min=1)),
         grad_norm=grad_norm,
-        tokens=int(token_count.item()),
+        tokens=int(tokens),
         finite=finite and math.isfinite(grad_norm),
         nonfinite=nonfinite or (None if math.isfinite(grad_norm) else "the gradient norm"),
+        flops=flops,
     )
