@@ -518,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from megatron_hybrid.runtime import prefer_expandable_segments
+
+    prefer_expandable_segments()  # as train does, before CUDA starts
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
@@ -558,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
         peak_tflops=peak.tflops if peak else None,
         peak_source=peak.source if peak else None,
         shape={"name": args.shape, **SHAPES[args.shape]},
+        cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         setup=(f"train's step; hidden {shape.hidden}, {shape.heads} heads, {shape.experts} "
                f"experts top-{shape.topk} (hidden {shape.expert_hidden}), seq {shape.seq}, "
                f"{shape.layers} logical layers, {shape.microbatches} micro-batches of "

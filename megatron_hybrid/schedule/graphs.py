@@ -40,8 +40,9 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
 Calls that cannot replay a graph run the original forward, with the reason kept in
 :attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the
 graph), an argument that is neither a tensor nor a plain scalar (``packed_seq_params``,
-``inference_context``), inputs not on a CUDA device, and a capture that failed (a host sync or
-an operation that capture forbids; the piece then stays eager for good).
+``inference_context``), inputs not on a CUDA device, a new input shape once a piece has graphs
+for :data:`MAX_SIGNATURES` shapes (variable-length micro-batches), and a capture that failed (a
+host sync or an operation that capture forbids; the piece then stays eager for good).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from megatron_hybrid.modules.registry import layer_runtime
 
 __all__ = [
+    "MAX_SIGNATURES",
     "CudaGraphReport",
     "GraphCaptureError",
     "GraphedForward",
@@ -77,6 +79,12 @@ CaptureFunction = Callable[[nn.Module, tuple[Tensor, ...]], Callable[..., tuple[
 #: Graph instances per signature before calls run eager: the schedules keep at most a few
 #: micro-batches in flight per layer; more means backward never frees them.
 MAX_INSTANCES = 8
+#: Input signatures (shapes) a piece captures before calls with a new one run eager. Every
+#: capture costs warm-up iterations and a private memory pool that lives as long as the graph:
+#: micro-batches of ever new lengths (padded variable-length data) would capture on almost every
+#: call and hold a pool per length. Fixed-size micro-batches (one token budget per micro-batch)
+#: have one signature.
+MAX_SIGNATURES = 4
 _SCALARS = (type(None), bool, int, float, str, Enum, torch.dtype)
 
 
@@ -354,6 +362,14 @@ class GraphedForward:
         return tree_unflatten(leaves, piece.out_spec)
 
     def _take(self, key, tensors, rebuild) -> _Instance | str:
+        if key not in self.instances and len(self.instances) >= MAX_SIGNATURES:
+            reason = (
+                f"more than {MAX_SIGNATURES} input shapes (variable-length micro-batches; "
+                "batches of one fixed size replay one graph)"
+            )
+            if reason not in self.eager_calls:
+                logger.warning("CUDA graph of %s: new shapes run eager: %s", self.name, reason)
+            return reason
         pool = self.instances.setdefault(key, [])
         for instance in pool:
             if not instance.busy:

@@ -24,7 +24,7 @@ from megatron_hybrid.hf.api import stack_spec_for
 from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.pattern import GDN, parse_pattern
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
-from megatron_hybrid.runtime import RuntimeBackend, select_backend
+from megatron_hybrid.runtime import RuntimeBackend, prefer_expandable_segments, select_backend
 from megatron_hybrid.training import resume
 from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
@@ -212,6 +212,7 @@ def run_training(
         backend: where to run (the CLI passes its choice); by default CUDA when a GPU is
             visible, else the CPU emulation.
     """
+    prefer_expandable_segments()  # before CUDA starts: variable-length batches fragment memory
     validate_lora_flags(args)  # first: they decide where the model comes from
     lora = lora_run(args)  # adapters on a frozen base: where it comes from, what resumes
     # --load-hf (or a LoRA base): the architecture comes from the Hugging Face config

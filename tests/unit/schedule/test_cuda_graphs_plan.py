@@ -177,6 +177,35 @@ def test_negative_control_a_wrong_graph_is_caught(pg):
         _assert_same(_step(model), _step(reference))
 
 
+def test_new_lengths_beyond_the_signature_limit_run_eager(pg, caplog):
+    """Variable-length micro-batches: a piece captures its first MAX_SIGNATURES lengths, then
+    new lengths run eager (said once per piece), known lengths still replay; bitwise either way."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.schedule.graphs import MAX_SIGNATURES
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    lengths = [8 + 2 * i for i in range(MAX_SIGNATURES + 2)] + [8]
+    for seed, seq in enumerate(lengths):
+        inputs = model_inputs(seq=seq, seed=seed)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        model(**inputs).float().mean().backward()
+        reference(**inputs).float().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    reason = f"more than {MAX_SIGNATURES} input shapes"
+    for graphed in report.graphed.values():
+        assert graphed.captures == MAX_SIGNATURES
+        assert graphed.replays == MAX_SIGNATURES + 1  # the first length again replays
+        [(eager_reason, calls)] = graphed.eager_calls.items()
+        assert eager_reason.startswith(reason) and calls == 2
+    warned = [r for r in caplog.records if reason in r.getMessage()]
+    assert len(warned) == len(report.graphed)  # once per piece
+
+
 def test_eval_and_no_grad_run_eager(pg):
     from megatron_hybrid.schedule import enable_cuda_graphs
 
