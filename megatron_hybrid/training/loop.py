@@ -23,6 +23,13 @@ from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
 from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.training.optimizer_step import (
+    NormGroup,
+    apply_step,
+    fused_step_enabled,
+    guard_statistics,
+    use_fused_adam,
+)
 from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
@@ -145,10 +152,40 @@ class CPUOptimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self) -> float:
-        """Copy main grads, clip by global norm, update; return the norm before clipping."""
+    def prepare_grads(self) -> bool:
+        """Copy the main gradients to ``.grad`` (megatron's optimizer's name for it)."""
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else None
+        return False
+
+    def norm_groups(self) -> list[NormGroup]:
+        """The dense and the expert gradients, each summed once over its model-parallel group
+        (shared and tensor-parallel duplicate parameters left out of the norm)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        groups = {
+            True: NormGroup([], [], self.pg_collection.mp),
+            False: NormGroup([], [], self.pg_collection.tp_ep_pp),
+        }
+        for p in self.params:
+            if p.grad is None:
+                continue
+            group = groups[getattr(p, "allreduce", True)]
+            group.clip_grads.append(p.grad)
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                group.norm_grads.append(p.grad)
+        return list(groups.values())
+
+    def step_with_ready_grads(self) -> bool:
+        """Update with the (clipped) gradients."""
+        self.optimizer.step()
+        return True
+
+    def step(self) -> float:
+        """Copy main grads, clip by global norm, update; return the norm before clipping (the
+        reference path, ``MEGATRON_HYBRID_FUSED_STEP=0``)."""
+        self.prepare_grads()
         norm = self._grad_norm()
         if self.clip_grad and norm > self.clip_grad:
             for p in self.params:
@@ -165,7 +202,18 @@ class CPUOptimizer:
 
 
 def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
-    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU."""
+    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU; their AdamW
+    runs torch's fused kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0``
+    (:mod:`~megatron_hybrid.training.optimizer_step`)."""
+    optimizer = _build_optimizer(
+        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg
+    )
+    if fused_step_enabled():
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def _build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
     if not torch.cuda.is_available():
         return CPUOptimizer(
             chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
@@ -291,37 +339,64 @@ def train_step(
             micro_batch_size=micro_batch_size,
             forward_only=False,
         )
-    # The last pipeline stage holds the losses; sum over data-parallel ranks, then share.
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     with phase(timer, "guard"):
-        totals = torch.zeros(2, dtype=torch.float64)
-        for report in reports:
-            totals += report["lm loss"].double().cpu()
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        totals = totals.to(device)
-        torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
-        torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
-        # Checked before the update: a NaN or infinite gradient never reaches the parameters.
-        grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
-        finite = all_finite([totals, *grads], pg_collection)
-    nonfinite = None
-    if finite:
+        stats = _step_statistics(reports, per_chunk[0], pg_collection, device)
+        if fused_step_enabled():
+            guard = guard_statistics(optimizer, stats[:2])
+        else:  # megatron's path: every gradient checked before its optimizer.step()
+            grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
+            finite = all_finite([stats[:2], *grads], pg_collection)
+    if fused_step_enabled():
         with phase(timer, "optimizer"):
-            step = optimizer.step()
-        grad_norm = step if isinstance(step, float) else float(step[1])
+            apply_step(optimizer, guard, _clip_grad(optimizer))
+        # The step's one copy to the host: loss, tokens, FLOPs, norm and the guard's flag.
+        norm_and_flag = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()])
+        loss_sum, loss_tokens, tokens, flops, grad_norm, flagged = torch.cat(
+            [stats, norm_and_flag]
+        ).tolist()
+        finite = not flagged
     else:
         grad_norm = float("nan")
-        nonfinite = first_nonfinite_parameter(chunks) or "the loss"
-    # Real tokens and model FLOPs of this rank's micro-batches, summed over data-parallel ranks.
-    tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
-    flops = sum(b.get("model_flops", 0.0) for b in per_chunk[0])
-    token_count = torch.tensor([tokens, flops], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(token_count, group=pg_collection.dp_cp)
-    tokens, flops = token_count.tolist()
+        if finite:
+            with phase(timer, "optimizer"):
+                step = optimizer.step()
+            grad_norm = step if isinstance(step, float) else float(step[1])
+        loss_sum, loss_tokens, tokens, flops = stats.tolist()
+    loss = loss_sum / max(loss_tokens, 1.0)
+    nonfinite = None
+    if not (finite and math.isfinite(grad_norm)):
+        # Nothing was applied; name the culprit (a collective: every rank agrees it is needed).
+        nonfinite = first_nonfinite_parameter(chunks) or (
+            "the gradient norm" if math.isfinite(loss) else "the loss"
+        )
     return StepResult(
-        loss=float(totals[0] / totals[1].clamp(min=1)),
+        loss=loss,
         grad_norm=grad_norm,
         tokens=int(tokens),
-        finite=finite and math.isfinite(grad_norm),
-        nonfinite=nonfinite or (None if math.isfinite(grad_norm) else "the gradient norm"),
+        finite=nonfinite is None,
+        nonfinite=nonfinite,
         flops=flops,
     )
+
+
+def _step_statistics(reports, batches, pg_collection, device) -> torch.Tensor:
+    """``[loss sum, loss tokens, real tokens, model FLOPs]`` of the global batch, float64 on the
+    device (no host read): the last pipeline stage's losses and every rank's micro-batches,
+    summed over data-parallel ranks, the losses shared with the other pipeline stages."""
+    losses = [report["lm loss"].double().to(device) for report in reports]
+    loss = torch.stack(losses).sum(0) if losses else torch.zeros(2, dtype=torch.float64)
+    tokens = sum(b.get("num_tokens", 0) for b in batches)
+    flops = sum(b.get("model_flops", 0.0) for b in batches)
+    counts = torch.tensor([tokens, flops], dtype=torch.float64)
+    stats = torch.cat([loss.to(device), counts.to(device, non_blocking=True)])
+    torch.distributed.all_reduce(stats, group=pg_collection.dp_cp)
+    torch.distributed.all_reduce(stats[:2], group=pg_collection.pp)  # only the last stage adds
+    return stats
+
+
+def _clip_grad(optimizer) -> float:
+    """The clipping norm of ``CPUOptimizer`` or of a megatron optimizer's config."""
+    if hasattr(optimizer, "clip_grad"):
+        return optimizer.clip_grad
+    return optimizer.config.clip_grad
