@@ -147,7 +147,6 @@ class Run:
         from megatron_hybrid.pattern import parse_pattern
         from megatron_hybrid.runtime import select_backend
         from megatron_hybrid.training import run as train_run
-        from megatron_hybrid.training.config import hybrid_config_from_args
         from megatron_hybrid.training.loop import build_model_chunks, build_optimizer
         from megatron_hybrid.training.throughput import StepFlops
         from megatron_hybrid.training.validation import SCOPES, validate_settings
@@ -161,10 +160,9 @@ class Run:
         if "G" in PATTERNS[name] and CUDA:
             os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # as train sets it
         self.backend = select_backend()
-        overrides = dict(self.backend.config_overrides())
+        self.config = train_run.model_config(targs, None, self.backend)  # train's config
         if scan:
-            overrides["deterministic_mode"] = True
-        self.config = hybrid_config_from_args(targs, **overrides)
+            self.config.deterministic_mode = True
         world = torch.distributed.get_world_size()
         self.rank = torch.distributed.get_rank()
         self.pg, _, self.num_microbatches = train_run.parallel_setup(targs, self.config, world)

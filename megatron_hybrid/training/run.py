@@ -30,6 +30,7 @@ from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
 from megatron_hybrid.training.config import hybrid_config_from_args
 from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+from megatron_hybrid.training.fusions import apply_gpu_fusions
 from megatron_hybrid.training.guard import check_step, describe
 from megatron_hybrid.training.hf_source import hf_source, hf_training_config, load_initial_weights
 from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
@@ -295,8 +296,12 @@ def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     conversion and the training flags."""
     overrides = backend.config_overrides()
     if source is not None:
-        return hf_training_config(source, args, **overrides)
-    return hybrid_config_from_args(args, **overrides)
+        config = hf_training_config(source, args, **overrides)
+    else:
+        config = hybrid_config_from_args(args, **overrides)
+    if backend.on_gpu:  # megatron's fused SwiGLU and cross-entropy, where they are exact
+        apply_gpu_fusions(config)
+    return config
 
 
 def parallel_setup(args: argparse.Namespace, config, world: int):
