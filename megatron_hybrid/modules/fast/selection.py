@@ -102,9 +102,10 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     must leave the rotary embedding to megatron's ``apply_rotary_pos_emb``, or None.
 
     :func:`~megatron_hybrid.modules.fast.rope.apply_rope` computes megatron's unfused,
-    non-interleaved RoPE of padded batches in training; TransformerEngine's fused RoPE, the
-    interleaved variant, packed sequences (positions restart per sequence) and inference stay
-    with megatron.
+    non-interleaved RoPE of padded batches in training, and
+    :func:`~megatron_hybrid.modules.fast.rope.apply_rope_thd` that of packed (THD) rows with the
+    positions found on the device; TransformerEngine's fused RoPE, the interleaved variant,
+    packed rows split over context-parallel ranks and inference stay with megatron.
     """
     config = module.config
     if rotary_pos_emb is None:
@@ -114,7 +115,8 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     if config.rotary_interleaved:
         return "rotary_interleaved"
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        return "packed sequences (positions restart in every sequence)"
+        if module.pg_collection.cp.size() > 1:
+            return "packed sequences over context-parallel ranks (megatron's THD RoPE splits them)"
     if inference_context is not None:
         return "inference (megatron's key-value cache path)"
     return None
