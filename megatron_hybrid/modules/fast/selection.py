@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_hybrid.modules.fla_backend import dqkwg_choice
+
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
@@ -275,12 +277,17 @@ def gdn_rule_choice(config) -> tuple[str, str]:
     The choice is megatron-core's own: fla's Triton kernels unless ``deterministic_mode``
     selects the torch path, which the fast class computes with the package's parallel scan
     (:func:`~megatron_hybrid.modules.fast.gdn.scan_chunk_gated_delta_rule`) instead of
-    megatron's step-by-step loop. (Where fla refuses its backward, e.g. on Hopper with
-    Triton < 3.7.1, ``deterministic_mode`` selects the scan.)
+    megatron's step-by-step loop. Where fla refuses its own backward kernel (Hopper with
+    Triton 3.4-3.7.0, fla #640) the package's kernel replaces it
+    (:func:`~megatron_hybrid.modules.fla_backend.dqkwg_choice`).
     """
     if config.deterministic_mode:
         return "scan", "deterministic_mode selects the torch path (computed as a parallel scan)"
-    return "fla", "fla's Triton kernels (megatron's choice without deterministic_mode)"
+    backward, why = dqkwg_choice()
+    return "fla", (
+        "fla's Triton kernels (megatron's choice without deterministic_mode); their backward's "
+        f"dq/dk/dw/dg kernel: {'the package' if backward == 'package' else 'fla'}'s ({why})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
