@@ -340,14 +340,15 @@ def train_step(
             forward_only=False,
         )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    fused = fused_step_enabled()
     with phase(timer, "guard"):
         stats = _step_statistics(reports, per_chunk[0], pg_collection, device)
-        if fused_step_enabled():
+        if fused:
             guard = guard_statistics(optimizer, stats[:2])
         else:  # megatron's path: every gradient checked before its optimizer.step()
             grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
             finite = all_finite([stats[:2], *grads], pg_collection)
-    if fused_step_enabled():
+    if fused:
         with phase(timer, "optimizer"):
             apply_step(optimizer, guard, _clip_grad(optimizer))
         # The step's one copy to the host: loss, tokens, FLOPs, norm and the guard's flag.
@@ -385,11 +386,18 @@ def _step_statistics(reports, batches, pg_collection, device) -> torch.Tensor:
     device (no host read): the last pipeline stage's losses and every rank's micro-batches,
     summed over data-parallel ranks, the losses shared with the other pipeline stages."""
     losses = [report["lm loss"].double().to(device) for report in reports]
-    loss = torch.stack(losses).sum(0) if losses else torch.zeros(2, dtype=torch.float64)
+    if losses:
+        loss = torch.stack(losses).sum(0)
+    else:
+        loss = torch.zeros(2, dtype=torch.float64, device=device)
     tokens = sum(b.get("num_tokens", 0) for b in batches)
     flops = sum(b.get("model_flops", 0.0) for b in batches)
     counts = torch.tensor([tokens, flops], dtype=torch.float64)
-    stats = torch.cat([loss.to(device), counts.to(device, non_blocking=True)])
+    if torch.device(device).type == "cuda":
+        # A copy from pageable memory waits for the stream (the whole backward); from pinned
+        # memory it is queued like a kernel.
+        counts = counts.pin_memory()
+    stats = torch.cat([loss, counts.to(device, non_blocking=True)])
     torch.distributed.all_reduce(stats, group=pg_collection.dp_cp)
     torch.distributed.all_reduce(stats[:2], group=pg_collection.pp)  # only the last stage adds
     return stats
