@@ -1,18 +1,18 @@
 """Operators per layer of a training step, counted on the CPU: a proxy for GPU kernels per step.
 
-    python benchmarks/op_count.py [--patterns star_e ge me plus_e] [--impl fast] [--ddp]
-                                  [--out DIR]
+    python benchmarks/op_count.py [--patterns star_e ge me plus_e] [--impl fast] [--out DIR]
 
 A training step on one GPU at the issue's shape (``benchmarks/mfu.py``) is host-bound: every
 kernel costs the CPU tens of microseconds of Python, dispatcher and launch time, so a step's
 time follows its kernel count. This script counts, with torch.profiler on the CPU, the aten
 operators that would launch a kernel (leaf operators, less the ones that only make views or
-allocate) in one forward and backward step of the model built as ``mfu.py`` builds it, at a
-tiny width but with the issue's 64 experts (top-8), so loops over experts show. Per logical
-layer is the difference between a two-layer and a one-layer model (the embedding, output
-layer and loss cancel), counted for a micro-batch after the first (the first one's weight
-gradients need no accumulation): ``(two layers - one layer)`` at two micro-batches minus the
-same at one. The operators that differ most are listed.
+allocate) in one ``train`` step, built and run as ``mfu.py`` runs it (``train``'s model in
+megatron's DDP, its optimizer and step), at a tiny width but with the issue's 64 experts
+(top-8), so loops over experts show. Per logical layer is the difference between a two-layer
+and a one-layer model (the embedding, output layer and loss cancel), counted for a micro-batch
+after the first (the first one's weight gradients need no accumulation; the optimizer's work,
+the same for any number of micro-batches, cancels too): ``(two layers - one layer)`` at two
+micro-batches minus the same at one. The operators that differ most are listed.
 
 What a CPU count does not see: GPU-only code (fla's Triton kernels for ``G``, which the CPU
 replaces by torch code; ``torch.compile``'s fused kernels for ``M``, disabled on the CPU), and
@@ -107,35 +107,26 @@ def kernel_ops(events) -> collections.Counter:
     return counts
 
 
-def count_step(
-    pattern: str, layers: int, microbatches: int, impl: str, ddp: bool
-) -> collections.Counter:
-    """Kernel-launching operators of one step (after a warm-up step) of ``pattern``."""
-    from mfu import PATTERNS, build_config, build_model, synthetic_batches, wrap_ddp
+def count_step(pattern: str, layers: int, microbatches: int, impl: str) -> collections.Counter:
+    """Kernel-launching operators of one ``train`` step (after a warm-up step) of ``pattern``:
+    ``train``'s model chunks in megatron's DDP, its optimizer and step function
+    (``benchmarks/mfu.py``'s :class:`Run`), every sequence ``seq`` long; ``G`` on the fast
+    path's torch scan (fla's kernels need a GPU)."""
+    from mfu import Run
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_hybrid.process_groups import initialize_model_parallel
-    from megatron_hybrid.testing.overlap import run_schedule
-
     shape = SimpleNamespace(**{**SHAPE, "layers": layers, "microbatches": microbatches})
-    full = f"{PATTERNS[pattern]}{{{layers}}}"
-    config = build_config(shape, full, impl, deterministic=True)
-    pg = initialize_model_parallel(seed=1234)
-    model, _ = build_model(shape, full, impl, config, pg)
-    if ddp:
-        model = wrap_ddp(model, config, pg)
-    batches = synthetic_batches(shape, shape.microbatches)
-
-    def step():
-        if ddp:
-            model.zero_grad_buffer()
-        model.zero_grad(set_to_none=True)
-        run_schedule([model], batches, config, seq_length=shape.seq, micro_batch_size=shape.mbs)
-
-    step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    return kernel_ops(prof.events())
+    args = SimpleNamespace(warmup=1, steps=1, quick=False, data="full", packed=False, ep=1,
+                           overlap=False, gdn_kernel="torch")  # fmt: skip
+    run = Run(args, shape, pattern, impl)
+    try:
+        run.step(run.batches())
+        batches = run.batches()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            run.step(batches)
+        return kernel_ops(prof.events())
+    finally:
+        run.close()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,7 +134,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--patterns", nargs="+", default=["star_e", "ge", "me", "plus_e"],
                         choices=["star_e", "ge", "me", "plus_e"])  # fmt: skip
     parser.add_argument("--impl", default="fast", choices=["fast", "reference"])
-    parser.add_argument("--ddp", action="store_true", help="wrap in megatron's DDP (main_grad)")
     parser.add_argument("--top", type=int, default=12, help="operators listed per pattern")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -156,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     init_single_process_world("gloo")
     results = {}
     for pattern in args.patterns:
-        runs = {(layers, mbs): count_step(pattern, layers, mbs, args.impl, args.ddp)
+        runs = {(layers, mbs): count_step(pattern, layers, mbs, args.impl)
                 for layers in (1, 2) for mbs in (1, 2)}  # fmt: skip
         per_layer = runs[2, 2].copy()
         for key, sign in (((1, 2), -1), ((2, 1), -1), ((1, 1), 1)):
@@ -166,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         step = sum(runs[1, 1].values())
         results[pattern] = {"per_layer": total, "step_one_layer": step, "top": top}
         print(
-            f"{pattern:7s} {args.impl}{' ddp' if args.ddp else ''}: {total} operators per "
+            f"{pattern:7s} {args.impl}: {total} operators per "
             f"logical layer and micro-batch (forward + backward); one-layer step {step}"
         )
         for name, count in top:
@@ -174,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        suffix = "_ddp" if args.ddp else ""
-        (out / f"op_count_{args.impl}{suffix}.json").write_text(json.dumps(results, indent=1))
+        (out / f"op_count_{args.impl}.json").write_text(json.dumps(results, indent=1))
     torch.distributed.destroy_process_group()
     return results
 

@@ -42,12 +42,22 @@
 #                ($LOGPROBS_ARGS)
 #   mfu          the fast TE-free path: its numerics against the reference path
 #                (tests/functional/test_fast_path_gpu.py, one GPU), then benchmarks/mfu.py --quick at
-#                the issue's shape (every pattern fast, [*E] reference, TE runs where TE is
-#                installed; megatron DDP as train uses) and [*E] fast once more with plain
-#                autograd (--no-ddp); $MFU_ARGS come last (e.g. --runs ... or --shape large)
+#                the issue's shape through train's own step (every pattern fast, [*E] reference,
+#                TE runs where TE is installed, [*E] with CUDA graphs); $MFU_ARGS come last
+#                (e.g. --runs ... or --shape large)
+#   perf         one GPU, about 8 minutes: the numerics of issue 33's changes (fused optimizer
+#                step vs megatron's, the package's GatedDeltaNet dqkwg kernel vs float64 and fla,
+#                graph-capture recovery and the [*E] capture diagnosis, the fast path vs the
+#                reference with fla's backward on this Triton; fla one config each), then
+#                benchmarks/mfu.py --quick through train's own step (every pattern fast, [*E]
+#                reference, [*E] fast-graphs); prints the results and phase tables last
+#                ($MFU_ARGS last, e.g. --data full or --packed)
+#   perf-ep4     all GPUs of the machine (4), about 5 minutes: mfu.py --quick at EP = GPUs for
+#                [*E] and [GE] fast, plain and --overlap (32 sequences per step on 4 GPUs)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
-#                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs
+#                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs, then
+#                ge/fast with the package's dqkwg kernel forced (MEGATRON_HYBRID_FLA_DQKWG=package)
 #   hybridep     DeepEP's HybridEP through megatron-core's flex dispatcher: install the carried
 #                DeepEP wheel (.deepep/dist/deep_ep-*.whl, built once on a GPU machine, see
 #                docs/padding.md §9), then tests/functional/test_hybridep_gpu.py on all GPUs and
@@ -229,10 +239,31 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick \
         ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      timeout "${MFU_TIMEOUT:-300}" python3 benchmarks/mfu.py --out "$OUT" --quick --no-ddp \
-        --runs star_e/fast ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu_autograd.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    perf)
+      MH_TRITON_ONE_CONFIG=1 timeout "${PERF_TEST_TIMEOUT:-240}" torchrun --nproc_per_node 1 \
+        -m pytest -q -s -p no:cacheprovider -W ignore tests/functional/test_fused_step_gpu.py \
+        tests/functional/test_fla_dqkwg_gpu.py \
+        tests/functional/test_cuda_graphs_gpu.py::test_failed_capture_leaves_the_process_usable \
+        tests/functional/test_cuda_graphs_gpu.py::test_fast_moe_pieces_capture_or_say_why \
+        tests/functional/test_fast_path_gpu.py 2>&1 | quiet | tee "$OUT/perf_tests.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      timeout "${MFU_TIMEOUT:-330}" python3 benchmarks/mfu.py --out "$OUT/perf" --quick \
+        ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/perf_mfu.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      for f in "$OUT"/perf/mfu_*.md; do
+        [ -f "$f" ] && { echo "== $f"; sed -n '/^| run |/,/^$/p;/^| target |/,/^$/p' "$f"; }
+      done ;;
+    perf-ep4)
+      for extra in "" "--overlap"; do
+        timeout "${MFU_TIMEOUT:-140}" torchrun --nproc_per_node "$NGPU" benchmarks/mfu.py \
+          --out "$OUT/ep$NGPU" --quick --ep "$NGPU" --runs star_e/fast ge/fast $extra \
+          ${MFU_ARGS:-} 2>&1 | quiet | tee -a "$OUT/perf_ep.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done
+      for f in "$OUT/ep$NGPU"/mfu_*.md; do
+        [ -f "$f" ] && { echo "== $f"; sed -n '/^| run |/,/^$/p' "$f"; }
+      done ;;
     mfu-large)
       timeout "${MFU_TIMEOUT:-420}" python3 benchmarks/mfu.py --out "$OUT" --quick --shape large \
         --runs star_e/fast ge/fast me/fast plus_e/fast ${MFU_ARGS:-} 2>&1 | quiet \
@@ -241,9 +272,14 @@ for part in "$@"; do
     mfu-fla)
       have_tsite || { status=1; continue; }
       PYTHONPATH=$TSITE:$PYTHONPATH timeout "${MFU_TIMEOUT:-600}" python3 benchmarks/mfu.py \
-        --out "$OUT/fla" --quick --gdn-kernel fla --runs ge/fast star_e/fast ge/fast-graphs \
+        --out "$OUT/fla" --quick --runs ge/fast star_e/fast ge/fast-graphs \
         star_e/fast-graphs ${MFU_ARGS:-} 2>&1 \
         | quiet | tee "$OUT/mfu_fla.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      # The package's dqkwg kernel on the same Triton, against fla's own (the yardstick above).
+      MEGATRON_HYBRID_FLA_DQKWG=package PYTHONPATH=$TSITE:$PYTHONPATH \
+        timeout "${MFU_TIMEOUT:-600}" python3 benchmarks/mfu.py --out "$OUT/fla_package" \
+        --quick --runs ge/fast ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu_fla_package.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mamba)
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \

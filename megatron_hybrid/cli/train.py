@@ -87,8 +87,9 @@ def _duration(seconds: float) -> str:
 
 
 def closing_line(summary) -> str:
-    """``done: ...``: steps, loss, median step time and tokens/s after warm-up, the warm-up
-    apart (its kernel autotuning would otherwise swamp the throughput), the last save."""
+    """``done: ...``: steps, loss, median step time and tokens/s after warm-up (on GPUs also
+    TFLOP/s per GPU and MFU), the warm-up apart (its kernel autotuning would otherwise swamp
+    the throughput), the last save."""
     losses = summary.losses
     first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     parts = [
@@ -98,6 +99,8 @@ def closing_line(summary) -> str:
     median = summary.median_step_seconds
     if median is not None:
         parts.append(f"median step {_duration(median)}, {summary.tokens_per_second:,.0f} tok/s")
+    if summary.throughput:  # GPUs: TFLOP/s per GPU and MFU, from the model's FLOP formulas
+        parts.append(summary.throughput)
     if summary.step_seconds:
         after = "" if median is not None else ", no later step to time"
         parts.append(f"warm-up {_duration(summary.warmup_seconds)}{after}")

@@ -8,7 +8,10 @@ that ``exp(sum g)`` then carries through the recurrence, and its backward rounds
 twice more. transformers (``-self.A_log.float().exp() * softplus(a.float() + self.dt_bias)`` in
 its Qwen3.5 / Qwen3-Next modeling code) and fla's own fused gate (``use_gate_in_kernel``) take
 ``exp`` in float32. :class:`HybridGatedDeltaNet` does the same; nothing else differs, so
-checkpoints, THD handling and the kernels are megatron-core's.
+checkpoints, THD handling and the kernels are megatron-core's, except that where fla's kernels
+run (on GPUs without ``deterministic_mode``) the package's gated ``chunk_bwd_dqkwg`` is
+registered with fla: fla refuses its own on Hopper with Triton 3.4-3.7.0
+(:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ from megatron.core.jit import jit_fuser
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from torch.nn.functional import softplus
 
+from megatron_hybrid.modules.fla_backend import register_fla_backend
+
 __all__ = ["HybridGatedDeltaNet"]
 
 
 class HybridGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` with ``g`` computed in float32 (see the module doc)."""
+
+    def __init__(self, config, *args, **kwargs):
+        if torch.cuda.is_available() and not config.deterministic_mode:
+            register_fla_backend()  # fla's backward on Hopper with Triton 3.4-3.7.0
+        super().__init__(config, *args, **kwargs)
 
     @jit_fuser
     def _compute_g_and_beta(

@@ -6,6 +6,11 @@ layer never patches the process; it asks the chosen back-end for its config over
 device instead.
 """
 
-from megatron_hybrid.runtime.backend import BACKEND_NAMES, RuntimeBackend, select_backend
+from megatron_hybrid.runtime.backend import (
+    BACKEND_NAMES,
+    RuntimeBackend,
+    prefer_expandable_segments,
+    select_backend,
+)
 
-__all__ = ["BACKEND_NAMES", "RuntimeBackend", "select_backend"]
+__all__ = ["BACKEND_NAMES", "RuntimeBackend", "prefer_expandable_segments", "select_backend"]

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from megatron_hybrid.runtime.cpu import cpu_config_overrides, enable_cpu_emulation
 
-__all__ = ["BACKEND_NAMES", "RuntimeBackend", "select_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "CUDA_ALLOC_CONF",
+    "RuntimeBackend",
+    "prefer_expandable_segments",
+    "select_backend",
+]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu")
+
+#: The CUDA caching allocator's setting for training: expandable segments. Micro-batches of
+#: varying lengths ask for blocks of ever new sizes; with fixed segments the allocator splits and
+#: caches them until a request fits nowhere, then frees its cache (a device synchronisation) and
+#: allocates again, and memory ends up reserved but unusable. Expandable segments grow one
+#: mapping per stream instead (torchtitan trains with this setting by default).
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def prefer_expandable_segments(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :data:`CUDA_ALLOC_CONF` unless the environment sets an
+    allocator configuration (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``, even empty:
+    ``PYTORCH_CUDA_ALLOC_CONF=`` keeps torch's default). torch reads it when CUDA starts, so an
+    entry point calls this first. Returns whether it set it."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
+    return True
 
 
 @dataclass(frozen=True)

@@ -40,16 +40,18 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
 Calls that cannot replay a graph run the original forward, with the reason kept in
 :attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the
 graph), an argument that is neither a tensor nor a plain scalar (``packed_seq_params``,
-``inference_context``), inputs not on a CUDA device, and a capture that failed (a host sync or
-an operation that capture forbids; the piece then stays eager for good).
+``inference_context``), inputs not on a CUDA device, a new input shape once a piece has graphs
+for :data:`MAX_SIGNATURES` shapes (variable-length micro-batches), and a capture that failed (a
+host sync or an operation that capture forbids; the piece then stays eager for good, which is
+logged once with the operation that failed, and the process is as it was before the capture:
+:mod:`~megatron_hybrid.schedule.graph_capture`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -58,8 +60,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatron_hybrid.modules.registry import layer_runtime
+from megatron_hybrid.schedule.graph_capture import GraphCaptureError, capture_cuda_graph
 
 __all__ = [
+    "MAX_SIGNATURES",
     "CudaGraphReport",
     "GraphCaptureError",
     "GraphedForward",
@@ -77,11 +81,13 @@ CaptureFunction = Callable[[nn.Module, tuple[Tensor, ...]], Callable[..., tuple[
 #: Graph instances per signature before calls run eager: the schedules keep at most a few
 #: micro-batches in flight per layer; more means backward never frees them.
 MAX_INSTANCES = 8
+#: Input signatures (shapes) a piece captures before calls with a new one run eager. Every
+#: capture costs warm-up iterations and a private memory pool that lives as long as the graph:
+#: micro-batches of ever new lengths (padded variable-length data) would capture on almost every
+#: call and hold a pool per length. Fixed-size micro-batches (one token budget per micro-batch)
+#: have one signature.
+MAX_SIGNATURES = 4
 _SCALARS = (type(None), bool, int, float, str, Enum, torch.dtype)
-
-
-class GraphCaptureError(RuntimeError):
-    """A piece could not be captured; it runs eager from then on."""
 
 
 def check_cuda_graph_config(config) -> None:
@@ -108,107 +114,6 @@ def check_cuda_graph_config(config) -> None:
         )
     if problems:
         raise ValueError("hybrid CUDA graphs: " + "; ".join(problems))
-
-
-@contextlib.contextmanager
-def _thread_local_capture() -> Iterator[None]:
-    """Capture in ``thread_local`` mode inside ``make_graphed_callables``.
-
-    Its default, ``global``, fails the capture when another thread makes a CUDA call that capture
-    forbids, such as the NCCL watchdog querying events; megatron-core 0.19.2 captures in
-    ``thread_local`` mode for that reason (``transformer/cuda_graphs.py``). torch offers no
-    argument for it, so ``torch.cuda.graph`` is swapped for the duration of the call.
-    """
-    original = torch.cuda.graph
-
-    class ThreadLocalGraph(original):
-        def __init__(self, cuda_graph, *args, **kwargs):
-            kwargs.setdefault("capture_error_mode", "thread_local")
-            super().__init__(cuda_graph, *args, **kwargs)
-
-    torch.cuda.graph = ThreadLocalGraph
-    try:
-        yield
-    finally:
-        torch.cuda.graph = original
-
-
-@contextlib.contextmanager
-def _rng_forks_suspended() -> Iterator[None]:
-    """Make megatron's RNG-tracker forks no-ops while a piece is captured.
-
-    megatron-core forks its CUDA RNG tracker around every dropout call, dropout 0 included
-    (``transformer/dot_product_attention.py``), and a tracker that is not graph-safe re-seeds
-    the CUDA generator there, which stream capture refuses ("set_current_seed can be called
-    during stream capture only if new seed is the same", seen on one H100 with torch 2.11).
-    Graphed pieces draw no random numbers (pieces with dropout stay eager), so the fork changes
-    nothing they compute; a graph-safe tracker is left alone.
-    """
-    from megatron.core.tensor_parallel.random import (
-        get_cuda_rng_tracker,
-        is_graph_safe_cuda_rng_tracker,
-    )
-
-    tracker = get_cuda_rng_tracker()
-    suspend = not is_graph_safe_cuda_rng_tracker(tracker)
-    if suspend:
-        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        if suspend:
-            del tracker.fork  # the class's method again
-
-
-def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
-    for param in module.parameters():
-        for attribute in ("main_grad", "grad"):
-            value = getattr(param, attribute, None)
-            if torch.is_tensor(value):
-                yield param, attribute, value
-
-
-def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
-    return all(t.is_cuda for t in tensors)
-
-
-def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
-    """Capture ``piece`` with ``torch.cuda.make_graphed_callables`` (the default capture).
-
-    Warm-up on a side stream (three iterations), then capture in ``thread_local`` mode. The
-    warm-up iterations run a real backward on dummy gradients; gradients and buffers are restored
-    afterwards.
-
-    Raises:
-        GraphCaptureError: the inputs are not on a CUDA device, or capture failed.
-    """
-    if not _on_cuda(sample_args):
-        raise GraphCaptureError("inputs are not on a CUDA device")
-    saved = [(p, a, v.clone()) for p, a, v in _main_grads(piece)]
-    buffers = [(b, b.clone()) for b in piece.buffers()]
-    params = list(piece.parameters())
-    flags = [getattr(p, "grad_added_to_main_grad", None) for p in params]
-    for param in params:
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = False
-    try:
-        with _thread_local_capture(), _rng_forks_suspended():
-            graphed = torch.cuda.make_graphed_callables(
-                piece, sample_args, num_warmup_iters=3, allow_unused_input=True
-            )
-    except (RuntimeError, AssertionError) as error:
-        raise GraphCaptureError(f"{type(error).__name__}: {error}") from error
-    finally:
-        # Parameters whose fused main_grad add the captured backward contains.
-        piece.fused_params = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]
-        for param, flag in zip(params, flags, strict=True):
-            if flag is not None:
-                param.grad_added_to_main_grad = flag
-        for param, attribute, value in saved:
-            getattr(param, attribute).copy_(value)
-        for buffer, value in buffers:
-            buffer.copy_(value)
-    return graphed
 
 
 class _Piece(nn.Module):
@@ -354,6 +259,14 @@ class GraphedForward:
         return tree_unflatten(leaves, piece.out_spec)
 
     def _take(self, key, tensors, rebuild) -> _Instance | str:
+        if key not in self.instances and len(self.instances) >= MAX_SIGNATURES:
+            reason = (
+                f"more than {MAX_SIGNATURES} input shapes (variable-length micro-batches; "
+                "batches of one fixed size replay one graph)"
+            )
+            if reason not in self.eager_calls:
+                logger.warning("CUDA graph of %s: new shapes run eager: %s", self.name, reason)
+            return reason
         pool = self.instances.setdefault(key, [])
         for instance in pool:
             if not instance.busy:

@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 from megatron_hybrid.modules import hybrid_stack_spec
+from megatron_hybrid.modules.fla_backend import dqkwg_choice
 from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
 
 __all__ = [
@@ -62,12 +63,15 @@ def fla_gated_backward_refused() -> str | None:
     """Why fla would refuse GatedDeltaNet's backward on this GPU, or None.
 
     fla-core 0.6.0 (``ops/common/chunk_o.py``) raises in the first backward on Hopper with
-    Triton >= 3.4.0, < 3.7.1 (wrong results, fla issue #640) unless tilelang provides the
-    kernel; finding out there costs the whole first-step autotune.
+    Triton >= 3.4.0, < 3.7.1 (wrong results, fla issue #640) unless a backend provides the
+    kernel; the package registers its own there
+    (:func:`~megatron_hybrid.modules.fla_backend.dqkwg_choice`), so only a forced choice of
+    fla's kernel (``MEGATRON_HYBRID_FLA_DQKWG=fla``) or fla's dispatch turned off leaves the
+    refusal. Finding out in training costs the whole first-step autotune.
     """
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return None
     if importlib.util.find_spec("tilelang") is not None:
         return None
@@ -76,12 +80,15 @@ def fla_gated_backward_refused() -> str | None:
     except ImportError:
         return None
     version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
-    if (3, 4, 0) <= version < (3, 7, 1):
-        return (
-            f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
-            "GPUs (wrong results, fla #640)"
-        )
-    return None
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return None
+    choice, why = dqkwg_choice()
+    if choice == "package":
+        return None
+    return (
+        f"fla refuses GatedDeltaNet's backward with Triton {triton.__version__} on Hopper "
+        f"GPUs (wrong results, fla #640), and its replacement is off ({why})"
+    )
 
 
 def flex_backend_unavailable(backend: str) -> str | None:

@@ -104,10 +104,12 @@ class MicroBatchBuilder:
         self.device = device
 
     def build(self, indices: list[int]) -> dict:
-        """The micro-batch of the given sequences; ``num_tokens`` counts real tokens."""
+        """The micro-batch of the given sequences; ``num_tokens`` counts real tokens and
+        ``sequence_lengths`` lists them per sequence (host integers, for the step's FLOPs)."""
         sequences = [self.data.sequence(i) for i in indices]
         batch = self._packed(sequences) if self.packed else self._padded(sequences)
-        batch["num_tokens"] = sum(len(s) - 1 for s in sequences)
+        batch["sequence_lengths"] = [len(s) - 1 for s in sequences]
+        batch["num_tokens"] = sum(batch["sequence_lengths"])
         return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _padded(self, sequences):

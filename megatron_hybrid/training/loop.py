@@ -23,6 +23,14 @@ from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
 from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.training.optimizer_step import (
+    NormGroup,
+    apply_step,
+    fused_step_enabled,
+    guard_statistics,
+    use_fused_adam,
+)
+from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
     "CPUOptimizer",
@@ -144,10 +152,40 @@ class CPUOptimizer:
         for p in self.params:
             p.grad = None
 
-    def step(self) -> float:
-        """Copy main grads, clip by global norm, update; return the norm before clipping."""
+    def prepare_grads(self) -> bool:
+        """Copy the main gradients to ``.grad`` (megatron's optimizer's name for it)."""
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else None
+        return False
+
+    def norm_groups(self) -> list[NormGroup]:
+        """The dense and the expert gradients, each summed once over its model-parallel group
+        (shared and tensor-parallel duplicate parameters left out of the norm)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        groups = {
+            True: NormGroup([], [], self.pg_collection.mp),
+            False: NormGroup([], [], self.pg_collection.tp_ep_pp),
+        }
+        for p in self.params:
+            if p.grad is None:
+                continue
+            group = groups[getattr(p, "allreduce", True)]
+            group.clip_grads.append(p.grad)
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                group.norm_grads.append(p.grad)
+        return list(groups.values())
+
+    def step_with_ready_grads(self) -> bool:
+        """Update with the (clipped) gradients."""
+        self.optimizer.step()
+        return True
+
+    def step(self) -> float:
+        """Copy main grads, clip by global norm, update; return the norm before clipping (the
+        reference path, ``MEGATRON_HYBRID_FUSED_STEP=0``)."""
+        self.prepare_grads()
         norm = self._grad_norm()
         if self.clip_grad and norm > self.clip_grad:
             for p in self.params:
@@ -164,7 +202,18 @@ class CPUOptimizer:
 
 
 def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
-    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU."""
+    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU; their AdamW
+    runs torch's fused kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0``
+    (:mod:`~megatron_hybrid.training.optimizer_step`)."""
+    optimizer = _build_optimizer(
+        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg
+    )
+    if fused_step_enabled():
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def _build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
     if not torch.cuda.is_available():
         return CPUOptimizer(
             chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
@@ -190,7 +239,9 @@ class StepResult:
     ``finite`` is False when the loss or a gradient was NaN or infinite on some rank; the
     optimizer was then not stepped (the parameters are those before the step), and
     ``nonfinite`` says what was found first (``parameter NAME (rank R)``, ``gradient of NAME
-    (rank R)``, ``the loss`` or ``the gradient norm``).
+    (rank R)``, ``the loss`` or ``the gradient norm``). ``flops`` are the model FLOPs of the
+    global batch (the micro-batches' ``model_flops``, summed over data-parallel ranks; 0 where
+    the batches carry none).
     """
 
     loss: float
@@ -198,6 +249,7 @@ class StepResult:
     tokens: int
     finite: bool = True
     nonfinite: str | None = None
+    flops: float = 0.0
 
 
 def all_finite(tensors, pg_collection) -> bool:
@@ -234,10 +286,14 @@ def first_nonfinite_parameter(chunks) -> str | None:
     return None if found is None else f"{found[0]} (rank {found[1]})"
 
 
-def _configure_hooks(chunks, config, pg_collection) -> None:
+def _configure_hooks(chunks, config, pg_collection, timer=None) -> None:
     from megatron.core.distributed import finalize_model_grads
 
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = (
+        finalize_model_grads
+        if timer is None
+        else timer.wrap("gradient finalisation", finalize_model_grads)
+    )
     config.calculate_per_token_loss = True
     no_sync = [chunk.no_sync for chunk in chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -246,9 +302,20 @@ def _configure_hooks(chunks, config, pg_collection) -> None:
 
 
 def train_step(
-    chunks, optimizer, batches, config, *, seq_length: int, micro_batch_size: int, pg_collection
+    chunks,
+    optimizer,
+    batches,
+    config,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    pg_collection,
+    timer: PhaseTimer | None = None,
 ) -> StepResult:
     """One optimizer step over ``batches`` (a list of micro-batch dicts, or one list per chunk).
+
+    ``timer`` (a :class:`~megatron_hybrid.training.phases.PhaseTimer`, for benchmarks) times
+    the step's phases, waiting for the device around each; without it nothing waits.
 
     Returns:
         The step's per-token loss, the gradient norm before clipping and the real tokens of the
@@ -256,47 +323,88 @@ def train_step(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _configure_hooks(chunks, config, pg_collection)
+    _configure_hooks(chunks, config, pg_collection, timer)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_chunk = batches if isinstance(batches[0], list) else [batches] * len(chunks)
     iterators = [iter(list(b)) for b in per_chunk]
-    reports = get_forward_backward_func()(
-        forward_step_func=lm_forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(per_chunk[0]),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
-    # The last pipeline stage holds the losses; sum over data-parallel ranks, then share.
-    totals = torch.zeros(2, dtype=torch.float64)
-    for report in reports:
-        totals += report["lm loss"].double().cpu()
+    with phase(timer, "forward-backward"):
+        reports = get_forward_backward_func()(
+            forward_step_func=lm_forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(per_chunk[0]),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    totals = totals.to(device)
-    torch.distributed.all_reduce(totals, group=pg_collection.dp_cp)
-    torch.distributed.all_reduce(totals, group=pg_collection.pp)  # only the last stage adds
-    # Checked before the update: a NaN or infinite gradient never reaches the parameters.
-    grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
-    finite = all_finite([totals, *grads], pg_collection)
-    nonfinite = None
-    if finite:
-        step = optimizer.step()
-        grad_norm = step if isinstance(step, float) else float(step[1])
+    fused = fused_step_enabled()
+    with phase(timer, "guard"):
+        stats = _step_statistics(reports, per_chunk[0], pg_collection, device)
+        if fused:
+            guard = guard_statistics(optimizer, stats[:2])
+        else:  # megatron's path: every gradient checked before its optimizer.step()
+            grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
+            finite = all_finite([stats[:2], *grads], pg_collection)
+    if fused:
+        with phase(timer, "optimizer"):
+            apply_step(optimizer, guard, _clip_grad(optimizer))
+        # The step's one copy to the host: loss, tokens, FLOPs, norm and the guard's flag.
+        norm_and_flag = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()])
+        loss_sum, loss_tokens, tokens, flops, grad_norm, flagged = torch.cat(
+            [stats, norm_and_flag]
+        ).tolist()
+        finite = not flagged
     else:
         grad_norm = float("nan")
-        nonfinite = first_nonfinite_parameter(chunks) or "the loss"
-    # Real tokens of this rank's micro-batches, summed over data-parallel ranks.
-    tokens = sum(b.get("num_tokens", 0) for b in per_chunk[0])
-    token_count = torch.tensor([tokens], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(token_count, group=pg_collection.dp_cp)
+        if finite:
+            with phase(timer, "optimizer"):
+                step = optimizer.step()
+            grad_norm = step if isinstance(step, float) else float(step[1])
+        loss_sum, loss_tokens, tokens, flops = stats.tolist()
+    loss = loss_sum / max(loss_tokens, 1.0)
+    nonfinite = None
+    if not (finite and math.isfinite(grad_norm)):
+        # Nothing was applied; name the culprit (a collective: every rank agrees it is needed).
+        nonfinite = first_nonfinite_parameter(chunks) or (
+            "the gradient norm" if math.isfinite(loss) else "the loss"
+        )
     return StepResult(
-        loss=float(totals[0] / totals[1].clamp(min=1)),
+        loss=loss,
         grad_norm=grad_norm,
-        tokens=int(token_count.item()),
-        finite=finite and math.isfinite(grad_norm),
-        nonfinite=nonfinite or (None if math.isfinite(grad_norm) else "the gradient norm"),
+        tokens=int(tokens),
+        finite=nonfinite is None,
+        nonfinite=nonfinite,
+        flops=flops,
     )
+
+
+def _step_statistics(reports, batches, pg_collection, device) -> torch.Tensor:
+    """``[loss sum, loss tokens, real tokens, model FLOPs]`` of the global batch, float64 on the
+    device (no host read): the last pipeline stage's losses and every rank's micro-batches,
+    summed over data-parallel ranks, the losses shared with the other pipeline stages."""
+    losses = [report["lm loss"].double().to(device) for report in reports]
+    if losses:
+        loss = torch.stack(losses).sum(0)
+    else:
+        loss = torch.zeros(2, dtype=torch.float64, device=device)
+    tokens = sum(b.get("num_tokens", 0) for b in batches)
+    flops = sum(b.get("model_flops", 0.0) for b in batches)
+    counts = torch.tensor([tokens, flops], dtype=torch.float64)
+    if torch.device(device).type == "cuda":
+        # A copy from pageable memory waits for the stream (the whole backward); from pinned
+        # memory it is queued like a kernel.
+        counts = counts.pin_memory()
+    stats = torch.cat([loss, counts.to(device, non_blocking=True)])
+    torch.distributed.all_reduce(stats, group=pg_collection.dp_cp)
+    torch.distributed.all_reduce(stats[:2], group=pg_collection.pp)  # only the last stage adds
+    return stats
+
+
+def _clip_grad(optimizer) -> float:
+    """The clipping norm of ``CPUOptimizer`` or of a megatron optimizer's config."""
+    if hasattr(optimizer, "clip_grad"):
+        return optimizer.clip_grad
+    return optimizer.config.clip_grad

@@ -23,12 +23,13 @@ from megatron_hybrid.hf.api import stack_spec_for
 from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.pattern import GDN, parse_pattern
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
-from megatron_hybrid.runtime import RuntimeBackend, select_backend
+from megatron_hybrid.runtime import RuntimeBackend, prefer_expandable_segments, select_backend
 from megatron_hybrid.training import resume
 from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
 from megatron_hybrid.training.config import hybrid_config_from_args
 from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+from megatron_hybrid.training.fusions import apply_gpu_fusions
 from megatron_hybrid.training.guard import check_step, describe
 from megatron_hybrid.training.hf_source import hf_source, hf_training_config, load_initial_weights
 from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
@@ -40,11 +41,20 @@ from megatron_hybrid.training.save_target import (
     check_save_sources,
     decide_save_target,
 )
+from megatron_hybrid.training.throughput import (
+    PEAK_ENV,
+    DevicePeak,
+    StepFlops,
+    device_peak,
+    tflops_per_gpu,
+    throughput_text,
+)
 from megatron_hybrid.training.validation import validate_settings
 
 __all__ = [
     "TrainingError",
     "TrainingSummary",
+    "batch_builder",
     "build_chunks",
     "check_resume_compatible",
     "model_config",
@@ -72,6 +82,9 @@ class TrainingSummary:
         losses, grad_norms: per applied step (skipped non-finite steps left out).
         saved: the last checkpoint folder written, if any.
         step_seconds, step_tokens: wall time and real tokens of each applied step.
+        step_flops: model FLOPs of each applied step (real tokens; ``training.throughput``).
+        gpus: GPUs the run used (0 on the CPU: no TFLOP/s or MFU reported).
+        peak: the peak MFU divides by (None: unknown, no MFU).
     """
 
     first_iteration: int
@@ -81,6 +94,9 @@ class TrainingSummary:
     saved: str | None
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    step_flops: list[float] = field(default_factory=list)
+    gpus: int = 0
+    peak: DevicePeak | None = None
 
     @property
     def warmup_seconds(self) -> float:
@@ -100,6 +116,17 @@ class TrainingSummary:
         pairs = list(zip(self.step_tokens, self.step_seconds, strict=True))
         timed = pairs[WARMUP_STEPS:] or pairs
         return statistics.median(t / s for t, s in timed) if timed else 0.0
+
+    @property
+    def throughput(self) -> str | None:
+        """Median TFLOP/s per GPU and MFU of the steps after warm-up (the warm-up's if none came
+        after it), as ``train`` prints them; None on the CPU or without FLOPs."""
+        if not self.gpus or len(self.step_flops) != len(self.step_seconds):
+            return None
+        flops, seconds = self.step_flops[WARMUP_STEPS:], self.step_seconds[WARMUP_STEPS:]
+        if not seconds:
+            flops, seconds = self.step_flops, self.step_seconds
+        return throughput_text(tflops_per_gpu(flops, seconds, self.gpus), self.peak)
 
 
 def check_resume_compatible(chunks, folder, args=None) -> None:
@@ -134,7 +161,9 @@ class _Progress:
         self.total, self.enabled = total, enabled
         self.tty = enabled and sys.stdout.isatty()
 
-    def update(self, iteration: int, loss: float, norm: float, tok_s: float) -> None:
+    def update(
+        self, iteration: int, loss: float, norm: float, tok_s: float, extra: str | None = None
+    ) -> None:
         if not self.enabled:
             return
         done = int(20 * iteration / max(self.total, 1))
@@ -142,7 +171,7 @@ class _Progress:
         line = (
             f"[{bar}] step {iteration:>5}/{self.total} | loss {loss:.4f} | "
             f"grad norm {norm:.3f} | {tok_s:,.0f} tok/s"
-        )
+        ) + (f" | {extra}" if extra else "")
         print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def note(self, text: str) -> None:
@@ -175,6 +204,7 @@ class _Setup:
     builder: object
     autotunes: bool
     lora: object = None
+    peak: DevicePeak | None = None
 
 
 def run_training(
@@ -187,6 +217,7 @@ def run_training(
         backend: where to run (the CLI passes its choice); by default CUDA when a GPU is
             visible, else the CPU emulation.
     """
+    prefer_expandable_segments()  # before CUDA starts: variable-length batches fragment memory
     validate_lora_flags(args)  # first: they decide where the model comes from
     lora = lora_run(args)  # adapters on a frozen base: where it comes from, what resumes
     # --load-hf (or a LoRA base): the architecture comes from the Hugging Face config
@@ -203,10 +234,14 @@ def run_training(
     if autotunes:
         os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     config = model_config(args, source, backend)  # validate flags before any process group
+    try:
+        peak = device_peak(backend.device_name() if backend.on_gpu else None)
+    except ValueError as error:
+        raise TrainingError(str(error)) from None
     backend.activate()
     rank, world = init_world()
     pg, global_batch, num_microbatches = parallel_setup(args, config, world)
-    seq_length, builder = _batch_builder(args, config, pg, parsed, rank, backend)
+    seq_length, builder = batch_builder(args, config, pg, parsed, rank, backend)
     chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank, lora=lora)
     optimizer = build_optimizer(
         chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
@@ -224,6 +259,7 @@ def run_training(
         builder=builder,
         autotunes=autotunes,
         lora=lora,
+        peak=peak,
     )
     start, consumed, resumed = _resume(setup, chunks, optimizer)
     settings = recorded_settings(args, seq_length)
@@ -247,10 +283,18 @@ def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) 
     layout = " ".join(f"{k.upper()}{v}" for k, v in resume.layout_of(setup.pg).items())
     trainable, total = counts
     share = f" ({100 * trainable / total:.2f}%)" if trainable != total else ""
-    return (
+    line = (
         f"training {args.hybrid_layer_pattern} on {where} | {layout} | iterations "
         f"{start}->{args.train_iters} | parameters {trainable:,} trainable of {total:,}{share}"
     )
+    if setup.backend.on_gpu:  # what MFU divides by, said once
+        peak = setup.peak
+        line += (
+            f" | MFU of {peak.tflops:g} TFLOP/s per GPU ({peak.source})"
+            if peak is not None
+            else f" | no MFU: no peak known for this GPU (set {PEAK_ENV} in TFLOP/s)"
+        )
+    return line
 
 
 def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
@@ -258,8 +302,12 @@ def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     conversion and the training flags."""
     overrides = backend.config_overrides()
     if source is not None:
-        return hf_training_config(source, args, **overrides)
-    return hybrid_config_from_args(args, **overrides)
+        config = hf_training_config(source, args, **overrides)
+    else:
+        config = hybrid_config_from_args(args, **overrides)
+    if backend.on_gpu:  # megatron's fused SwiGLU and cross-entropy, where they are exact
+        apply_gpu_fusions(config)
+    return config
 
 
 def parallel_setup(args: argparse.Namespace, config, world: int):
@@ -293,7 +341,7 @@ def parallel_setup(args: argparse.Namespace, config, world: int):
     return pg, global_batch, global_batch // (args.micro_batch_size * dp)
 
 
-def _batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend):
+def batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend):
     """The (aligned) sequence length and the builder of padded or packed micro-batches."""
     padding = padding_config_from(config, pg)
     seq_length = args.seq_length
@@ -402,13 +450,17 @@ def _train(
     dp_rank = setup.pg.dp.rank()
     progress = _Progress(args.train_iters, enabled=rank == 0)
     losses, norms, saved = [], [], None
-    seconds, tokens = [], []
+    seconds, tokens, flops = [], [], []
+    counter = StepFlops(setup.config, parse_pattern(args.hybrid_layer_pattern), args.vocab_size)
+    gpus = torch.distributed.get_world_size() if setup.backend.on_gpu else 0
     for iteration in range(start, args.train_iters):
         base = consumed + dp_rank * setup.num_microbatches * mbs
-        batches = [
-            setup.builder.build([base + m * mbs + b for b in range(mbs)])
-            for m in range(setup.num_microbatches)
-        ]
+        batches = counter.annotate(
+            [
+                setup.builder.build([base + m * mbs + b for b in range(mbs)])
+                for m in range(setup.num_microbatches)
+            ]
+        )
         began = time.perf_counter()
         result = train_step(
             chunks,
@@ -429,9 +481,17 @@ def _train(
         else:
             seconds.append(elapsed)
             tokens.append(result.tokens)
+            flops.append(result.flops)
             losses.append(result.loss)
             norms.append(result.grad_norm)
-            progress.update(iteration + 1, result.loss, result.grad_norm, result.tokens / elapsed)
+            rate = tflops_per_gpu([result.flops], [elapsed], gpus) if gpus else None
+            progress.update(
+                iteration + 1,
+                result.loss,
+                result.grad_norm,
+                result.tokens / elapsed,
+                throughput_text(rate, setup.peak),
+            )
         if setup.autotunes and iteration == start:
             progress.note(
                 f"first step took {elapsed:.0f} s with fla's kernel autotuning "
@@ -467,4 +527,7 @@ def _train(
         saved=saved,
         step_seconds=seconds,
         step_tokens=tokens,
+        step_flops=flops,
+        gpus=gpus,
+        peak=setup.peak,
     )

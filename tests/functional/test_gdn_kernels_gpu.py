@@ -13,8 +13,11 @@ float32). fla may lose a few such roundings more (it keeps intermediates in the 
 it must stay within a small multiple of the yardstick plus a floor; a wrong kernel is off by
 O(1) and fails.
 
-fla 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640).
-Then only fla's forward pass is compared and the table says the backward was refused.
+fla 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue #640);
+the package registers its own kernel for the refused piece there
+(``megatron_hybrid.modules.fla_backend``), so the backward is compared on the stock image too.
+Where fla still refuses (``MEGATRON_HYBRID_FLA_DQKWG=fla``), only the forward pass is compared and
+the table says the backward was refused.
 
 ``MH_FUNCTIONAL_ON_CPU=1`` runs the torch-path parts on the CPU; fla's parts need Triton's GPU
 driver and are skipped there with the reason in the table. fla runs in bf16 only, as megatron
@@ -187,10 +190,14 @@ def _fla_versions() -> str:
 
     # fla dispatches to FlashQLA (TileLang) when that package is there, and parts of the
     # backward to TileLang kernels: say which code ran.
+    from megatron_hybrid.modules.fla_backend import dqkwg_choice
+
     extra = [p for p in ("flash_qla", "tilelang") if importlib.util.find_spec(p) is not None]
+    choice, why = dqkwg_choice()
     return (
         f"fla {fla.__version__}, Triton {triton.__version__}, "
-        f"{torch.cuda.get_device_name()}, optional backends: {', '.join(extra) or 'none'}"
+        f"{torch.cuda.get_device_name()}, optional backends: {', '.join(extra) or 'none'}; "
+        f"dq/dk/dw/dg kernel: {choice} ({why})"
     )
 
 
@@ -223,6 +230,9 @@ def test_chunk_gated_delta_rule_matches_recurrent_reference(world, shape):
     def fla_chunk(**tensors):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        from megatron_hybrid.modules.fla_backend import register_fla_backend
+
+        register_fla_backend()  # as GatedDeltaNet does: fla's #640 kernel replaced where refused
         return chunk_gated_delta_rule(**tensors, **call)
 
     with exact_float32():

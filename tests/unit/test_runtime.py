@@ -73,3 +73,21 @@ def test_cpu_emulation_refuses_once_cuda_is_in_use():
     result = _run(_FAKE_GPU.format(initialized=True) + "select_backend('cpu').activate()")
     assert result.returncode != 0
     assert "CPUEmulationError" in result.stderr and "already used CUDA" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        pytest.param({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, id="unset"),
+        pytest.param({"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_CUDA_ALLOC_CONF": ""},
+                     id="empty-keeps-torch-default"),
+        pytest.param({"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"},
+                     {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}, id="users-own"),
+    ],
+)  # fmt: skip
+def test_expandable_segments_unless_the_environment_chooses(environ, expected):
+    from megatron_hybrid.runtime import prefer_expandable_segments
+
+    changed = dict(environ)
+    assert prefer_expandable_segments(changed) == (not environ)
+    assert changed == expected

@@ -25,7 +25,7 @@ from megatron.core.transformer.attention import SelfAttention
 from torch.nn import functional
 
 from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
-from megatron_hybrid.modules.fast.rope import apply_rope
+from megatron_hybrid.modules.fast.rope import apply_rope, apply_rope_thd
 from megatron_hybrid.modules.fast.selection import (
     host_values,
     is_causal_mask,
@@ -208,7 +208,8 @@ class SDPAMLACoreAttention(_SDPAForward, MLACoreAttention):
 
 
 class FastSelfAttention(SelfAttention):
-    """megatron-core's ``SelfAttention`` with the rotary embedding of :func:`apply_rope`.
+    """megatron-core's ``SelfAttention`` with the rotary embedding of :func:`apply_rope` (packed
+    rows: :func:`apply_rope_thd`, no host read).
 
     ``forward`` hands the rotary frequencies to :meth:`get_query_key_value_tensors`, which
     rotates the query and key as soon as they exist (after the q/k norms, where megatron rotates
@@ -232,7 +233,15 @@ class FastSelfAttention(SelfAttention):
             return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         if not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
-        self._pending_rope = rotary_pos_emb
+        # Packed rows: each side's offsets, as megatron picks them (padded ones where given).
+        packed = kwargs.get("packed_seq_params")
+        offsets = (None, None)
+        if packed is not None and packed.qkv_format == "thd":
+            offsets = (
+                _first(packed.cu_seqlens_q_padded, packed.cu_seqlens_q),
+                _first(packed.cu_seqlens_kv_padded, packed.cu_seqlens_kv),
+            )
+        self._pending_rope = (*rotary_pos_emb, *offsets)
         try:
             return super().forward(hidden_states, *args, rotary_pos_emb=None, **kwargs)
         finally:
@@ -245,9 +254,21 @@ class FastSelfAttention(SelfAttention):
         if pending is None:
             return out
         mscale = self._yarn_concentration_factor
+        q_freqs, k_freqs, q_offsets, k_offsets = pending
         query, key = out[0], out[1]
-        if pending[0] is not None:
-            query = apply_rope(query, pending[0], mscale)
-        if pending[1] is not None:
-            key = apply_rope(key, pending[1], mscale)
+        if q_freqs is not None:
+            query = _rope(query, q_freqs, q_offsets, mscale)
+        if k_freqs is not None:
+            key = _rope(key, k_freqs, k_offsets, mscale)
         return (query, key, *out[2:])
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _rope(t, freqs, offsets, mscale):
+    """RoPE of a padded batch, or of a packed row at its sequences' ``offsets``."""
+    if offsets is None:
+        return apply_rope(t, freqs, mscale)
+    return apply_rope_thd(t, freqs, offsets, mscale)

@@ -2,16 +2,23 @@
 
 A piece of torch arithmetic full of elementwise steps (Mamba2's chunked scan, its gated norm)
 launches one kernel per step in eager mode; inductor fuses the steps between the matmuls into a
-few generated kernels. Compilation costs seconds per piece and input shape, and can fail (an
+few generated kernels. Compilation costs seconds per piece and graph, and can fail (an
 unsupported operation, a Triton that inductor does not know), so :class:`CompiledPiece`:
 
-* compiles lazily on the first call, ``dynamic=False`` (one graph per input shape);
-* runs the eager function instead where TorchDynamo is disabled (the CPU runtime back-end
-  disables it), where ``MEGATRON_HYBRID_COMPILE=0`` is set in the environment, or where a
-  compilation failed, with the failure kept in ``failure`` and warned once;
-* times each call that compiled (the first call per input signature) into
-  :data:`COMPILE_SECONDS`, which benchmarks report. The backward graph is compiled during the
-  first backward and is not in these times; it shows in the first step's time.
+* compiles lazily on the first call, with TorchDynamo's automatic dynamic shapes
+  (``dynamic=None``): the first input shape gets a graph specialised to it, and the first call
+  with another shape recompiles once with the changed sizes symbolic, which then serves every
+  later length. Training on variable-length micro-batches therefore compiles twice, not once per
+  length (with ``dynamic=False`` each new length recompiled until TorchDynamo's recompile limit,
+  8, and then ran eagerly);
+* runs the eager function instead where TorchDynamo is disabled (``TORCHDYNAMO_DISABLE=1``; the
+  CPU runtime back-end disables it), where ``MEGATRON_HYBRID_COMPILE=0`` is set in the
+  environment, or where a compilation failed, with the failure kept in ``failure`` and warned
+  once;
+* counts the graphs it compiles (``compiles``: the backend is called once per graph) and times
+  the calls that compiled into :data:`COMPILE_SECONDS`, which benchmarks report. The backward
+  graph is compiled during the first backward and is not in these times; it shows in the first
+  step's time.
 """
 
 from __future__ import annotations
@@ -25,23 +32,18 @@ import torch
 
 __all__ = ["COMPILE_SECONDS", "CompiledPiece"]
 
-#: piece name -> seconds spent in calls that compiled (first call per input signature).
+#: piece name -> seconds spent in calls that compiled a graph.
 COMPILE_SECONDS: dict[str, float] = {}
 
 
 def _dynamo_disabled() -> bool:
     import torch._dynamo
 
-    return bool(torch._dynamo.config.disable) or os.environ.get("MEGATRON_HYBRID_COMPILE") == "0"
-
-
-def _signature(args, kwargs) -> tuple:
-    def describe(a):
-        if isinstance(a, torch.Tensor):
-            return (tuple(a.shape), a.dtype, a.device.type, a.requires_grad)
-        return a
-
-    return tuple(map(describe, args)) + tuple((k, describe(v)) for k, v in sorted(kwargs.items()))
+    return (
+        bool(torch._dynamo.config.disable)
+        or os.environ.get("TORCHDYNAMO_DISABLE") == "1"  # torch.compile would run eagerly
+        or os.environ.get("MEGATRON_HYBRID_COMPILE") == "0"
+    )
 
 
 class CompiledPiece:
@@ -51,21 +53,38 @@ class CompiledPiece:
         fn: a pure function of tensors and Python constants.
         name: the name its compile time is recorded under.
         backend: ``torch.compile``'s backend (``"inductor"``: generated fused kernels).
+        dynamic: ``torch.compile``'s ``dynamic`` (None: automatic dynamic shapes, see the
+            module doc; False specialises every graph to one shape).
     """
 
-    def __init__(self, fn: Callable, name: str, backend: str = "inductor"):
-        self.fn, self.name, self.backend = fn, name, backend
+    def __init__(
+        self, fn: Callable, name: str, backend: str = "inductor", dynamic: bool | None = None
+    ):
+        self.fn, self.name, self.backend, self.dynamic = fn, name, backend, dynamic
         self.failure: str | None = None
+        self.compiles = 0
         self._compiled: Callable | None = None
-        self._seen: set[tuple] = set()
+
+    def _counting_backend(self) -> Callable:
+        """The backend, counting the graphs it is given."""
+        import torch._dynamo
+
+        real = torch._dynamo.lookup_backend(self.backend)
+
+        def backend(graph, example_inputs):
+            self.compiles += 1
+            return real(graph, example_inputs)
+
+        return backend
 
     def __call__(self, *args, **kwargs):
         if self.failure is not None or _dynamo_disabled():
             return self.fn(*args, **kwargs)
         if self._compiled is None:
-            self._compiled = torch.compile(self.fn, dynamic=False, backend=self.backend)
-        signature = _signature(args, kwargs)
-        new = signature not in self._seen
+            self._compiled = torch.compile(
+                self.fn, dynamic=self.dynamic, backend=self._counting_backend()
+            )
+        before = self.compiles
         began = time.perf_counter()
         try:
             out = self._compiled(*args, **kwargs)
@@ -77,8 +96,7 @@ class CompiledPiece:
                 stacklevel=2,
             )
             return self.fn(*args, **kwargs)
-        if new:
-            self._seen.add(signature)
+        if self.compiles != before:
             COMPILE_SECONDS[self.name] = (
                 COMPILE_SECONDS.get(self.name, 0.0) + time.perf_counter() - began
             )

@@ -13,6 +13,15 @@ the rotation is a swap of halves) are built once per frequency tensor, which eve
 forward shares (megatron's ``RotaryEmbedding`` even caches it across steps), and the rotation
 is a concatenation and a fused multiply-add: ``t * cos`` then ``addcmul`` forward, the mirror
 image backward (swapping halves is its own transpose).
+
+Packed (THD) rows: megatron's ``_apply_rotary_pos_emb_thd`` reads the sequence lengths and the
+total on the host (``.tolist()``, ``.item()``: a wait for the GPU in every attention layer of
+every micro-batch) and rotates one sequence at a time. :func:`apply_rope_thd` computes each
+token's position on the device from ``cu_seqlens`` (one ``searchsorted``, cached per
+``cu_seqlens`` tensor, which every layer of a micro-batch shares), gathers the tables at those
+positions and rotates the whole row at once. Positions restart in every sequence, except where
+megatron's frequencies cover the whole packed row (``freqs`` as long as the row: its "exact
+mapping" case), where a token's position is its index in the row, as in megatron.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ import weakref
 
 import torch
 
-__all__ = ["apply_rope", "rope_tables"]
+__all__ = ["apply_rope", "apply_rope_thd", "rope_tables", "thd_positions"]
 
 _TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+_THD: dict[int, tuple[weakref.ref, dict]] = {}
 
 
 def _build(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
@@ -72,11 +82,71 @@ class _Rope(torch.autograd.Function):
         return torch.addcmul(_swap_halves(grad * signed_sin), grad, cos), None, None
 
 
-def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
-    """megatron's non-interleaved RoPE of ``t`` ``[s, b, heads, dim]`` with ``freqs``
-    ``[s, 1 | b, 1, rot]``: the first ``rot`` channels rotated, the rest passed through."""
-    cos, signed_sin = rope_tables(freqs, t.dtype, mscale)
-    rot = freqs.shape[-1]
+def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
     if rot == t.shape[-1]:
         return _Rope.apply(t, cos, signed_sin)
     return torch.cat((_Rope.apply(t[..., :rot], cos, signed_sin), t[..., rot:]), dim=-1)
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """megatron's non-interleaved RoPE of ``t`` ``[s, b, heads, dim]`` with ``freqs``
+    ``[s, 1 | b, 1, rot]``: the first ``rot`` channels rotated, the rest passed through."""
+    return _rotate(t, *rope_tables(freqs, t.dtype, mscale))
+
+
+def _per_tensor(cache: dict, tensor: torch.Tensor) -> dict:
+    """The cache entry of ``tensor``, dropped when the tensor is."""
+    key = id(tensor)
+    entry = cache.get(key)
+    if entry is None or entry[0]() is not tensor:
+        entry = (weakref.ref(tensor, lambda _, key=key: cache.pop(key, None)), {})
+        cache[key] = entry
+    return entry[1]
+
+
+def thd_positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool = True) -> torch.Tensor:
+    """The RoPE position of each of ``tokens`` packed tokens, on ``cu_seqlens``' device without
+    a host read: its index in its sequence (``restart``), or in the packed row.
+
+    Args:
+        cu_seqlens: ``[sequences + 1]`` offsets of the sequences in the row (padded offsets where
+            the sequences are padded apart: the padding continues its sequence's positions).
+        tokens: the row's length (megatron requires the offsets to end there).
+        restart: positions restart at 0 in every sequence.
+    """
+    entries = _per_tensor(_THD, cu_seqlens)
+    key = ("positions", tokens, restart, cu_seqlens._version)
+    if key not in entries:
+        index = torch.arange(tokens, device=cu_seqlens.device)
+        if restart:
+            offsets = cu_seqlens.to(torch.int64)
+            # The sequence of each token: how many sequence ends lie at or before it.
+            sequence = torch.searchsorted(offsets[1:], index, right=True)
+            index = index - offsets[sequence.clamp_(max=offsets.numel() - 2)]
+        entries[key] = index
+    return entries[key]
+
+
+def apply_rope_thd(
+    t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float = 1.0
+) -> torch.Tensor:
+    """megatron's non-interleaved RoPE of a packed row ``t`` (``[tokens, heads, dim]`` or
+    ``[tokens, 1, heads, dim]``), with ``freqs`` ``[max positions, 1, 1, rot]`` and the
+    sequences' offsets ``cu_seqlens``, as ``_apply_rotary_pos_emb_thd`` without context
+    parallelism computes it (see the module doc)."""
+    tokens = t.shape[0]
+    restart = freqs.shape[0] != tokens  # megatron's exact mapping: one frequency per token
+    entries = _per_tensor(_THD, cu_seqlens)
+    key = ("tables", id(freqs), freqs._version, t.dtype, float(mscale), tokens, restart)
+    found = entries.get(key)
+    if found is None or found[0]() is not freqs:
+        positions = thd_positions(cu_seqlens, tokens, restart)
+        cos, signed_sin = rope_tables(freqs, t.dtype, mscale)
+        found = (weakref.ref(freqs), cos.index_select(0, positions),
+                 signed_sin.index_select(0, positions))  # fmt: skip
+        entries[key] = found
+    _, cos, signed_sin = found
+    if t.dim() == 3:
+        return _rotate(t.unsqueeze(1), cos, signed_sin).squeeze(1)
+    return _rotate(t, cos, signed_sin)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_hybrid.modules.fla_backend import dqkwg_choice
+
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
@@ -102,9 +104,10 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     must leave the rotary embedding to megatron's ``apply_rotary_pos_emb``, or None.
 
     :func:`~megatron_hybrid.modules.fast.rope.apply_rope` computes megatron's unfused,
-    non-interleaved RoPE of padded batches in training; TransformerEngine's fused RoPE, the
-    interleaved variant, packed sequences (positions restart per sequence) and inference stay
-    with megatron.
+    non-interleaved RoPE of padded batches in training, and
+    :func:`~megatron_hybrid.modules.fast.rope.apply_rope_thd` that of packed (THD) rows with the
+    positions found on the device; TransformerEngine's fused RoPE, the interleaved variant,
+    packed rows split over context-parallel ranks and inference stay with megatron.
     """
     config = module.config
     if rotary_pos_emb is None:
@@ -114,7 +117,8 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     if config.rotary_interleaved:
         return "rotary_interleaved"
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        return "packed sequences (positions restart in every sequence)"
+        if module.pg_collection.cp.size() > 1:
+            return "packed sequences over context-parallel ranks (megatron's THD RoPE splits them)"
     if inference_context is not None:
         return "inference (megatron's key-value cache path)"
     return None
@@ -273,12 +277,17 @@ def gdn_rule_choice(config) -> tuple[str, str]:
     The choice is megatron-core's own: fla's Triton kernels unless ``deterministic_mode``
     selects the torch path, which the fast class computes with the package's parallel scan
     (:func:`~megatron_hybrid.modules.fast.gdn.scan_chunk_gated_delta_rule`) instead of
-    megatron's step-by-step loop. (Where fla refuses its backward, e.g. on Hopper with
-    Triton < 3.7.1, ``deterministic_mode`` selects the scan.)
+    megatron's step-by-step loop. Where fla refuses its own backward kernel (Hopper with
+    Triton 3.4-3.7.0, fla #640) the package's kernel replaces it
+    (:func:`~megatron_hybrid.modules.fla_backend.dqkwg_choice`).
     """
     if config.deterministic_mode:
         return "scan", "deterministic_mode selects the torch path (computed as a parallel scan)"
-    return "fla", "fla's Triton kernels (megatron's choice without deterministic_mode)"
+    backward, why = dqkwg_choice()
+    return "fla", (
+        "fla's Triton kernels (megatron's choice without deterministic_mode); their backward's "
+        f"dq/dk/dw/dg kernel: {'the package' if backward == 'package' else 'fla'}'s ({why})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""``benchmarks/mfu.py`` on the CPU (tiny shape) and its kernel breakdown on a synthetic trace."""
+"""``benchmarks/mfu.py`` (train's step) on the CPU, tiny shape, and its kernel breakdown on a
+synthetic trace."""
 
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ def _env():
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_results_with_model_flops(tmp_path):
-    runs = ["star_e/fast", "ge/fast", "star_e/reference", "star_e/gpt-te"]
+def test_tiny_run_of_trains_step(tmp_path):
+    """train's step on the CPU (every sequence 64 long, so the FLOPs have a hand count), the MFU
+    against a peak from the environment, the phases adding up to their step."""
+    runs = ["star_e/fast", "ge/fast", "star_e/reference", "star_e/te"]
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "mfu.py"), "--shape", "tiny", "--warmup", "1",
-         "--steps", "1", "--out", str(tmp_path), "--runs", *runs],
-        capture_output=True, text=True, timeout=600, env=_env(),
+         "--steps", "1", "--data", "full", "--out", str(tmp_path), "--runs", *runs],
+        capture_output=True, text=True, timeout=600,
+        env={**_env(), "MEGATRON_HYBRID_PEAK_TFLOPS": "0.5"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "skipped (TransformerEngine not importable): star_e/gpt-te" in result.stdout
-    data = json.loads((tmp_path / "mfu_tiny_CPU.json").read_text())
+    assert "skipped (TransformerEngine not importable): star_e/te" in result.stdout
+    data = json.loads((tmp_path / "mfu_tiny_CPU_full.json").read_text())
     assert list(data["results"]) == ["star_e/fast", "ge/fast", "star_e/reference"]
+    assert data["meta"]["peak_tflops"] == 0.5
     fast = data["results"]["star_e/fast"]
     # 2 logical layers [*E], 2 micro-batches of 64 tokens, vocab 256, SwiGLU experts (top-2 of
     # hidden 32): the same count model_flops gives, times three for the step.
@@ -40,12 +45,19 @@ def test_tiny_run_writes_results_with_model_flops(tmp_path):
     moe = 2 * tokens * h * 8 + 2 * (2 * tokens * h * 64 + 2 * tokens * 32 * h)
     forward = 2 * (attention + moe) + 2 * tokens * h * 256
     assert fast["step_tflop"] * 1e12 == pytest.approx(3 * forward)
-    assert fast["mfu"] == pytest.approx(fast["step_tflop"] * 1e12 / fast["median_s"] / 1e12)
+    assert fast["tflops_per_gpu"] == pytest.approx(fast["step_tflop"] / fast["median_s"])
+    assert fast["mfu"] == pytest.approx(fast["tflops_per_gpu"] / 0.5)
+    assert fast["tokens_per_s"] == pytest.approx(tokens / fast["median_s"])
     assert fast["fast_path"] and all(line.endswith(": fast") for line in fast["fast_path"])
-    assert data["results"]["ge/fast"]["gdn_kernel"] == "torch scan"
     assert "fast_path" not in data["results"]["star_e/reference"]
-    table = (tmp_path / "mfu_tiny_CPU.md").read_text()
-    assert "| star_e/fast |" in table and "| ge / star_e fast step time <= 1.15 |" in table
+    for run in data["results"].values():
+        phases = run["phases_ms"]
+        assert list(phases) == ["data", "forward-backward", "gradient finalisation", "guard",
+                                "optimizer", "host"]  # fmt: skip
+        assert sum(phases.values()) == pytest.approx(run["phases_step_ms"], rel=1e-9)
+    table = (tmp_path / "mfu_tiny_CPU_full.md").read_text()
+    assert "| star_e/fast |" in table and "| star_e fast MFU >= 0.30 |" in table
+    assert "| run | data | forward-backward | gradient finalisation | guard |" in table
 
 
 def test_runs_are_checked_before_any_work(tmp_path):
@@ -54,7 +66,7 @@ def test_runs_are_checked_before_any_work(tmp_path):
          "ge/gpt-te"], capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip
     assert result.returncode == 2
-    assert "GPTModel has no [GE] layers" in result.stderr
+    assert "--runs 'ge/gpt-te': expected PATTERN/IMPL" in result.stderr
     assert not list(tmp_path.iterdir())
 
 

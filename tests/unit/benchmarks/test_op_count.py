@@ -59,11 +59,11 @@ def test_star_e_run_writes_counts(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS.parent), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "op_count.py"), "--patterns", "star_e", "--ddp",
+        [sys.executable, str(BENCHMARKS / "op_count.py"), "--patterns", "star_e",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "op_count_fast_ddp.json").read_text())["star_e"]
+    result = json.loads((tmp_path / "op_count_fast.json").read_text())["star_e"]
     top = dict(result["top"])
     # Six grouped GEMMs per MoE layer (two forward, four backward) and two grouped weight-
     # gradient adds; no per-expert loop anywhere (64 experts would show as hundreds).

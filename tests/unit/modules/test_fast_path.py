@@ -187,6 +187,7 @@ def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):
     assert "test_piece_eager" not in compiled.COMPILE_SECONDS
 
     # The config's own patch context: it restores the setting (monkeypatch would delete it).
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # set by the CPU runtime too
     with torch._dynamo.config.patch(disable=False):
         traced = compiled.CompiledPiece(piece, "test_piece", backend="eager")
         torch.testing.assert_close(traced(x, 2.0), piece(x, 2.0))
@@ -194,6 +195,7 @@ def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):
         first = compiled.COMPILE_SECONDS["test_piece"]
         traced(torch.randn(5, 4), 2.0)
         assert compiled.COMPILE_SECONDS["test_piece"] > first and traced.failure is None
+        assert traced.compiles == 2
 
     def broken(*args, **kwargs):
         def fail(*a, **k):
@@ -209,3 +211,36 @@ def test_compiled_piece_records_and_falls_back(monkeypatch, megatron_cpu):
     assert torch.equal(out, piece(x, 2.0))
     assert failing.failure == "RuntimeError: inductor cannot do this"
     assert any("running it eagerly" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    ("dynamic", "compiles"),
+    [
+        pytest.param(None, 2, id="automatic-dynamic"),
+        pytest.param(False, 6, id="control-one-graph-per-length"),
+    ],
+)
+def test_compiled_piece_compiles_twice_for_any_number_of_lengths(
+    monkeypatch, megatron_cpu, dynamic, compiles
+):
+    """Variable-length micro-batches (six sequence lengths, as a padded batch of train's data
+    gives them) compile one graph for the first length and one symbolic graph for the rest; the
+    control specialises a graph to each length."""
+    import torch._dynamo
+
+    from megatron_hybrid.modules.fast import compiled
+
+    def piece(x, weight, chunk: int):
+        pad = (-x.shape[0]) % chunk  # as the Mamba scan pads to whole chunks
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return (x @ weight).exp().cumsum(0)[: x.shape[0] - pad]
+
+    weight = torch.randn(4, 4)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        traced = compiled.CompiledPiece(piece, f"lengths_{dynamic}", "eager", dynamic=dynamic)
+        for length in (64, 80, 96, 128, 160, 256):
+            x = torch.randn(length, 4)
+            torch.testing.assert_close(traced(x, weight, 32), piece(x, weight, 32))
+    assert traced.compiles == compiles and traced.failure is None

@@ -1,9 +1,14 @@
-"""RoPE in three kernels each way against megatron-core's unfused ``_apply_rotary_pos_emb_bshd``.
+"""RoPE in three kernels each way against megatron-core's unfused ``_apply_rotary_pos_emb_bshd``
+and, for packed rows, ``_apply_rotary_pos_emb_thd``.
 
 ``apply_rope`` must give megatron's output and input gradient (float32 to rounding, bfloat16
 within its rounding), with the whole head rotated or only part of it and with a YaRN-style
-scale; its tables are built once per frequency tensor. ``FastSelfAttention`` leaves what it does
-not cover to megatron with a reason. Negative control: the sine's sign flipped.
+scale; its tables are built once per frequency tensor. ``apply_rope_thd`` must give megatron's
+THD RoPE (positions restarting per sequence, padded offsets, frequencies covering the whole row)
+without reading anything on the host, and a packed ``[*-]`` model on the fast path the reference
+model's logits and gradients. ``FastSelfAttention`` leaves what it does not cover to megatron
+with a reason. Negative controls: the sine's sign flipped; positions that do not restart;
+megatron's THD RoPE, which reads the host.
 """
 
 from __future__ import annotations
@@ -85,17 +90,130 @@ def test_tables_are_built_once_per_frequency_tensor():
         pytest.param({}, None, None, None, id="fused"),
         pytest.param({"apply_rope_fusion": True}, None, None, "apply_rope_fusion", id="te-fused"),
         pytest.param({"rotary_interleaved": True}, None, None, "interleaved", id="interleaved"),
-        pytest.param({}, "thd", None, "packed", id="packed"),
+        pytest.param({}, "thd", None, None, id="packed"),
+        pytest.param({"cp": 2}, "thd", None, "context-parallel", id="packed-cp2"),
         pytest.param({}, None, object(), "inference", id="inference"),
     ],
 )
 def test_rope_reason(fields, packed, inference, reason):
     from megatron_hybrid.modules.fast.selection import rope_reason
 
+    cp = fields.pop("cp", 1)
     config = types.SimpleNamespace(**{"apply_rope_fusion": False, "rotary_interleaved": False,
                                       **fields})  # fmt: skip
-    module = types.SimpleNamespace(config=config)
+    group = types.SimpleNamespace(size=lambda: cp)
+    module = types.SimpleNamespace(config=config, pg_collection=types.SimpleNamespace(cp=group))
     params = None if packed is None else types.SimpleNamespace(qkv_format=packed)
     found = rope_reason(module, torch.zeros(1), params, inference)
     assert found is None if reason is None else reason in found
     assert rope_reason(module, None, None, None) == "no rotary embedding"
+
+
+# Packed rows: sequences of 5, 9, 3 and 11 tokens; padded apart to multiples of 4 (16, 8, 12
+# with the padding continuing each sequence) in the padded case.
+_OFFSETS = {"plain": [0, 5, 14, 17, 28], "padded": [0, 8, 20, 24, 36]}
+
+
+def _thd_inputs(layout: str, freq_len: int, rot: int, dtype):
+    offsets = torch.tensor(_OFFSETS[layout], dtype=torch.int32)
+    tokens = int(offsets[-1])
+    gen = torch.Generator().manual_seed(1)
+    t = torch.randn(tokens, 1, 4, 32, generator=gen).to(dtype)
+    grad = torch.randn(tokens, 1, 4, 32, generator=gen).to(dtype)
+    return t, grad, offsets, _freqs(freq_len if freq_len else tokens, rot)
+
+
+def _megatron_thd(x, freqs, offsets, mscale, cp_group):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    return _apply_rotary_pos_emb_thd(x.squeeze(1), offsets, freqs, mscale=mscale,
+                                     cp_group=cp_group).unsqueeze(1)  # fmt: skip
+
+
+THD_CASES = [
+    pytest.param("plain", 16, 32, 1.0, id="restart"),
+    pytest.param("padded", 16, 32, 1.0, id="padded-offsets"),
+    pytest.param("plain", 16, 16, 1.3, id="partial-mscale"),
+    pytest.param("plain", 0, 32, 1.0, id="freqs-cover-the-row"),
+]
+
+
+@pytest.mark.parametrize("layout, freq_len, rot, mscale", THD_CASES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)],
+                         ids=["fp32", "bf16"])  # fmt: skip
+def test_thd_rope_equals_megatrons(pg, layout, freq_len, rot, mscale, dtype, tol):
+    from megatron_hybrid.modules.fast.rope import apply_rope_thd
+
+    t, grad, offsets, freqs = _thd_inputs(layout, freq_len, rot, dtype)
+    ours = _run(lambda x: apply_rope_thd(x, freqs, offsets, mscale), t, grad)
+    theirs = _run(lambda x: _megatron_thd(x, freqs, offsets, mscale, pg.cp), t, grad)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and rel_error(a, b) < tol
+    three_d = apply_rope_thd(t.squeeze(1), freqs, offsets, mscale)  # megatron's THD layout
+    assert torch.equal(three_d, ours[0].squeeze(1))
+
+
+def test_thd_positions_that_do_not_restart_are_caught(pg):
+    """Negative control: the packed row rotated as one sequence."""
+    from megatron_hybrid.modules.fast import rope
+
+    t, _, offsets, freqs = _thd_inputs("plain", 28, 32, torch.float32)
+    freqs16 = _freqs(16, 32)
+    assert rope.thd_positions(offsets, 28).tolist() == [
+        *range(5), *range(9), *range(3), *range(11)
+    ]  # fmt: skip
+    cos, signed_sin = rope.rope_tables(freqs, t.dtype)  # positions 0..27 in a row
+    wrong = rope._Rope.apply(t, cos, signed_sin)
+    expected = _megatron_thd(t, freqs16, offsets, 1.0, pg.cp)
+    assert rel_error(wrong, expected) > 0.1
+
+
+def test_thd_rope_reads_nothing_on_the_host(pg, monkeypatch):
+    """No ``.item()`` / ``.tolist()`` / ``int()`` of a tensor; the control: megatron's does."""
+    from megatron_hybrid.modules.fast.rope import apply_rope_thd
+
+    t, _, offsets, freqs = _thd_inputs("padded", 16, 32, torch.float32)
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("host read")
+
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    apply_rope_thd(t, freqs, offsets)
+    with pytest.raises(AssertionError, match="host read"):
+        _megatron_thd(t, freqs, offsets, 1.0, pg.cp)
+
+
+def test_packed_fast_model_equals_reference_model(model_parallel):
+    """A packed row (with alignment padding between sequences) through ``[*-]`` on the fast path
+    (SDPA per sequence, THD RoPE on the device) and on the reference path: logits and every
+    gradient to float32 rounding; the fast attention ran its own RoPE."""
+    from megatron_hybrid.model import HybridModel
+    from megatron_hybrid.modules import hybrid_stack_spec
+    from megatron_hybrid.padding import packed_seq_params_to
+    from megatron_hybrid.testing.models import small_config
+    from megatron_hybrid.testing.packing import pack_with_gaps, random_sequences
+
+    pg = model_parallel(seed=3)
+    packed = pack_with_gaps(random_sequences((5, 17, 9, 30)))
+    tensors = packed.tensors
+    results = {}
+    for impl in ("reference", "fast"):
+        config = small_config("[*-]")
+        torch.manual_seed(1)
+        model = HybridModel(config, hybrid_stack_spec("local", config=config, local_impl=impl),
+                            vocab_size=128, max_sequence_length=64, hybrid_layer_pattern="[*-]",
+                            pg_collection=pg, position_embedding_type="rope")  # fmt: skip
+        logits = model(tensors["input_ids"], tensors["position_ids"], None,
+                       packed_seq_params=packed_seq_params_to(packed.packed_seq_params, "cpu"),
+                       padding_mask=tensors["padding_mask"])  # fmt: skip
+        real = ~tensors["padding_mask"]
+        logits[real].float().pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[impl] = (logits[real].detach(), grads, model)
+    (ref_logits, ref_grads, _), (logits, grads, fast) = results["reference"], results["fast"]
+    attention = next(m for n, m in fast.named_modules() if n.endswith("self_attention"))
+    assert attention.fast_path_reason is None
+    assert rel_error(logits, ref_logits) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    assert max(rel_error(grads[n], g) for n, g in ref_grads.items()) < 1e-5

@@ -177,6 +177,35 @@ def test_negative_control_a_wrong_graph_is_caught(pg):
         _assert_same(_step(model), _step(reference))
 
 
+def test_new_lengths_beyond_the_signature_limit_run_eager(pg, caplog):
+    """Variable-length micro-batches: a piece captures its first MAX_SIGNATURES lengths, then
+    new lengths run eager (said once per piece), known lengths still replay; bitwise either way."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.schedule.graphs import MAX_SIGNATURES
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    stand_in = StandIn()
+    report = enable_cuda_graphs(model, capture=stand_in)
+    lengths = [8 + 2 * i for i in range(MAX_SIGNATURES + 2)] + [8]
+    for seed, seq in enumerate(lengths):
+        inputs = model_inputs(seq=seq, seed=seed)
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        model(**inputs).float().mean().backward()
+        reference(**inputs).float().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+    reason = f"more than {MAX_SIGNATURES} input shapes"
+    for graphed in report.graphed.values():
+        assert graphed.captures == MAX_SIGNATURES
+        assert graphed.replays == MAX_SIGNATURES + 1  # the first length again replays
+        [(eager_reason, calls)] = graphed.eager_calls.items()
+        assert eager_reason.startswith(reason) and calls == 2
+    warned = [r for r in caplog.records if reason in r.getMessage()]
+    assert len(warned) == len(report.graphed)  # once per piece
+
+
 def test_eval_and_no_grad_run_eager(pg):
     from megatron_hybrid.schedule import enable_cuda_graphs
 
@@ -364,7 +393,7 @@ def test_te_linears_with_delayed_wgrad_stay_eager():
 
 def test_capture_runs_in_thread_local_mode(monkeypatch):
     """``make_graphed_callables`` captures in ``thread_local`` mode (NCCL's watchdog thread)."""
-    from megatron_hybrid.schedule import graphs
+    from megatron_hybrid.schedule import graph_capture
 
     seen = []
 
@@ -373,7 +402,7 @@ def test_capture_runs_in_thread_local_mode(monkeypatch):
             seen.append(capture_error_mode)
 
     monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
-    with graphs._thread_local_capture():
+    with graph_capture.thread_local_capture():
         torch.cuda.graph(None, pool=None)
         torch.cuda.graph(None, capture_error_mode="relaxed")
     torch.cuda.graph(None)
@@ -388,7 +417,7 @@ def test_capture_restores_gradients_and_replays_the_fused_main_grad_flag(pg, mon
     gradient to ``main_grad``, sets ``grad_added_to_main_grad`` on a fused linear's weight and
     moves a buffer.
     """
-    from megatron_hybrid.schedule import enable_cuda_graphs, graphs
+    from megatron_hybrid.schedule import enable_cuda_graphs, graph_capture
 
     model = _build("[*-]", pg)
     mlp = model.decoder.layers[0].layers[1].mlp
@@ -412,7 +441,7 @@ def test_capture_restores_gradients_and_replays_the_fused_main_grad_flag(pg, mon
         return piece
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
-    monkeypatch.setattr(graphs, "_on_cuda", lambda tensors: True)
+    monkeypatch.setattr(graph_capture, "_on_cuda", lambda tensors: True)
     report = enable_cuda_graphs(model)
     for param in params:
         param.grad_added_to_main_grad = False
@@ -513,3 +542,104 @@ def test_attention_dropout_keeps_attention_eager(pg):
     assert set(report.graphed) == {"decoder.layers.0.layers.1.mlp"}
     reason = report.eager["decoder.layers.0.layers.0.self_attention (mixer)"]
     assert "attention_dropout=0" in reason
+
+
+def test_failed_capture_reports_its_cause_and_leaves_the_stream(monkeypatch):
+    """``capture_end`` after a failed operation raises too: the operation's error is the one
+    reported, and the capture's stream context is left either way."""
+    from megatron_hybrid.schedule import graph_capture
+
+    exited = []
+
+    class FakeGraph:
+        def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+            self.cuda_graph = cuda_graph
+            self.stream_ctx = type("Ctx", (), {"__exit__": lambda s, *a: exited.append(a[0])})()
+
+        def __enter__(self):
+            return self
+
+    class EndFails:
+        def capture_end(self):
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraph)
+    with graph_capture.thread_local_capture():
+        with pytest.raises(ValueError, match="the cause"):
+            with torch.cuda.graph(EndFails()):
+                raise ValueError("the cause: a host sync")
+        with pytest.raises(RuntimeError, match="previous error"):  # no cause: capture_end's
+            with torch.cuda.graph(EndFails()):
+                pass
+    assert exited == [ValueError, None]
+
+
+class FakeGenerator:
+    def __init__(self):
+        self.state = "capturing"
+
+    def clone_state(self):
+        return "saved"
+
+    def graphsafe_set_state(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("under_way", [True, False], ids=["capture-under-way", "capture-ended"])
+def test_recovery_restores_the_generator_and_frees_the_pool(monkeypatch, under_way):
+    """The generator gets its pre-capture state; the pool is ended and released only where the
+    capture never ended (else the graph's own reset releases it: releasing twice would corrupt
+    the allocator's count)."""
+    from megatron_hybrid.schedule import graph_capture
+
+    calls = []
+
+    def end(device, pool):
+        calls.append(("end", device, pool))
+        if not under_way:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    generator = FakeGenerator()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))
+    monkeypatch.setattr(torch.cuda, "default_generators", [generator], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool",
+                        lambda device, pool: calls.append(("release", device, pool)),
+                        raising=False)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty",)))
+    state = graph_capture._ProcessState(torch.device("cuda", 0))
+    assert state.recover() == []
+    assert generator.state == "saved"
+    expected = [("end", 0, (0, 7))] + ([("release", 0, (0, 7))] if under_way else [])
+    assert calls == [*expected, ("empty",)]
+
+
+def test_failed_capture_recovers_after_restoring_the_piece(monkeypatch, pg):
+    from megatron_hybrid.schedule import graph_capture
+
+    model = _build("[*-]", pg)
+    mlp = model.decoder.layers[0].layers[1].mlp
+    for param in mlp.parameters():
+        param.main_grad = torch.full_like(param, 0.5)
+    events = []
+
+    def failing(piece, sample_args, **kwargs):
+        for param in piece.parameters():
+            param.main_grad.add_(1.0)  # what a warm-up does before the capture fails
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    class State:
+        def __init__(self, device):
+            self.pool = None
+
+        def recover(self):
+            events.append([float(p.main_grad.mean()) for p in mlp.parameters()])
+            return []
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", failing)
+    monkeypatch.setattr(graph_capture, "_on_cuda", lambda tensors: True)
+    monkeypatch.setattr(graph_capture, "_ProcessState", State)
+    x = torch.randn(4, 1, 64)
+    with pytest.raises(graph_capture.GraphCaptureError, match="^RuntimeError: Cannot copy"):
+        graph_capture.capture_cuda_graph(mlp, (x,))
+    assert events == [[0.5] * len(list(mlp.parameters()))]  # recovered once, grads restored

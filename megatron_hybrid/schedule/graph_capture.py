@@ -1,0 +1,199 @@
+"""Capturing one piece with ``torch.cuda.make_graphed_callables``, and undoing a failed capture.
+
+:func:`capture_cuda_graph` is the default capture of :mod:`~megatron_hybrid.schedule.graphs`:
+warm-up on a side stream (three iterations), then one forward and one backward graph, captured
+in ``thread_local`` mode; gradients and buffers the warm-up touched are restored afterwards.
+
+A capture that fails (an operation capture forbids, such as a host synchronisation) used to
+leave the process broken (torch 2.11, seen on one H100): ``torch.cuda.graph.__exit__`` calls
+``capture_end``, whose ``cudaStreamEndCapture`` then raises before the rest of its work
+(torch's ``aten/src/ATen/cuda/CUDAGraph.cpp``), so
+
+* the CUDA generator stays in its capture state: the next random number outside a graph dies
+  with "Offset increment outside graph capture encountered unexpectedly";
+* the caching allocator keeps the graph's private memory pool in use: what the capture
+  allocated stays reserved and unusable (34.7 GiB in one run of ``benchmarks/mfu.py``, which then
+  ran out of memory in the next run);
+* the side stream stays current (``__exit__`` never leaves its stream context);
+* the error reported is the capture's end ("operation failed due to a previous error during
+  capture"), not the operation that failed.
+
+So the capture here saves the generator's state first (``clone_state``: a copy outside any
+capture), captures into a memory pool of its own, and on failure puts the generator's state
+back, ends and releases that pool (only where the capture never ended, so nothing else releases
+it) and frees its memory; ``thread_local`` capture leaves its stream context whatever
+``capture_end`` does, and reports the operation that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["GraphCaptureError", "capture_cuda_graph", "thread_local_capture"]
+
+logger = logging.getLogger(__name__)
+
+
+class GraphCaptureError(RuntimeError):
+    """A piece could not be captured; it runs eager from then on."""
+
+
+@contextlib.contextmanager
+def thread_local_capture() -> Iterator[None]:
+    """Capture in ``thread_local`` mode inside ``make_graphed_callables``.
+
+    Its default, ``global``, fails the capture when another thread makes a CUDA call that capture
+    forbids, such as the NCCL watchdog querying events; megatron-core 0.19.2 captures in
+    ``thread_local`` mode for that reason (``transformer/cuda_graphs.py``). torch offers no
+    argument for it, so ``torch.cuda.graph`` is swapped for the duration of the call. The swapped
+    class also leaves its stream context when ``capture_end`` raises, and lets the error of the
+    captured code (the cause) through rather than ``capture_end``'s.
+    """
+    original = torch.cuda.graph
+
+    class ThreadLocalGraph(original):
+        def __init__(self, cuda_graph, *args, **kwargs):
+            kwargs.setdefault("capture_error_mode", "thread_local")
+            super().__init__(cuda_graph, *args, **kwargs)
+
+        def __exit__(self, *exc_info):
+            try:
+                self.cuda_graph.capture_end()
+            except Exception:
+                if exc_info[0] is None:
+                    raise  # capture_end's own failure; else the captured code's error is the cause
+            finally:
+                self.stream_ctx.__exit__(*exc_info)
+            return False
+
+    torch.cuda.graph = ThreadLocalGraph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = original
+
+
+@contextlib.contextmanager
+def _rng_forks_suspended() -> Iterator[None]:
+    """Make megatron's RNG-tracker forks no-ops while a piece is captured.
+
+    megatron-core forks its CUDA RNG tracker around every dropout call, dropout 0 included
+    (``transformer/dot_product_attention.py``), and a tracker that is not graph-safe re-seeds
+    the CUDA generator there, which stream capture refuses ("set_current_seed can be called
+    during stream capture only if new seed is the same", seen on one H100 with torch 2.11).
+    Graphed pieces draw no random numbers (pieces with dropout stay eager), so the fork changes
+    nothing they compute; a graph-safe tracker is left alone.
+    """
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        is_graph_safe_cuda_rng_tracker,
+    )
+
+    tracker = get_cuda_rng_tracker()
+    suspend = not is_graph_safe_cuda_rng_tracker(tracker)
+    if suspend:
+        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        if suspend:
+            del tracker.fork  # the class's method again
+
+
+class _ProcessState:
+    """What a capture changes in the process: the CUDA generator's state and the graph's memory
+    pool, saved before the capture and put back by :meth:`recover` after a failed one."""
+
+    def __init__(self, device: torch.device):
+        self.pool = self.generator = self.rng = None
+        if device.type != "cuda":  # a stand-in capture (tests)
+            return
+        self.device = device.index if device.index is not None else torch.cuda.current_device()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.generator = torch.cuda.default_generators[self.device]
+        self.rng = self.generator.clone_state()  # a copy outside any capture
+
+    def recover(self) -> list[str]:
+        """Put the generator's state back, end and release the pool where the capture never
+        ended, free the memory; returns what could not be undone."""
+        problems = []
+        if self.generator is None:
+            return problems
+        try:
+            self.generator.graphsafe_set_state(self.rng)
+        except RuntimeError as error:
+            problems.append(f"generator state: {error}")
+        try:  # raises where no capture into the pool is under way (it ended, or never began)
+            torch._C._cuda_endAllocateToPool(self.device, self.pool)
+        except RuntimeError:
+            pass
+        else:  # the failed graph never ended its capture: nothing else releases the pool
+            try:
+                torch._C._cuda_releasePool(self.device, self.pool)
+            except RuntimeError as error:
+                problems.append(f"memory pool: {error}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        return problems
+
+
+def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
+    for param in module.parameters():
+        for attribute in ("main_grad", "grad"):
+            value = getattr(param, attribute, None)
+            if torch.is_tensor(value):
+                yield param, attribute, value
+
+
+def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
+def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
+    """Capture ``piece`` with ``torch.cuda.make_graphed_callables`` (see the module doc).
+
+    Raises:
+        GraphCaptureError: the inputs are not on a CUDA device, or capture failed (the process
+            then is as it was before the capture).
+    """
+    if not _on_cuda(sample_args):
+        raise GraphCaptureError("inputs are not on a CUDA device")
+    saved = [(p, a, v.clone()) for p, a, v in _main_grads(piece)]
+    buffers = [(b, b.clone()) for b in piece.buffers()]
+    params = list(piece.parameters())
+    flags = [getattr(p, "grad_added_to_main_grad", None) for p in params]
+    for param in params:
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = False
+    state = _ProcessState(sample_args[0].device)
+    failure = None
+    try:
+        with thread_local_capture(), _rng_forks_suspended():
+            graphed = torch.cuda.make_graphed_callables(
+                piece, sample_args, num_warmup_iters=3, allow_unused_input=True, pool=state.pool
+            )
+    except (RuntimeError, AssertionError) as error:
+        # Recovered below, once the error's traceback (which holds the failed graphs) is gone.
+        failure = f"{type(error).__name__}: {error}"
+    finally:
+        # Parameters whose fused main_grad add the captured backward contains.
+        piece.fused_params = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]
+        for param, flag in zip(params, flags, strict=True):
+            if flag is not None:
+                param.grad_added_to_main_grad = flag
+        for param, attribute, value in saved:
+            getattr(param, attribute).copy_(value)
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    if failure is not None:
+        problems = state.recover()
+        if problems:
+            logger.warning("after a failed CUDA graph capture, not undone: %s", problems)
+        raise GraphCaptureError(failure)
+    return graphed

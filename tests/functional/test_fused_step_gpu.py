@@ -1,0 +1,142 @@
+"""train's fused optimizer step against megatron's own ``optimizer.step()`` on a GPU.
+
+    torchrun --nproc_per_node 1 -m pytest -q -s tests/functional/test_fused_step_gpu.py
+
+Two copies of a bf16 ``[*E]{2}`` model in megatron's DistributedDataParallel, each with
+megatron-core's distributed optimizer (float32 main-parameter shards): one steps with
+``training.optimizer_step`` (torch's fused AdamW, the ``_foreach_norm`` gradient norm, the clip
+on the device), the other with megatron's ``optimizer.step()`` (torch's foreach AdamW, one
+``torch.norm`` and host copy per gradient, the clip by a host factor). Both get the same
+gradients (the first copy's, copied into the second's ``main_grad`` before each step) for six
+steps with hyper-parameters exact in float32 (``testing.adamw_reference.EXACT``), and both must
+stay within the float32 rounding bound of the float64 AdamW on the same gradients, parameter by
+parameter; their gradient norms agree to the float32 sum's bound. A seventh step with a NaN
+planted in one gradient must change no main parameter, moment or step count of the fused copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+STEPS = 6
+
+
+@pytest.fixture
+def pg(world):
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+
+    if not torch.cuda.is_available():
+        pytest.skip("megatron's distributed optimizer needs CUDA")
+    if world[1] > 1:
+        pytest.skip("one process: the float64 oracle follows one rank's (whole) shards")
+    yield initialize_model_parallel(seed=1)
+    reset_megatron_state()
+
+
+def _setup(pg):
+    from megatron.core.utils import unwrap_model
+
+    from megatron_hybrid.pattern import parse_pattern
+    from megatron_hybrid.testing.adamw_reference import EXACT
+    from megatron_hybrid.training.config import config_from_flags
+    from megatron_hybrid.training.loop import _build_optimizer, build_model_chunks, build_optimizer
+
+    flags = ("--hidden-size", "128", "--num-attention-heads", "4", "--swiglu", "--bf16",
+             "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "64", "--vocab-size", "128")  # fmt: skip
+    config = config_from_flags("[*E]{2}", *flags)
+    pattern = parse_pattern("[*E]{2}")
+    kwargs = dict(backend="local", vocab_size=128, max_sequence_length=64)
+    chunks = [build_model_chunks(config, pattern, pg, **kwargs) for _ in range(2)]
+    unwrap_model(chunks[1])[0].load_state_dict(unwrap_model(chunks[0])[0].state_dict())
+    args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
+    fused = build_optimizer(chunks[0], config, **args)
+    megatron = _build_optimizer(chunks[1], config, **args)  # megatron's AdamW, as it builds it
+    for optimizer in (fused, megatron):
+        for group in optimizer.param_groups:
+            group.update(betas=EXACT.betas, eps=EXACT.eps)
+    return config, chunks, fused, megatron
+
+
+def _main_params(optimizer) -> list[torch.Tensor]:
+    from megatron_hybrid.training.optimizer_step import _torch_optimizers
+
+    return [p for inner in _torch_optimizers(optimizer) for g in inner.param_groups
+            for p in g["params"]]  # fmt: skip
+
+
+def _backward(chunks, config, pg, seed: int) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hybrid.schedule.steps import lm_forward_step
+    from megatron_hybrid.training.loop import _configure_hooks
+
+    _configure_hooks(chunks, config, pg)
+    chunks[0].zero_grad_buffer()
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(2):
+        tokens = torch.randint(1, 128, (2, 65), generator=generator).cuda()
+        batches.append(dict(input_ids=tokens[:, :-1], labels=tokens[:, 1:],
+                            position_ids=torch.arange(64).cuda().expand(2, -1),
+                            loss_mask=torch.ones(2, 64).cuda(), attention_mask=None))  # fmt: skip
+    get_forward_backward_func()(
+        forward_step_func=lm_forward_step, data_iterator=iter(batches), model=chunks[0],
+        num_microbatches=2, seq_length=64, micro_batch_size=2, forward_only=False,
+    )  # fmt: skip
+
+
+def test_fused_step_and_megatrons_step_stay_within_the_float64_bound(pg):
+    from megatron_hybrid.testing.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
+    from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics
+
+    config, chunks, fused, megatron = _setup(pg)
+    initial = [p.detach().double().clone() for p in _main_params(fused)]
+    grads_by_step, fused_norms, megatron_norms = [], [], []
+    for step in range(STEPS):
+        _backward(chunks[0], config, pg, seed=step)
+        for a, b in zip(chunks[0].parameters(), chunks[1].parameters(), strict=True):
+            b.main_grad.copy_(a.main_grad)
+        for optimizer in (fused, megatron):
+            optimizer.zero_grad()
+        stats = guard_statistics(fused, torch.zeros(2, dtype=torch.float64, device="cuda"))
+        grads_by_step.append([p.grad.detach().double().clone() for p in _main_params(fused)])
+        apply_step(fused, stats, EXACT.clip)
+        fused_norms.append(float(stats.grad_norm))
+        megatron_norms.append(float(megatron.step()[1]))
+    exact, trajectory = adamw_float64(initial, grads_by_step, EXACT)
+    elements = sum(p.numel() for p in initial)
+    bounds = rounding_bound(trajectory, elements, EXACT)
+    rows = []
+    for name, optimizer in (("fused", fused), ("megatron", megatron)):
+        params = _main_params(optimizer)
+        ratios = [float(((p.double() - e).abs() / b).max())
+                  for p, e, b in zip(params, exact, bounds, strict=True)]  # fmt: skip
+        rows.append((name, max(ratios)))
+        assert max(ratios) <= 1.0, (name, ratios)
+    print(f"\nworst error / bound: {rows}; norms fused {fused_norms} megatron {megatron_norms}")
+    for a, b in zip(fused_norms, megatron_norms, strict=True):
+        assert a == pytest.approx(b, rel=2 * gamma(elements))
+    assert all(math.isfinite(n) for n in fused_norms)
+
+    # A NaN gradient: the fused kernel skips on the device; nothing the optimizer keeps changes.
+    _backward(chunks[0], config, pg, seed=STEPS)
+    next(iter(chunks[0].parameters())).main_grad.view(-1)[0] = float("nan")
+    fused.zero_grad()
+    before = [p.detach().clone() for p in _main_params(fused)]
+    from megatron_hybrid.training.optimizer_step import _torch_optimizers
+
+    states = [{k: v.clone() for k, v in inner.state[p].items()}
+              for inner in _torch_optimizers(fused) for g in inner.param_groups
+              for p in g["params"]]  # fmt: skip
+    stats = guard_statistics(fused, torch.zeros(2, dtype=torch.float64, device="cuda"))
+    apply_step(fused, stats, EXACT.clip)
+    assert bool(stats.nonfinite)
+    after = [inner.state[p] for inner in _torch_optimizers(fused) for g in inner.param_groups
+             for p in g["params"]]  # fmt: skip
+    for p, old, state, saved in zip(_main_params(fused), before, after, states, strict=True):
+        assert torch.equal(p, old)
+        assert all(torch.equal(state[k], v) for k, v in saved.items())
