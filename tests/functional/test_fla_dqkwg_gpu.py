@@ -7,7 +7,7 @@ On the inputs fla's backward passes it in training (bf16 ``q, k, v, do, h, dh, d
 ``g``; the benchmark's 16 value heads of 128 and a small GQA case), ``dq, dk, dw, dg`` must be
 within the float32 accumulation bound plus two bf16 roundings (the kernel's cast of ``ds`` before
 its second product and of its outputs) of the float64 oracle
-(``megatron_hybrid.testing.dqkwg_reference``). Where fla runs its own kernel (not Hopper with
+(``support.dqkwg_reference``). Where fla runs its own kernel (not Hopper with
 Triton 3.4-3.7.0), that one is held to the same bound and both are timed: the table is the
 yardstick of the package's kernel against fla's.
 """
@@ -52,13 +52,14 @@ def _timed(fn, args) -> tuple[tuple, float]:
 
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
 def test_dqkwg_within_the_bf16_bound_and_against_fla(world, shape):
-    from megatron_hybrid.modules.fla_backend import dqkwg_choice
-    from megatron_hybrid.modules.fla_dqkwg import chunk_bwd_dqkwg
-    from megatron_hybrid.testing.dqkwg_reference import (
+    from support.dqkwg_reference import (
         dqkwg_bound,
         dqkwg_magnitudes,
         dqkwg_reference,
     )
+
+    from megatron_hybrid.modules.fla_backend import dqkwg_choice
+    from megatron_hybrid.modules.fla_dqkwg import chunk_bwd_dqkwg
 
     if not torch.cuda.is_available():
         pytest.skip("Triton kernels need a GPU")

@@ -8,7 +8,7 @@ megatron-core's distributed optimizer (float32 main-parameter shards): one steps
 on the device), the other with megatron's ``optimizer.step()`` (torch's foreach AdamW, one
 ``torch.norm`` and host copy per gradient, the clip by a host factor). Both get the same
 gradients (the first copy's, copied into the second's ``main_grad`` before each step) for six
-steps with hyper-parameters exact in float32 (``testing.adamw_reference.EXACT``), and both must
+steps with hyper-parameters exact in float32 (``support.adamw_reference.EXACT``), and both must
 stay within the float32 rounding bound of the float64 AdamW on the same gradients, parameter by
 parameter; their gradient norms agree to the float32 sum's bound. A seventh step with a NaN
 planted in one gradient must change no main parameter, moment or step count of the fused copy.
@@ -38,9 +38,9 @@ def pg(world):
 
 def _setup(pg):
     from megatron.core.utils import unwrap_model
+    from support.adamw_reference import EXACT
 
     from megatron_hybrid.pattern import parse_pattern
-    from megatron_hybrid.testing.adamw_reference import EXACT
     from megatron_hybrid.training.config import config_from_flags
     from megatron_hybrid.training.loop import _build_optimizer, build_model_chunks, build_optimizer
 
@@ -90,7 +90,8 @@ def _backward(chunks, config, pg, seed: int) -> None:
 
 
 def test_fused_step_and_megatrons_step_stay_within_the_float64_bound(pg):
-    from megatron_hybrid.testing.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
+    from support.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
+
     from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics
 
     config, chunks, fused, megatron = _setup(pg)

@@ -11,8 +11,7 @@ import types
 
 import pytest
 import torch
-
-from megatron_hybrid.testing.packing import random_sequences
+from support.packing import random_sequences
 
 PATTERN, PADDED, REAL = "[*-]", 128, 120
 EXACT = 1e-5  # float32 logits, float64 reference: the bound of test_forward_logprobs.py

@@ -188,11 +188,12 @@ def test_packed_fast_model_equals_reference_model(model_parallel):
     """A packed row (with alignment padding between sequences) through ``[*-]`` on the fast path
     (SDPA per sequence, THD RoPE on the device) and on the reference path: logits and every
     gradient to float32 rounding; the fast attention ran its own RoPE."""
+    from support.packing import pack_with_gaps, random_sequences
+
     from megatron_hybrid.model import HybridModel
     from megatron_hybrid.modules import hybrid_stack_spec
     from megatron_hybrid.padding import packed_seq_params_to
     from megatron_hybrid.testing.models import small_config
-    from megatron_hybrid.testing.packing import pack_with_gaps, random_sequences
 
     pg = model_parallel(seed=3)
     packed = pack_with_gaps(random_sequences((5, 17, 9, 30)))

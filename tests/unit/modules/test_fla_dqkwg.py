@@ -1,6 +1,6 @@
 """The package's gated ``chunk_bwd_dqkwg`` (fla's backward on Hopper with Triton 3.4-3.7.0) under
 Triton's CPU interpreter: against a float64 oracle to the float32 rounding bound
-(``megatron_hybrid.testing.dqkwg_reference``), next to fla's own kernel on the same inputs; inside
+(``support.dqkwg_reference``), next to fla's own kernel on the same inputs; inside
 fla's whole ``chunk_gated_delta_rule`` backward (dispatched through fla's backend registry)
 against the float64 step-by-step recurrence. Negative control: the state read transposed. And
 the selection: what runs where, and why.
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -22,13 +23,13 @@ pytest.importorskip("triton")
 _SCRIPT = textwrap.dedent("""
     import json, os
     import torch
-    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
+    from support.triton_interpreter import counting_ranges, one_autotune_config
 
     one_autotune_config()
     launched = []
     counting_ranges(launched.append)
     from megatron_hybrid.modules.fla_dqkwg import chunk_bwd_dqkwg
-    from megatron_hybrid.testing.dqkwg_reference import (
+    from support.dqkwg_reference import (
         dqkwg_bound, dqkwg_magnitudes, dqkwg_reference)
     from fla.ops.common.chunk_o import chunk_bwd_dqkwg as fla_dqkwg
 
@@ -91,8 +92,10 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(script: str, extra_env: dict | None = None, timeout: int = 900) -> dict:
+    tests = str(Path(__file__).resolve().parents[2])  # the support package
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore",
-           "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}  # fmt: skip
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **(extra_env or {})}  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=timeout)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -120,13 +123,13 @@ def test_kernel_within_float32_rounding_of_float64(kernels, case):
 _WHOLE = textwrap.dedent("""
     import json, os
     import torch
-    from megatron_hybrid.testing.triton_interpreter import counting_ranges, one_autotune_config
+    from support.triton_interpreter import counting_ranges, one_autotune_config
 
     one_autotune_config()
     launched = []
     counting_ranges(launched.append)
     from megatron_hybrid.modules.fla_backend import register_fla_backend
-    from megatron_hybrid.testing.gdn_reference import make_gdn_inputs, recurrent_gated_delta_rule
+    from support.gdn_reference import make_gdn_inputs, recurrent_gated_delta_rule
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     register_fla_backend()

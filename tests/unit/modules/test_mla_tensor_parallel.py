@@ -60,7 +60,7 @@ def _global_grads(model, pg, sp: bool) -> dict[str, torch.Tensor]:
     """Checkpoint key -> the whole gradient, assembled from every TP rank's shard (the
     sequence-parallel partial sums of replicated weights reduced first, as megatron's
     ``finalize_model_grads`` reduces them)."""
-    from megatron_hybrid.testing.checkpoints import grads_by_checkpoint_key
+    from support.checkpoints import grads_by_checkpoint_key
 
     for param in model.parameters():
         if sp and getattr(param, "sequence_parallel", False) and param.grad is not None:
@@ -84,10 +84,10 @@ def _global_grads(model, pg, sp: bool) -> dict[str, torch.Tensor]:
 
 def _run(tp: int, sp: bool, megatron_core_mla: bool, weights):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from support.checkpoints import assemble_global_tensors
 
     from megatron_hybrid.modules import specs
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
-    from megatron_hybrid.testing.checkpoints import assemble_global_tensors
     from megatron_hybrid.testing.models import build_hybrid, model_inputs
 
     reset_megatron_state()

@@ -1,6 +1,6 @@
 """train's optimizer step: fused AdamW over clipped gradients with a device-side norm and guard,
 against a float64 AdamW with megatron's clipping, to a bound derived from float32 rounding
-(``megatron_hybrid.testing.adamw_reference``); train's previous path (megatron's
+(``support.adamw_reference``); train's previous path (megatron's
 ``optimizer.step()`` semantics, ``CPUOptimizer.step``) meets the same bound; planted mistakes do
 not; a non-finite step changes nothing."""
 
@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
+from support.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
 
-from megatron_hybrid.testing.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
 from megatron_hybrid.training.loop import CPUOptimizer
 from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics, use_fused_adam
 
