@@ -112,9 +112,11 @@ def world():
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=limit + 120))
         device = torch.device("cuda", torch.cuda.current_device())
         # torchrun gives every rank one CPU thread (OMP_NUM_THREADS=1): the tests' CPU-side
-        # work (reading checkpoints, references, comparisons) would crawl. A share of the cores.
+        # work (reading checkpoints, references, comparisons) would crawl. A share of the cores
+        # (the suite runner's in-process lanes run side by side).
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // ranks_here)))
+        lanes = suite_plan.parse_lane(os.environ["MH_LANE"])[1] if "MH_LANE" in os.environ else 1
+        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // (ranks_here * lanes))))
     yield dist.get_rank(), dist.get_world_size(), device
     from megatron_hybrid.process_groups import reset_megatron_state
 

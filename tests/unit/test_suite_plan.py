@@ -1,6 +1,6 @@
 """The GPU suite's plan (tests/functional/suite_plan.py) on the CPU: the slow files run last,
-and launcher lanes (``MH_LANE=i/n``) split the selected tests so that each runs in exactly one
-lane, the longest spread first."""
+and lanes (``MH_LANE=i/n``) split the selected tests so that each runs in exactly one lane, the
+longest spread first: launcher tests one by one, in-process tests file by file."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ def test_a_bad_lane_is_refused_by_name(value):
         suite_plan.parse_lane(value)
 
 
+def test_a_bad_lane_unit_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("MH_LANE", "0/2")
+    monkeypatch.setenv("MH_LANE_BY", "files")
+    with pytest.raises(ValueError, match=r"MH_LANE_BY='files': expected 'test' or 'file'"):
+        suite_plan.keep_lane(None, [], 120.0)
+
+
 CONFTEST = textwrap.dedent(f"""
     import sys
     sys.path.insert(0, {str(FUNCTIONAL)!r})
@@ -51,6 +58,7 @@ CONFTEST = textwrap.dedent(f"""
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(config, items):
+        suite_plan.order(items)
         suite_plan.keep_lane(config, items, 120.0)
     """)
 
@@ -78,8 +86,8 @@ TESTS = textwrap.dedent("""
     """)
 
 
-def _collected(suite: Path, lane: str | None, *args: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "MH_LANE"}
+def _collected(suite: Path, lane: str | None, *args: str, env=None) -> list[str]:
+    env = {**{k: v for k, v in os.environ.items() if k != "MH_LANE"}, **(env or {})}
     if lane is not None:
         env["MH_LANE"] = lane
     run = subprocess.run(
@@ -100,3 +108,17 @@ def test_lanes_split_what_the_markers_selected_each_test_once(tmp_path):
     lanes = [_collected(tmp_path, f"{i}/2", "-m", "launcher") for i in range(2)]
     assert everything == ["test_pretrain", "test_train", "test_resume", "test_nonfinite"]
     assert lanes == [["test_resume", "test_nonfinite"], ["test_pretrain", "test_train"]]
+
+
+def test_in_process_lanes_take_whole_files_by_their_seconds(tmp_path):
+    """``MH_LANE_BY=file``: a file's tests stay in one lane (they share compiled kernels); the
+    two costliest files of :data:`suite_plan.FILE_SECONDS` go to different lanes."""
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for name in ("test_other.py", "test_fast_path_gpu.py", "test_packing_gpu.py"):
+        stem = name.removesuffix(".py")
+        (tmp_path / name).write_text(f"def {stem}_a(): pass\n\ndef {stem}_b(): pass\n")
+    lanes = [_collected(tmp_path, f"{i}/2", env={"MH_LANE_BY": "file"}) for i in range(2)]
+    assert lanes == [
+        ["test_packing_gpu_a", "test_packing_gpu_b"],
+        ["test_other_a", "test_other_b", "test_fast_path_gpu_a", "test_fast_path_gpu_b"],
+    ]
