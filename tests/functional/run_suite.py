@@ -1,6 +1,7 @@
 """Run the whole GPU suite on this machine, as a CI runner would, and say what happened.
 
     python3 tests/functional/run_suite.py --out DIR [--budget SECONDS] [--gpus N] [--lanes L]
+        [--in-process-lanes K] [-- PYTEST_ARGS]
 
 Side by side, from the start, each within the one budget:
 
@@ -8,10 +9,11 @@ Side by side, from the start, each within the one budget:
    where transformers is importable, at low priority and with a few threads (the tests that
    read them run last and wait for them).
 2. In-process tests: ``torchrun --nproc_per_node N -m pytest -m "not launcher" tests/functional``
-   on all N GPUs, rank 0's output on the console. A test that hangs ends the job
-   (``suite_guard.py``); the job then starts again without the tests already finished, so one
-   hang costs one test, not the rest of the suite. The slowest files run last
-   (``suite_plan.py``).
+   on all N GPUs, rank 0's output on the console, in ``K`` jobs side by side (lanes,
+   ``MH_LANE`` with ``MH_LANE_BY=file``: each job all GPUs and a share of the files, so that
+   more cores compile kernels at once). A test that hangs ends its job (``suite_guard.py``); the
+   job then starts again without the tests already finished, so one hang costs one test, not
+   the rest of the suite. The slowest files run last (``suite_plan.py``).
 3. Launcher tests: ``pytest -m launcher tests/functional`` in ``L`` processes (lanes,
    ``MH_LANE``), each test starting its own torchrun jobs on 1, 2 or 4 of the GPUs. Their jobs
    share the GPUs with the in-process job: they are small models whose time goes into starting
@@ -20,14 +22,15 @@ Side by side, from the start, each within the one budget:
 
 Then a summary: passed / failed / skipped per phase with every failure's message and every
 skip's reason, and a markdown row for docs/gpu_tests.md. ``DIR`` gets four files: ``suite.log``
-(the console, written as it comes: every phase's lines, the launcher lanes' prefixed),
+(the console, written as it comes: every phase's lines, each lane's prefixed),
 ``records.jsonl`` (one line per test start and end, with its phase), ``extra.log`` (the ends of
 the other ranks' logs where a phase failed, and the fixture maker's output) and ``summary.md``.
 The exit code is 0 only if nothing failed and everything ran within the budget.
 
 Environment for the tests: ``MH_TRITON_ONE_CONFIG=1`` (Triton's autotuners take their first
 config untimed: correctness does not depend on the config, and timing every config of every fla
-kernel costs minutes on a fresh machine) and ``TRITON_F32_DEFAULT=ieee``, unless set already.
+kernel costs minutes on a fresh machine), ``TRITON_F32_DEFAULT=ieee`` and
+``TORCHINDUCTOR_COMPILE_THREADS`` (a share of the cores per GPU process), unless set already.
 ``MH_COMPILE_CACHE`` (set by ``scripts/gpu_session.sh suite``) says whether Triton's and
 inductor's caches started empty; the summary's row says so.
 """
@@ -41,6 +44,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,6 +85,13 @@ class Console:
 
     def close(self) -> None:
         self.log.close()
+
+
+def _free_port() -> int:
+    """A TCP port free now, for a torchrun job's rendezvous (jobs side by side need their own)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _gpus() -> tuple[int, str]:
@@ -312,13 +323,17 @@ def main(argv=None) -> int:
         default=DEFAULT_LANES,
         help=f"launcher processes side by side (default {DEFAULT_LANES})",
     )
+    parser.add_argument("--in-process-lanes", type=int, default=DEFAULT_LANES,
+                        help="in-process torchrun jobs side by side, each on all GPUs, the "
+                        f"files split between them (default {DEFAULT_LANES})")  # fmt: skip
     parser.add_argument("--cpu", type=int, default=0, metavar="RANKS",
                         help="check the runner on a CPU: RANKS gloo processes stand for GPUs, "
                         "megatron-core's CUDA calls emulated (MH_FUNCTIONAL_ON_CPU=1)")  # fmt: skip
     parser.add_argument("pytest_args", nargs="*", help="extra arguments for every pytest run")
     args = parser.parse_args(argv)
-    if args.lanes < 1:
-        parser.error(f"--lanes must be at least 1, got {args.lanes}")
+    if args.lanes < 1 or args.in_process_lanes < 1:
+        parser.error(f"--lanes and --in-process-lanes must be at least 1, got {args.lanes} and "
+                     f"{args.in_process_lanes}")  # fmt: skip
     began = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -327,11 +342,16 @@ def main(argv=None) -> int:
     gpus, device = (args.cpu, "CPU rank (gloo, emulated)") if args.cpu else _gpus()
     gpus = gpus if args.gpus is None else min(args.gpus, gpus)
     console.write(f"== GPU suite: {gpus} x {device}, Python {platform.python_version()}, "
-                  f"budget {args.budget:.0f} s, {args.lanes} launcher lane(s)\n")  # fmt: skip
+                  f"budget {args.budget:.0f} s, {args.in_process_lanes} in-process and "
+                  f"{args.lanes} launcher lane(s)\n")  # fmt: skip
     env = dict(os.environ)
     env.setdefault("MH_TRITON_ONE_CONFIG", "1")
     env.setdefault("TRITON_F32_DEFAULT", "ieee")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Inductor gives every process that compiles a pool of min(32, cores) workers; with the
+    # lanes' ranks and the launcher jobs' side by side, a share each keeps them within the cores.
+    processes = max(1, gpus) * (args.in_process_lanes + args.lanes)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
     if args.cpu:
         env.update(MH_FUNCTIONAL_ON_CPU="1", MH_CPU_RANKS=str(args.cpu))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -341,23 +361,35 @@ def main(argv=None) -> int:
     if os.environ.get("MH_COMPILE_CACHE"):
         notes.append(f"compile caches: {os.environ['MH_COMPILE_CACHE']}")
     phases: list[dict] = []
+    in_process_names: list[str] = []
     ranks = work / "ranks"
     if gpus == 0:
         console.write("no GPU: every test would skip; nothing run\n")
     else:
         deadline = began + args.budget
 
-        def in_process(round_: int) -> list[str]:
-            return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
-                    "--log-dir", str(ranks / f"round{round_}"), "--redirects", "3", "--tee", "3",
-                    "--local-ranks-filter", "0", "-m", "pytest", "tests/functional", "-m",
-                    "not launcher and not own_job", *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
+        def in_process_job(name: str):
+            def command(round_: int) -> list[str]:
+                return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                        str(gpus), "--master-port", str(_free_port()), "--log-dir",
+                        str(ranks / name / f"round{round_}"), "--redirects", "3", "--tee", "3",
+                        "--local-ranks-filter", "0", "-m", "pytest", "tests/functional", "-m",
+                        "not launcher and not own_job", *PYTEST_FLAGS,
+                        *args.pytest_args]  # fmt: skip
+
+            return command
 
         def launcher(_round: int) -> list[str]:
             return [sys.executable, "-m", "pytest", "tests/functional", "-m", "launcher",
                     *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
 
-        jobs = [("in_process", in_process, env, "")]
+        jobs = []
+        for lane in range(args.in_process_lanes):
+            name = f"in_process{lane}" if args.in_process_lanes > 1 else "in_process"
+            lane_env = {**env, "MH_LANE": f"{lane}/{args.in_process_lanes}", "MH_LANE_BY": "file"}
+            prefix = f"[{name}] " if args.in_process_lanes > 1 else ""
+            jobs.append((name, in_process_job(name), lane_env, prefix))
+        in_process_names = [name for name, *_ in jobs]
         for lane in range(args.lanes):
             name = f"launcher{lane}" if args.lanes > 1 else "launcher"
             jobs.append((name, launcher, {**env, "MH_LANE": f"{lane}/{args.lanes}"},
@@ -374,7 +406,7 @@ def main(argv=None) -> int:
         for thread in threads:
             thread.join()
         phases = [results[name] for name, *_ in jobs]
-    extra = [_rank_logs(ranks, phases[0]) if phases else ""]
+    extra = [_rank_logs(ranks / p["name"], p) for p in phases if p["name"] in in_process_names]
     if maker is not None:
         if maker.poll() is None:
             suite_guard.kill_tree(maker.pid)
@@ -387,6 +419,10 @@ def main(argv=None) -> int:
     _merge_records(phases, work, out / "records.jsonl")
     code = _summarise(phases, gpus, device, notes, time.monotonic() - began, out, console)
     console.close()
+    # What is worth keeping is in DIR now; the fixture folders were made for this run only.
+    shutil.rmtree(work, ignore_errors=True)
+    if maker is not None:
+        shutil.rmtree(env["MH_HF_FIXTURES"], ignore_errors=True)
     return code
 
 
