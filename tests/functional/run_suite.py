@@ -267,6 +267,16 @@ def _summarise(phases, gpus, device, notes, total, out: Path, console: Console) 
     slowest = sorted((e.get("seconds") or 0.0, e["nodeid"]) for p in phases
                      for e in p["ends"].values())[-8:]  # fmt: skip
     lines.append("slowest: " + "; ".join(f"{n.split('/')[-1]} {t:.0f} s" for t, n in slowest[::-1]))
+    # What suite_plan.FILE_SECONDS (the in-process lanes' split) is refreshed from.
+    by_file = collections.Counter()
+    for phase in phases:
+        if phase["name"].startswith("in_process"):
+            for entry in phase["ends"].values():
+                by_file[entry["nodeid"].split("::")[0].split("/")[-1]] += (
+                    entry.get("seconds") or 0.0
+                )
+    lines.append("in-process seconds by file: " + "; ".join(
+        f"{name} {t:.0f}" for name, t in by_file.most_common()))  # fmt: skip
     text = "\n".join(lines)
     console.write(text + "\n")
     date = datetime.date.today().isoformat()

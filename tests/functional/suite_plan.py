@@ -24,7 +24,8 @@ RUN_LAST = ("test_fast_path_gpu.py", "test_packing_gpu.py", "test_hf_fp8_gpu.py"
 #: Seconds of an in-process file on a fresh 1 x H100, for splitting files into lanes: the first
 #: run of the runner (2026-11-27), less what was cut since (FP8 kernel specialisations, the
 #: Mamba2 scan's compiles, the Nemotron-H kernel test's build), and packing's estimated (the run
-#: ended in it). Refresh from a run's records.jsonl; only the balance of the lanes depends on it.
+#: ended in it). Refresh from a summary's "in-process seconds by file" line; only the lanes'
+#: balance depends on it.
 FILE_SECONDS = {
     "test_packing_gpu.py": 90, "test_fast_path_gpu.py": 85, "test_hf_fp8_gpu.py": 50,
     "test_mamba_torch_gpu.py": 25, "test_hf_gpu.py": 25, "test_gdn_kernels_gpu.py": 16,
