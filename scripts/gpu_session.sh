@@ -3,8 +3,11 @@
 # the requested parts, logging under $OUT. Usage: bash scripts/gpu_session.sh PART [PART ...]
 #   suite        the whole GPU suite as a runner runs it (tests/functional/run_suite.py): HF
 #                fixtures made here, in-process tests on all GPUs (a hung test ends the job and
-#                the rest runs again), then the launcher tests; per-test time limits, the whole
-#                within $SUITE_BUDGET s (default 470); summary.md holds the docs/gpu_tests.md row
+#                the rest runs again) and beside them the launcher tests; per-test time limits,
+#                the whole within $SUITE_BUDGET s (default 450); summary.md holds the
+#                docs/gpu_tests.md row. Triton's and inductor's caches go to $OUT as
+#                compile_cache.tar.xz.* (at most 3 parts of 15 MiB); carried back in
+#                .compile_cache/ they make the next run a warm one, which its row says
 #   functional   torchrun -m pytest tests/functional (all GPUs of the machine)
 #   bench        benchmarks/ep_overlap.py with NVLink
 #   bench-nop2p  benchmarks/ep_overlap.py with NCCL_P2P_DISABLE=1 (both take $BENCH_ARGS)
@@ -104,9 +107,28 @@ for part in "$@"; do
   start=$(date +%s)
   case $part in
     suite)
-      python3 tests/functional/run_suite.py --out "$OUT" --budget "${SUITE_BUDGET:-470}" \
+      # One folder for both compile caches, at a fixed path: Triton's cache names its files by
+      # absolute path. Cold unless a packed cache was carried (cold times are the ones counted).
+      cache=/tmp/mh-compile-cache
+      export TRITON_CACHE_DIR=$cache/triton TORCHINDUCTOR_CACHE_DIR=$cache/inductor
+      export MH_COMPILE_CACHE=cold
+      if ls .compile_cache/compile_cache.tar.xz.* >/dev/null 2>&1; then
+        mkdir -p $cache && cat .compile_cache/compile_cache.tar.xz.* | xz -dc | tar xf - -C $cache \
+          && MH_COMPILE_CACHE=warm
+      fi
+      python3 tests/functional/run_suite.py --out "$OUT" --budget "${SUITE_BUDGET:-450}" \
         ${SUITE_ARGS:-} 2>&1 | quiet
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      if [ -d $cache ]; then
+        (cd $cache && tar cf - . | xz -T0 -6 | split -b 15M - "$OUT/compile_cache.tar.xz.")
+        parts=$(ls "$OUT"/compile_cache.tar.xz.* | wc -l)
+        if [ "$parts" -gt 3 ]; then
+          rm -f "$OUT"/compile_cache.tar.xz.*
+          echo "compile cache not kept: $(du -sh $cache | cut -f1), $parts parts of 15 MiB packed"
+        else
+          echo "compile cache: $(du -sh $cache | cut -f1) in $parts part(s) in \$OUT"
+        fi
+      fi ;;
     functional)
       MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | quiet | tee "$OUT/functional.log"

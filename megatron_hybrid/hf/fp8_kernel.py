@@ -106,9 +106,33 @@ def _quantize_blocks(
 #: Warps per block program: which is fastest depends on the GPU and the block's registers, and
 #: every choice computes the same bytes, so the first launch per block shape times them.
 _WARPS = (2, 4, 8, 16)
+#: Most values of a block one thread holds. Beyond it the registers spill and ptxas takes far
+#: longer: a 128 x 128 block with 2 warps (256 values a thread) took 10 to 30 times as long to
+#: compile for sm_90 as with 16 warps (32 a thread): 56 s and 199 s (with source scales) against
+#: 5 s and 7 s on a busy CPU; each launch of it also pays for the spills in local memory.
+_VALUES_PER_THREAD = 64
+
+
+def _warps_for(tile: int) -> tuple[int, ...]:
+    """The warp counts worth timing for a ``tile``-value block, most warps first (the
+    quickest to compile: autotuners told to take their first config take that one)."""
+    fitting = [w for w in _WARPS if tile <= _VALUES_PER_THREAD * 32 * w]
+    return tuple(sorted(fitting or [max(_WARPS)], reverse=True))
+
+
+def _prune(configs, named_args, **kwargs):
+    """``early_config_prune``: the configs of :func:`_warps_for` this launch's block."""
+    args = {**named_args, **kwargs}  # Triton < 3 passed no constexprs: every count, most first
+    tile = args["BO_P"] * args["BI_P"] if "BO_P" in args else 0
+    warps = _warps_for(tile)
+    by_warps = {config.num_warps: config for config in configs}
+    return [by_warps[w] for w in warps]
+
+
 _tuned = triton.autotune(
     [triton.Config({}, num_warps=w) for w in _WARPS],
     key=["BO_P", "BI_P", "HAS_CANDIDATE", "SCALE_BF16"],
+    prune_configs_by={"early_config_prune": _prune},
 )(_quantize_blocks)
 
 
@@ -149,7 +173,7 @@ def quantize_blocks(
     # Triton's interpreter (the CPU tests) has no timer to tune with: one fixed launch there.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     kernel = _quantize_blocks if interpreted else _tuned
-    launch = {"num_warps": 8 if tile >= 8192 else (4 if tile >= 2048 else 1)} if interpreted else {}
+    launch = {"num_warps": _warps_for(tile)[0]} if interpreted else {}
     kernel[(nrb * ncb,)](
         w,
         q,

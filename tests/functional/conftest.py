@@ -8,7 +8,8 @@ Without GPUs (or outside torchrun) every test here is skipped with the reason. F
 test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
 CUDA calls emulated (numerics only; timings and NCCL are not exercised), the launcher tests
 with ``MH_CPU_RANKS`` processes standing for GPUs. Every test has a time
-limit and the ranks of a job agree on each test's outcome (``suite_guard.py``).
+limit and the ranks of a job agree on each test's outcome (``suite_guard.py``); the slowest
+files run last and ``MH_LANE=i/n`` splits the launcher tests into lanes (``suite_plan.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 import hf_fixtures
 import pytest
 import suite_guard
+import suite_plan
 import torch
 
 from megatron_hybrid.testing.overlap import rel_error
@@ -67,7 +69,10 @@ def pytest_configure(config):
     _GUARD = suite_guard.install(config, Path(__file__).parent)
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: lanes split what is left
 def pytest_collection_modifyitems(config, items):
+    suite_plan.order(items)
+    suite_plan.keep_lane(config, items, _GUARD.limit)
     suite_guard.deselect_finished(_GUARD, config, items)
     under_torchrun = "WORLD_SIZE" in os.environ
     no_gpu = not ON_CPU and not torch.cuda.is_available()
@@ -107,9 +112,11 @@ def world():
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=limit + 120))
         device = torch.device("cuda", torch.cuda.current_device())
         # torchrun gives every rank one CPU thread (OMP_NUM_THREADS=1): the tests' CPU-side
-        # work (reading checkpoints, references, comparisons) would crawl. A share of the cores.
+        # work (reading checkpoints, references, comparisons) would crawl. A share of the cores
+        # (the suite runner's in-process lanes run side by side).
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // ranks_here)))
+        lanes = suite_plan.parse_lane(os.environ["MH_LANE"])[1] if "MH_LANE" in os.environ else 1
+        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // (ranks_here * lanes))))
     yield dist.get_rank(), dist.get_world_size(), device
     from megatron_hybrid.process_groups import reset_megatron_state
 
@@ -241,12 +248,14 @@ def hf_folders(world, tmp_path_factory) -> Path:
 
 # -- torchrun jobs of the launcher tests ----------------------------------------------------------
 
-#: Variables of an enclosing torchrun job, which a nested job must not inherit.
+#: Variables of an enclosing torchrun job or suite phase, which a nested job must not inherit
+#: (a pytest job started with this lane's ``MH_LANE`` would run only part of its tests).
 _TORCHRUN_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MH_SYNC_DIR", "MH_TEST_RECORD",
+    "MH_LANE",
 )  # fmt: skip
 
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 from conftest import exact_float32, report
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "nemotron_h")
+#: Fixture folders: one per family, and ``nemotron_h_mcore`` (Nemotron-H with the numerics
+#: megatron-core's Mamba kernels compute, which the kernel test below compares them on).
+FOLDERS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "nemotron_h", "nemotron_h_mcore")
 
 # TransformerEngine's GEMMs run float32 in TF32 whatever torch's switches say, and once TE is
 # loaded so do later plain-torch models in the process (seen on one H100: logits off by 1e-2 to
@@ -38,7 +40,7 @@ def _backends():
 
 
 @pytest.mark.parametrize("backend", list(_backends()))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FOLDERS)
 def test_hf_folder_on_gpu(family, backend, world, hf_folders):
     from safetensors.torch import load_file
 
@@ -109,7 +111,7 @@ def _nemotron_logits(folder, impl, dtype, device):
     return (logits - reference["logits"]).abs().max().item(), reference["bound"]
 
 
-def test_nemotron_h_mamba_kernels_torch_and_transformers(world, hf_folders):
+def test_nemotron_h_mamba_kernels_torch_and_transformers(world, request):
     """megatron-core's Mamba kernels vs the torch Mamba2 path vs transformers, float32 and bf16.
 
     ``nemotron_h_mcore`` has the numerics the kernels compute: both paths must give
@@ -119,14 +121,18 @@ def test_nemotron_h_mamba_kernels_torch_and_transformers(world, hf_folders):
     """
     from megatron_hybrid.modules.mamba_torch import mamba_kernels_available
 
+    # Before anything is built or waited for (the fixture folders): without the kernels only
+    # the torch path would run, and test_hf_folder_on_gpu checks it on both folders.
+    available, reason = mamba_kernels_available()
+    if not available:
+        pytest.skip(f"megatron-core's Mamba kernels cannot run here: {reason}")
     rank, world_size, device = world
     if world_size != 1:
         pytest.skip("one-GPU comparison; run with --nproc_per_node 1")
-    root = hf_folders
+    root = request.getfixturevalue("hf_folders")
     if not (root / "nemotron_h_mcore").is_dir():
         pytest.skip("the fixtures predate nemotron_h_mcore: run hf_fixtures.py again")
-    available, reason = mamba_kernels_available()
-    impls = ("torch", "kernels") if available else ("torch",)
+    impls = ("torch", "kernels")
     errors, bounds = {}, {}
     for name in ("nemotron_h_mcore", "nemotron_h"):
         for impl in impls:
@@ -136,11 +142,9 @@ def test_nemotron_h_mamba_kernels_torch_and_transformers(world, hf_folders):
                 )
     rows = [("folder", "impl", "dtype", "max abs logits diff vs transformers fp32")]
     rows += [(n, i, str(d).split(".")[-1], f"{e:.2e}") for (n, i, d), e in errors.items()]
-    report("Nemotron-H Mamba paths" + ("" if available else f" (no kernels: {reason})"), rows)
+    report("Nemotron-H Mamba paths", rows)
     for name in ("nemotron_h_mcore", "nemotron_h"):
         assert errors[name, "torch", torch.float32] <= bounds[name]
-    if not available:
-        pytest.skip(f"megatron-core's Mamba kernels cannot run here: {reason}")
     yardstick = errors["nemotron_h_mcore", "torch", torch.bfloat16]
     assert errors["nemotron_h_mcore", "kernels", torch.float32] <= KERNEL_FP32_BOUND
     assert errors["nemotron_h_mcore", "kernels", torch.bfloat16] <= (

@@ -2,9 +2,14 @@
 
 Both mixers are built from the same seed, so they hold bitwise the same weights (checked first);
 then one forward and backward with the same input and upstream gradient. The reference is the
-torch path in float32 with TF32 off (itself checked against a token-by-token recurrence in
-``tests/unit/modules/test_mamba_torch.py``). The tables give the norm-relative error of the
-output, the input gradient and every parameter gradient.
+torch path (``TorchMambaMixer``, eager) in float32 with TF32 off (itself checked against a
+token-by-token recurrence in ``tests/unit/modules/test_mamba_torch.py``). The tables give the
+norm-relative error of the output, the input gradient and every parameter gradient.
+
+The fast path's compiled torch Mamba2 (``FastTorchMambaMixer``, which ``local_impl="auto"``
+picks on a GPU) is checked in bf16 against the same eager float32 reference, at both lengths
+(``test_fast_path_gpu.py`` runs it in a whole model at one length). Each length and dtype
+compiled is a graph of its own (seconds each), so only bf16 compiles here.
 
 Tolerances: the yardstick is the torch path run in bf16 (its float32 arithmetic on bf16 weights
 and activations: only rounding). mamba_ssm's kernels may round a few more intermediates, so in
@@ -46,7 +51,9 @@ def pg(world):
     reset_megatron_state()
 
 
-def _mixer(pg, impl: str, dtype: torch.dtype, device):
+def _mixer(pg, impl: str, dtype: torch.dtype, device, local_impl: str = "reference"):
+    """A Mamba mixer: megatron-core's kernels (``impl="kernels"``) or the torch path, eager
+    (``local_impl="reference"``) or compiled (``"fast"``)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
@@ -62,7 +69,7 @@ def _mixer(pg, impl: str, dtype: torch.dtype, device):
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
     )
-    spec = hybrid_stack_spec("local", config=config, mamba_impl=impl)
+    spec = hybrid_stack_spec("local", config=config, mamba_impl=impl, local_impl=local_impl)
     mixer_spec = spec.submodules.mamba_layer.submodules.mixer
     torch.manual_seed(5)
     model_parallel_cuda_manual_seed(5)
@@ -97,17 +104,28 @@ def _check(errors: dict[str, float], bounds: dict[str, float]) -> None:
 
 @SEQS
 def test_torch_path_bf16_only_rounds(pg, world, seq):
-    """The torch path in bf16 is the float32 function up to bf16 rounding (runs without kernels)."""
+    """The torch path in bf16, eager and compiled (the fast path's), is the float32 function up
+    to bf16 rounding (runs without kernels)."""
+    from megatron_hybrid.modules.fast.mamba import FastTorchMambaMixer
+
     device = world[2]
     fp32_mixer = _mixer(pg, "torch", torch.float32, device)
     bf16_mixer = _mixer(pg, "torch", torch.bfloat16, device)
-    # torch's initialisers draw differently per dtype: the bf16 mixer gets fp32's weights rounded.
+    compiled = _mixer(pg, "torch", torch.bfloat16, device, local_impl="fast")
+    assert type(bf16_mixer) is not FastTorchMambaMixer and isinstance(compiled, FastTorchMambaMixer)
+    # torch's initialisers draw differently per dtype: the bf16 mixers get fp32's weights rounded.
     _copy_weights(bf16_mixer, fp32_mixer)
+    _copy_weights(compiled, fp32_mixer)
     with exact_float32():
         reference = _run(fp32_mixer, seq, device, torch.float32)
     bf16 = _errors(_run(bf16_mixer, seq, device, torch.bfloat16), reference)
-    report(f"torch path bf16 vs float32, T={seq}", sorted(bf16.items()))
-    _check(bf16, {n: BF16_ROUNDING_TOL.get(n, BF16_ROUNDING_TOL[None]) for n in bf16})
+    fast = _errors(_run(compiled, seq, device, torch.bfloat16), reference)
+    assert compiled.fast_path_reason is None, f"not compiled: {compiled.fast_path_reason}"
+    report(f"torch path bf16 vs float32, T={seq}", [("tensor", "eager", "compiled")]
+           + [(n, f"{bf16[n]:.2e}", f"{fast[n]:.2e}") for n in sorted(bf16)])  # fmt: skip
+    bounds = {n: BF16_ROUNDING_TOL.get(n, BF16_ROUNDING_TOL[None]) for n in bf16}
+    _check(bf16, bounds)
+    _check(fast, bounds)
 
 
 @SEQS

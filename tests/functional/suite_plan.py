@@ -1,0 +1,99 @@
+"""Which tests a job of the GPU suite runs, and in what order.
+
+* **Order**: the files of :data:`RUN_LAST` run after the others, in that order: they compile
+  the most kernels on a fresh machine (fla's float32 kernels, the compiled Mamba2 scan, the FP8
+  kernel), so a budget that runs out leaves the fewest tests unrun, and the Hugging Face fixture
+  folders, made in the background while the first tests run, are ready when ``test_hf*_gpu.py``
+  read them. Within a file the order is the file's own.
+* **Lanes** (``MH_LANE=i/n``: this job runs lane ``i`` of ``n``), which the suite runner starts
+  side by side on the same GPUs. Most of a fresh machine's time goes into work on the CPU
+  (compiling kernels, starting processes), which lanes spread over more cores. The launcher
+  tests are split test by test: each starts torchrun jobs of its own and its ``time_limit``
+  stands for its work. The in-process tests (``MH_LANE_BY=file``) are split file by file, since
+  a file's tests share the kernels they compile; :data:`FILE_SECONDS` stands for a file's work.
+  Longest first, each to the lane with the least work so far; a lane keeps the order above.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: In-process test files run after the others, in this order (see the module doc).
+RUN_LAST = ("test_fast_path_gpu.py", "test_packing_gpu.py", "test_hf_fp8_gpu.py", "test_hf_gpu.py")
+#: Seconds of an in-process file on a fresh 1 x H100, for splitting files into lanes: the first
+#: run of the runner (2026-11-27), less what was cut since (FP8 kernel specialisations, the
+#: Mamba2 scan's compiles, the Nemotron-H kernel test's build), and packing's estimated (the run
+#: ended in it). Refresh from a summary's "in-process seconds by file" line; only the lanes'
+#: balance depends on it.
+FILE_SECONDS = {
+    "test_packing_gpu.py": 90, "test_fast_path_gpu.py": 85, "test_hf_fp8_gpu.py": 50,
+    "test_mamba_torch_gpu.py": 25, "test_hf_gpu.py": 25, "test_gdn_kernels_gpu.py": 16,
+    "test_checkpoints_gpu.py": 14,
+}  # fmt: skip
+#: Seconds of a file not in :data:`FILE_SECONDS` (the others took under 2 s on one GPU).
+OTHER_FILE_SECONDS = 5.0
+
+
+def order(items: list) -> None:
+    """Sort ``items`` in place: the files of :data:`RUN_LAST` last (a stable sort)."""
+    rank = {name: i + 1 for i, name in enumerate(RUN_LAST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).name, 0))
+
+
+def parse_lane(value: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)``.
+
+    Raises:
+        ValueError: not two integers with ``0 <= i < n``.
+    """
+    try:
+        lane, lanes = (int(part) for part in value.split("/"))
+    except ValueError:
+        lane, lanes = -1, 0
+    if not 0 <= lane < lanes:
+        raise ValueError(f"MH_LANE={value!r}: expected 'i/n' with 0 <= i < n, e.g. '0/2'")
+    return lane, lanes
+
+
+def lanes_of(costs: list[float], lanes: int) -> list[int]:
+    """The lane of each test: longest first, each to the lane with the least cost so far (ties:
+    the lower lane)."""
+    totals = [0.0] * lanes
+    lane_of = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        lane = min(range(lanes), key=lambda j: (totals[j], j))
+        lane_of[i] = lane
+        totals[lane] += costs[i]
+    return lane_of
+
+
+def _file(item) -> str:
+    return Path(str(item.path)).name
+
+
+def keep_lane(config, items: list, default_cost: float) -> None:
+    """Deselect the tests of other lanes where ``MH_LANE`` is set: by test (``time_limit``, else
+    ``default_cost``), or by file where ``MH_LANE_BY=file`` (:data:`FILE_SECONDS`)."""
+    value = os.environ.get("MH_LANE")
+    if not value:
+        return
+    lane, lanes = parse_lane(value)
+    by = os.environ.get("MH_LANE_BY", "test")
+    if by == "file":
+        files = list(dict.fromkeys(_file(item) for item in items))
+        costs = [float(FILE_SECONDS.get(name, OTHER_FILE_SECONDS)) for name in files]
+        lane_of_file = dict(zip(files, lanes_of(costs, lanes), strict=True))
+        lane_of = [lane_of_file[_file(item)] for item in items]
+    elif by == "test":
+        costs = []
+        for item in items:
+            marker = item.get_closest_marker("time_limit")
+            costs.append(float(marker.args[0]) if marker else default_cost)
+        lane_of = lanes_of(costs, lanes)
+    else:
+        raise ValueError(f"MH_LANE_BY={by!r}: expected 'test' or 'file'")
+    dropped = [item for item, j in zip(items, lane_of, strict=True) if j != lane]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item, j in zip(items, lane_of, strict=True) if j == lane]
