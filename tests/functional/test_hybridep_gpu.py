@@ -253,12 +253,17 @@ def _probs_applied_twice():
 
 
 def test_dispatch_combine_roundtrip(hybridep):
-    """megatron-core's HybridEP autograd functions on the whole world (1 GPU too): every token
-    reaches exactly its top-2 experts and comes back, forward and backward, bit for bit; the
-    dispatched probabilities are the routed ones. Times the first call (kernel compilation)."""
+    """megatron-core's HybridEP autograd functions on the whole world: every token reaches
+    exactly its top-2 experts and comes back, forward and backward, bit for bit; the dispatched
+    probabilities are the routed ones. Times the first call (kernel compilation)."""
     from megatron.core.transformer.moe import fused_a2a
 
     rank, world_size, device = hybridep
+    if world_size < 2:
+        # Seen on one H100 (DeepEP hybrid-ep 94a9f8f): the process dies with SIGSEGV inside
+        # hybrid_ep_cpp.HybridEPBuffer's constructor for a one-rank group. EP = 1 needs no
+        # dispatcher, so nothing a user runs meets this.
+        pytest.skip("HybridEPBuffer crashes (SIGSEGV) for a group of one rank; needs >= 2 GPUs")
     if NUM_EXPERTS % world_size:
         pytest.skip(f"{NUM_EXPERTS} experts do not divide over {world_size} ranks")
     group, local = torch.distributed.group.WORLD, NUM_EXPERTS // world_size
