@@ -134,6 +134,7 @@ def save_checkpoint(
     layout: dict | None = None,
     model_settings: Mapping | None = None,
     records: Mapping[str, Mapping] | None = None,
+    common: Mapping | None = None,
 ):
     """Save a step's state under ``root`` through the checkpoint store; return the folder.
 
@@ -147,6 +148,8 @@ def save_checkpoint(
         records: further JSON records (file name -> object) for the folder; a model started
             from Hugging Face weights gets its :data:`~megatron_hybrid.checkpointing.store.
             HF_RECORD_FILE` without asking.
+        common: further non-tensor values of the run (the learning-rate schedule's state, the
+            data it reads), kept in the checkpoint's common state under their keys.
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
@@ -168,6 +171,7 @@ def save_checkpoint(
         state["consumed_samples"] = consumed_samples
     if layout is not None:
         state["parallel_layout"] = dict(layout)
+    state.update(common or {})
     # A model started from Hugging Face weights: which one, so that the checkpoint resumes
     # without model flags and exports with convert --to-hf (its FP8 scales and carried tensors
     # travel in the state, outside the model's keys).

@@ -140,6 +140,11 @@ class CPUOptimizer:
         torch.distributed.all_reduce(expert, group=self.pg_collection.tp_ep_pp)
         return math.sqrt(float(dense + expert))
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's parameter groups (the learning-rate scheduler sets their ``lr``)."""
+        return self.optimizer.param_groups
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -163,8 +168,11 @@ class CPUOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
-    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU."""
+def build_optimizer(
+    chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg, min_lr: float = 0.0
+):
+    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU (a
+    learning-rate scheduler then sets the rate of every step)."""
     if not torch.cuda.is_available():
         return CPUOptimizer(
             chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
@@ -174,6 +182,7 @@ def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=min_lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=config.bf16,
