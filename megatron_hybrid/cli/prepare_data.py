@@ -82,45 +82,37 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     check_options(options)  # before the progress bar: bad flags print one line
-    total = sum(_size(path) for path in options.inputs)
-    bar = _bar(total)
+    bar = _Bar(sum(os.path.getsize(path) for path in options.inputs))
     try:
-        summary = prepare_data(options, progress=bar.update if bar else None)
+        summary = prepare_data(options, progress=bar.update)
     except RowError as error:
         raise ValueError(f"{error}; nothing was written") from None
     finally:
-        if bar:
-            bar.close()
+        bar.close()
     print(_summary_line(summary), flush=True)
     return 0
 
 
-def _size(path: str) -> int:
-    return os.path.getsize(path)
-
-
 class _Bar:
-    """tqdm over input bytes, with documents and tokens/s beside it (on stderr)."""
+    """tqdm over input bytes, with documents and tokens/s beside it (on stderr); shown from the
+    first chunk on, so that the libraries' start-up is not counted in its rate."""
 
     def __init__(self, total: int):
-        from tqdm import tqdm
+        self.total, self.read, self.bar = total, 0, None
 
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, leave=False,
-                        desc="prepare-data", dynamic_ncols=True)  # fmt: skip
-        self.read = 0
+    def update(self, documents: int, tokens: int, read: int, seconds: float) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
 
-    def update(self, documents: int, tokens: int, read: int) -> None:
-        elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
-        self.bar.set_postfix_str(f"{documents:,} docs, {tokens / elapsed:,.0f} tok/s")
+            self.bar = tqdm(total=self.total, unit="B", unit_scale=True, file=sys.stderr,
+                            leave=False, desc="prepare-data", dynamic_ncols=True)  # fmt: skip
+        self.bar.set_postfix_str(f"{documents:,} docs, {tokens / max(seconds, 1e-9):,.0f} tok/s")
         self.bar.update(read - self.read)
         self.read = read
 
     def close(self) -> None:
-        self.bar.close()
-
-
-def _bar(total: int) -> _Bar | None:
-    return _Bar(total) if total else None
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _summary_line(summary) -> str:

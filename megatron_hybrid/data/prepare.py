@@ -366,13 +366,14 @@ def _results(options: PrepareOptions) -> Iterator[tuple[_Chunk, object]]:
 
 
 def prepare_data(
-    options: PrepareOptions, progress: Callable[[int, int, int], None] | None = None
+    options: PrepareOptions, progress: Callable[[int, int, int, float], None] | None = None
 ) -> PrepareSummary:
     """Tokenize ``options.inputs`` into Megatron data sets; see the module docstring.
 
     Args:
         options: what to prepare.
-        progress: called after every chunk with ``(documents, tokens, bytes read)`` so far.
+        progress: called after every chunk with ``(documents, tokens, bytes read, seconds)``
+            so far.
 
     Raises:
         RowError: a line that cannot be used (nothing is written).
@@ -402,8 +403,9 @@ def prepare_data(
             summary.bytes_read += chunk.size
             if progress is not None:
                 first = writers[options.json_keys[0]]
-                progress(first.documents, sum(w.written for w in writers.values()),
-                         summary.bytes_read)  # fmt: skip
+                tokens = sum(w.written for w in writers.values())
+                elapsed = time.perf_counter() - began
+                progress(first.documents, tokens, summary.bytes_read, elapsed)
         empty = [w.prefix for w in writers.values() if w.written == 0]
         if empty:
             raise ValueError(
