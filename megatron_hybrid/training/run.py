@@ -13,6 +13,7 @@ The data (:mod:`~megatron_hybrid.training.inputs`), the learning-rate schedule
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -433,7 +434,7 @@ def _train(setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: in
     progress = _Progress(args.train_iters, enabled=rank == 0, interval=args.log_interval)
     metrics = MetricsLog(args.log_dir or args.save, args.tensorboard_dir, start=start,
                          enabled=rank == 0, title=_curve_title(setup))  # fmt: skip
-    summary = TrainingSummary(start, args.train_iters, [], [], None)
+    summary, saved = TrainingSummary(start, args.train_iters, [], [], None), None
     seq_length, rows = inputs.step_shape
     for iteration in range(start, args.train_iters):
         batches = inputs.micro_batches(inputs.train, consumed, setup.num_microbatches)
@@ -445,7 +446,7 @@ def _train(setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: in
         elapsed = time.perf_counter() - began
         consumed += setup.global_batch
         done = iteration + 1
-        if check_step(result, done, getattr(args, "on_nonfinite", "stop"), summary.saved):
+        if check_step(result, done, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
                 print(f"step {done}: {describe(result)}: skipped", flush=True)
         else:
@@ -472,7 +473,7 @@ def _train(setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: in
         if args.save and (
             done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
         ):
-            summary.saved = str(
+            saved = str(
                 save_checkpoint(
                     args.save,
                     done,
@@ -487,12 +488,12 @@ def _train(setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: in
                 )
             )
             if done != args.train_iters:  # the final save is in the summary line
-                progress.note(f"saved {summary.saved}")
+                progress.note(f"saved {saved}")
     progress.close()
     note = metrics.close()
     if note:
         print(note, flush=True)
-    return summary
+    return dataclasses.replace(summary, saved=saved)
 
 
 def _evaluate(setup: _Setup, chunks, seq_length: int, rows: int) -> float:

@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
+import math
 import random
+import string
 
 import numpy as np
 
 #: The fixed answer of :func:`chat_rows`.
 ANSWER = "the answer is always forty two"
-_WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "mu")
+#: Prompt words: this many random lower-case letters each, this many words (inclusive).
+WORD_LETTERS, PROMPT_WORDS = 3, (4, 8)
 
 
 def chat_rows(count: int, *, seed: int = 0, turns: int = 1) -> list[dict]:
-    """Conversations whose user prompts are random words and whose answers are :data:`ANSWER`."""
+    """Conversations whose user prompts are random letters and whose answers are
+    :data:`ANSWER`."""
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
         messages = [{"role": "system", "content": "answer briefly"}]
         for _ in range(turns):
-            prompt = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 9)))
+            words = rng.randint(*PROMPT_WORDS)
+            prompt = " ".join(
+                "".join(rng.choice(string.ascii_lowercase) for _ in range(WORD_LETTERS))
+                for _ in range(words)
+            )
             messages += [
                 {"role": "user", "content": prompt},
                 {"role": "assistant", "content": ANSWER},
             ]
         rows.append({"messages": messages})
     return rows
+
+
+def prompt_entropy(rows: list[dict]) -> float:
+    """The prompts' entropy in nats: uniform letters and uniform word counts."""
+    prompts = [m["content"] for r in rows for m in r["messages"] if m["role"] == "user"]
+    letters = sum(len(p.replace(" ", "")) for p in prompts)
+    choices = PROMPT_WORDS[1] - PROMPT_WORDS[0] + 1
+    return letters * math.log(26) + len(prompts) * math.log(choices)
 
 
 def write_indexed(prefix, documents, dtype=np.uint16) -> str:
