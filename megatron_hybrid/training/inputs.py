@@ -51,12 +51,15 @@ __all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_record", "resolve_data"]
 DEFAULT_VOCAB_SIZE = 256
 
 
-def resolve_data(args: argparse.Namespace, *, hf_folder: str | None = None) -> argparse.Namespace:
+def resolve_data(
+    args: argparse.Namespace, *, hf_folder: str | None = None, vocab_from: str | None = None
+) -> argparse.Namespace:
     """``args`` with ``tokenizer_model`` and ``vocab_size`` filled in, the ``--data-path`` files
     checked (on every rank alike, before any process group).
 
     Args:
         hf_folder: the Hugging Face folder the model comes from (its tokenizer is the default).
+        vocab_from: what set ``args.vocab_size`` when not the flag (a Hugging Face model).
 
     Raises:
         SettingsError: a bad ``--data-path`` or ``--split``, a missing or damaged data file, no
@@ -71,14 +74,19 @@ def resolve_data(args: argparse.Namespace, *, hf_folder: str | None = None) -> a
         if split is not None and not data_path:
             raise ValueError("--split divides --data-path; give --data-path too")
         if data_path:
+            prefixes, _ = parse_data_path(data_path)
+            fractions = check_split(split or DEFAULT_SPLIT)
+            if getattr(args, "eval_interval", None) and not fractions[1]:
+                raise ValueError(
+                    f"--eval-interval needs a validation split, but --split {split} gives it "
+                    "nothing: e.g. --split 98,2,0"
+                )
             if tokenizer is None:
                 where = f" ({hf_folder} holds none)" if hf_folder else ""
                 raise ValueError(
                     "--data-path needs the tokenizer the data was prepared with: add "
                     f"--tokenizer-model HF_DIR{where}"
                 )
-            prefixes, _ = parse_data_path(data_path)
-            check_split(split or DEFAULT_SPLIT)
             for prefix in prefixes:
                 check_prefix(prefix)
         vocab = args.vocab_size
@@ -88,10 +96,11 @@ def resolve_data(args: argparse.Namespace, *, hf_folder: str | None = None) -> a
                 tp = args.tensor_model_parallel_size
                 vocab = vocab_size_with_padding(size, args.make_vocab_size_divisible_by, tp)
             elif size > vocab:
+                fix = "" if vocab_from else " or drop --vocab-size (the tokenizer's is then used)"
                 raise ValueError(
                     f"the tokenizer {tokenizer} has {size} tokens, more than the model's "
-                    f"vocabulary of {vocab}: drop --vocab-size (the tokenizer's, padded, is then "
-                    "used) or use the model's own tokenizer (--tokenizer-model)"
+                    f"vocabulary of {vocab} ({vocab_from or '--vocab-size'}): pass the model's "
+                    f"own tokenizer with --tokenizer-model{fix}"
                 )
     except ValueError as error:  # DataFileError too
         raise SettingsError(str(error)) from None

@@ -208,7 +208,11 @@ def run_training(
         args = source.applied_to(args)  # the conversion's settings, validated and read below
     # The tokenizer (--load-hf's by default), the vocabulary and the data files; then the
     # learning-rate schedule's defaults, which depend on whether the run fine-tunes.
-    args = resolve_data(args, hf_folder=source.hf_path if source is not None else None)
+    args = resolve_data(
+        args,
+        hf_folder=source.hf_path if source is not None else None,
+        vocab_from="the Hugging Face model's" if source is not None else None,
+    )
     fine_tuning = source is not None or lora is not None
     args = resolve_schedule(args, fine_tuning=fine_tuning, lora=lora is not None)
     validate_settings(args)  # every setting, before any process group or model exists

@@ -60,6 +60,7 @@ def resolve_schedule(
         **{
             **values,
             "lr": lr,
+            "min_lr": args.min_lr if args.min_lr is not None else 0.0,
             "lr_warmup_iters": warmup,
             "lr_decay_style": style,
             "lr_decay_iters": args.lr_decay_iters or args.train_iters,

@@ -86,7 +86,7 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     Flag(
         "--min-lr",
         _LR,
-        dict(type=float, default=0.0, help="the learning rate the decay ends at"),
+        dict(type=float, default=None, help="the learning rate the decay ends at (default: 0)"),
     ),
     Flag(
         "--lr-warmup-iters",
