@@ -79,11 +79,15 @@ def chat_rows(count: int) -> list[dict]:
 
 def floor_seconds(tokenizer, values, chat: bool, repeats: int) -> float:
     if chat:
+
         def encode(batch):
             return tokenizer.apply_chat_template(batch, tokenize=True)
+
     else:
+
         def encode(batch):
             return tokenizer(batch, return_attention_mask=False)
+
     chunked = best(
         lambda: [encode(values[i : i + CHUNK_LINES]) for i in range(0, len(values), CHUNK_LINES)],
         repeats,
@@ -130,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind, template, workers in cases:
             folder = work / f"tokenizer-{template}"
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
-            values = [t["text"] for t in texts] if kind == "text" else [c["messages"] for c in chats]
+            if kind == "text":
+                values = [t["text"] for t in texts]
+            else:
+                values = [c["messages"] for c in chats]
             floor = floor_seconds(tokenizer, values, kind == "chat", args.repeats)
             source = work / ("corpus.jsonl" if kind == "text" else "chat.jsonl")
             options = PrepareOptions(
