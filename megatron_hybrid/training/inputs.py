@@ -45,7 +45,7 @@ from megatron_hybrid.data.tokenizer import (
 from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.training.settings import SettingsError
 
-__all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_record", "resolve_data"]
+__all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_change_notes", "data_record", "resolve_data"]
 
 #: The model's vocabulary when no tokenizer gives one (the synthetic data's).
 DEFAULT_VOCAB_SIZE = 256
@@ -118,6 +118,23 @@ def data_record(args: argparse.Namespace) -> dict:
         "seq_length": args.seq_length,
         "seed": args.seed,
     }
+
+
+def data_change_notes(recorded: dict | None, args, folder, consumed: int) -> list[str]:
+    """A note when a resumed checkpoint was trained on other data than this run reads."""
+    ours = data_record(args)
+    if recorded is None or recorded == ours:
+        return []
+    return [
+        f"{folder} was trained on other data ({_data_text(recorded)}); this run reads "
+        f"{_data_text(ours)} and continues at its sample {consumed:,}"
+    ]
+
+
+def _data_text(record: dict) -> str:
+    data = record.get("data_path")
+    what = f"--data-path {' '.join(data)} --split {record.get('split')}" if data else "synthetic"
+    return f"{what}, --seq-length {record.get('seq_length')}, --seed {record.get('seed')}"
 
 
 def _token_id_problem(args: argparse.Namespace) -> str | None:

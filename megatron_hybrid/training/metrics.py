@@ -1,6 +1,8 @@
-"""What a ``train`` run writes about itself: metrics.jsonl, TensorBoard events, loss_curve.png.
+"""What a ``train`` run writes about itself: progress lines, metrics.jsonl, TensorBoard events,
+loss_curve.png.
 
-Rank 0 writes, into ``--log-dir`` (default: the ``--save`` folder; nothing without either):
+Rank 0 prints a progress line every ``--log-interval`` steps (:class:`ProgressLine`) and
+writes, into ``--log-dir`` (default: the ``--save`` folder; nothing without either):
 
 - ``metrics.jsonl``: one JSON object per applied step, ``{"step", "loss", "lr", "grad_norm",
   "tokens_per_second"}``, and one per evaluation, ``{"step", "validation_loss"}``. A resumed run
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["METRICS_FILE", "LOSS_CURVE_FILE", "MetricsLog", "read_metrics"]
+__all__ = ["LOSS_CURVE_FILE", "METRICS_FILE", "MetricsLog", "ProgressLine", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -127,3 +130,31 @@ def draw_loss_curve(records: list[dict], path: Path, title: str = "") -> str | N
     figure.savefig(temporary)
     os.replace(temporary, path)
     return None
+
+
+class ProgressLine:
+    """Rank 0's per-step line: an updating bar on a terminal, plain lines in logs."""
+
+    def __init__(self, total: int, enabled: bool, interval: int = 1):
+        self.total, self.enabled, self.interval = total, enabled, interval
+        self.tty = enabled and sys.stdout.isatty()
+
+    def update(self, iteration: int, loss: float, lr: float, norm: float, tok_s: float) -> None:
+        if not self.enabled or (iteration % self.interval and iteration != self.total):
+            return
+        done = int(20 * iteration / max(self.total, 1))
+        bar = "#" * done + "." * (20 - done)
+        line = (
+            f"[{bar}] step {iteration:>5}/{self.total} | loss {loss:.4f} | lr {lr:.3g} | "
+            f"grad norm {norm:.3f} | {tok_s:,.0f} tok/s"
+        )
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def note(self, text: str) -> None:
+        """A line of its own between progress updates."""
+        if self.enabled:
+            print(f"\n{text}" if self.tty else text, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print()

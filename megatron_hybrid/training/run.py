@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,11 +36,16 @@ from megatron_hybrid.training.evaluation import evaluate
 from megatron_hybrid.training.guard import check_step, describe
 from megatron_hybrid.training.hf_source import hf_source, hf_training_config, load_initial_weights
 from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
-from megatron_hybrid.training.inputs import RunInputs, data_record, resolve_data
+from megatron_hybrid.training.inputs import (
+    RunInputs,
+    data_change_notes,
+    data_record,
+    resolve_data,
+)
 from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
-from megatron_hybrid.training.metrics import MetricsLog
+from megatron_hybrid.training.metrics import MetricsLog, ProgressLine
 from megatron_hybrid.training.schedule import (
     SCHEDULER_KEY,
     build_scheduler,
@@ -138,34 +142,6 @@ def check_resume_compatible(chunks, folder, args=None) -> None:
             lines.append(f"  shape of {key}: model {want}, checkpoint {have}")
         lines.append("run `python -m megatron_hybrid check-checkpoint` for the full list")
         raise TrainingError("\n".join(lines))
-
-
-class _Progress:
-    """Rank 0's per-step line: an updating bar on a terminal, plain lines in logs."""
-
-    def __init__(self, total: int, enabled: bool, interval: int = 1):
-        self.total, self.enabled, self.interval = total, enabled, interval
-        self.tty = enabled and sys.stdout.isatty()
-
-    def update(self, iteration: int, loss: float, lr: float, norm: float, tok_s: float) -> None:
-        if not self.enabled or (iteration % self.interval and iteration != self.total):
-            return
-        done = int(20 * iteration / max(self.total, 1))
-        bar = "#" * done + "." * (20 - done)
-        line = (
-            f"[{bar}] step {iteration:>5}/{self.total} | loss {loss:.4f} | lr {lr:.3g} | "
-            f"grad norm {norm:.3f} | {tok_s:,.0f} tok/s"
-        )
-        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def note(self, text: str) -> None:
-        """A line of its own between progress updates."""
-        if self.enabled:
-            print(f"\n{text}" if self.tty else text, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print()
 
 
 @dataclass(frozen=True)
@@ -391,19 +367,8 @@ def _resume(setup: _Setup, chunks, optimizer, scheduler) -> tuple[int, int, list
                      f"{consumed:,} of this run's")  # fmt: skip
     else:
         notes += restore_scheduler(scheduler, saved, args, setup.global_batch)
-    recorded, ours = common.get("data"), data_record(args)
-    if recorded is not None and recorded != ours:
-        notes.append(
-            f"{folder} was trained on other data ({_data_text(recorded)}); this run reads "
-            f"{_data_text(ours)} and continues at its sample {consumed:,}"
-        )
+    notes += data_change_notes(common.get("data"), args, folder, consumed)
     return start, consumed, notes
-
-
-def _data_text(record: dict) -> str:
-    data = record.get("data_path")
-    what = f"--data-path {' '.join(data)} --split {record.get('split')}" if data else "synthetic"
-    return f"{what}, --seq-length {record.get('seq_length')}, --seed {record.get('seed')}"
 
 
 def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
@@ -435,7 +400,7 @@ def _train(setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: in
     """The steps from ``start`` to ``--train-iters``, with evaluations and periodic and final
     saves; returns the :class:`TrainingSummary`."""
     args, rank, inputs = setup.args, setup.rank, setup.inputs
-    progress = _Progress(args.train_iters, enabled=rank == 0, interval=args.log_interval)
+    progress = ProgressLine(args.train_iters, enabled=rank == 0, interval=args.log_interval)
     metrics = MetricsLog(args.log_dir or args.save, args.tensorboard_dir, start=start,
                          enabled=rank == 0, title=_curve_title(setup))  # fmt: skip
     summary, saved = TrainingSummary(start, args.train_iters, [], [], None), None
