@@ -124,20 +124,27 @@ class ChatRenderer:
 
     def _by_prefix(self, conversations):
         # One render call for every text needed: the whole conversations, then per assistant
-        # message k the prefix up to it (with the generation prompt) and the prefix through it.
+        # message k the prefix up to it (with the generation prompt) and the prefix through it
+        # (the whole conversation itself when k is the last message).
         wanted: list[tuple[list, bool]] = [(c, False) for c in conversations]
-        owners = []
+        owners = []  # (conversation, index of "before" in wanted, of "through" or None)
         for index, messages in enumerate(conversations):
             for k, message in enumerate(messages):
-                if message["role"] == "assistant":
-                    owners.append(index)
-                    wanted += [(messages[:k], True), (messages[: k + 1], False)]
+                if message["role"] != "assistant":
+                    continue
+                before_at, through_at = len(wanted), None
+                wanted.append((messages[:k], True))
+                if k + 1 < len(messages):
+                    through_at = len(wanted)
+                    wanted.append((messages[: k + 1], False))
+                owners.append((index, before_at, through_at))
         texts = self._render_each(wanted)
-        full, parts = texts[: len(conversations)], texts[len(conversations) :]
         spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
-        for n, index in enumerate(owners):
-            before, through = parts[2 * n], parts[2 * n + 1]
-            if not (full[index].startswith(through) and through.startswith(before)):
+        for index, before_at, through_at in owners:
+            full = texts[index]
+            before = texts[before_at]
+            through = full if through_at is None else texts[through_at]
+            if not (full.startswith(through) and through.startswith(before)):
                 raise _at(
                     index,
                     "the chat template does not render this conversation prefix by prefix (an "
@@ -146,6 +153,7 @@ class ChatRenderer:
                     "template with {% generation %} ... {% endgeneration %}",
                 )
             spans[index].append((len(before), len(through)))
+        full = texts[: len(conversations)]
         encoded = self.tokenizer(list(full), add_special_tokens=False, return_offsets_mapping=True)
         results = []
         for index, (ids, offsets) in enumerate(
