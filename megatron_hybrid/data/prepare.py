@@ -130,8 +130,8 @@ class _Documents:
 class _Encoder:
     """Turns chunks of lines into documents (one per process)."""
 
-    def __init__(self, tokenizer_model: str, keys: Sequence[str], append_eod: bool):
-        self.tokenizer = load_tokenizer(tokenizer_model)
+    def __init__(self, tokenizer_model: str, keys: Sequence[str], append_eod: bool, tokenizer=None):
+        self.tokenizer = tokenizer or load_tokenizer(tokenizer_model)
         self.keys = tuple(keys)
         self.eod = self.tokenizer.eos_token_id if append_eod else None
         self._renderer: ChatRenderer | None = None
@@ -340,12 +340,12 @@ def check_options(options: PrepareOptions) -> None:
         )
 
 
-def _results(options: PrepareOptions) -> Iterator[tuple[_Chunk, object]]:
+def _results(options: PrepareOptions, tokenizer) -> Iterator[tuple[_Chunk, object]]:
     """``(chunk, encoded)`` in input order, from this process or a window of workers."""
     chunks = _chunks(options.inputs, CHUNK_LINES)
     args = (options.tokenizer_model, options.json_keys, options.append_eod)
     if options.workers == 1:
-        encoder = _Encoder(*args)
+        encoder = _Encoder(*args, tokenizer=tokenizer)
         for chunk in chunks:
             yield chunk, encoder.encode(chunk)
         return
@@ -395,7 +395,7 @@ def prepare_data(
     writers = {key: _DatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
     summary = PrepareSummary(prefixes)
     try:
-        for chunk, encoded in _results(options):
+        for chunk, encoded in _results(options, tokenizer):
             if isinstance(encoded, RowError):
                 raise encoded
             for key, docs in encoded.items():
