@@ -30,7 +30,8 @@ RUN_DEFAULTS = {
 
 def _run_default(flag: str) -> str:
     scratch, full, lora = RUN_DEFAULTS[flag]
-    return f"(default: {scratch}; {full} when fine-tuning, {lora} for LoRA)"
+    text = f"(default: {scratch}; {full} when fine-tuning, {lora} for LoRA)"
+    return text.replace("%", "%%")  # argparse formats help strings
 
 
 TRAIN_FLAGS: tuple[Flag, ...] = (

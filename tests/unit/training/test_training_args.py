@@ -96,6 +96,17 @@ def test_train_flags_snapshot():
     assert all(f.kwargs.get("help") for f in FLAGS)
 
 
+@pytest.mark.parametrize("command", ["train", "prepare-data"])
+def test_help_renders(command, capsys):
+    from megatron_hybrid.cli.main import main
+
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--tokenizer-model" in out
+    if command == "train":
+        assert "10% of --train-iters when fine-tuning" in out and "--data-path [W] PREFIX" in out
+
+
 def test_train_command_has_exactly_the_snapshot_flags():
     assert _options(_train_parser()) == sorted(HYBRID_FLAGS + TRAIN_ONLY_FLAGS + TRAIN_FLAGS)
     assert set(REQUIRED_BY_ISSUE) <= set(HYBRID_FLAGS)
