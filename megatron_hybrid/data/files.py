@@ -15,7 +15,7 @@ Megatron-LM's tools read the token files as they are (and train on every token);
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class PrefixFiles:
         sequences: sequences (documents, for data written one sequence per document).
         tokens: tokens in the ``.bin``.
         has_loss_mask: a loss mask lies beside the tokens.
+        lengths: every sequence's length (a view of the index file).
     """
 
     prefix: str
@@ -69,6 +70,7 @@ class PrefixFiles:
     sequences: int
     tokens: int
     has_loss_mask: bool
+    lengths: np.ndarray = field(default=None, repr=False, compare=False)
 
 
 def _read_index(prefix: str, flag: str) -> tuple[type, np.ndarray, np.ndarray]:
@@ -130,7 +132,7 @@ def check_prefix(prefix: str, *, flag: str = "--data-path") -> PrefixFiles:
     tokens = int(lengths.sum(dtype=np.int64))
     if tokens == 0:
         raise DataFileError(f"{flag} {prefix}: the data set holds no tokens")
-    return PrefixFiles(prefix, dtype, len(lengths), tokens, has_mask)
+    return PrefixFiles(prefix, dtype, len(lengths), tokens, has_mask, lengths)
 
 
 def largest_token_id(files: PrefixFiles, *, chunk: int = 1 << 26) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "GPTSamples",
     "build_gpt_datasets",
     "check_split",
+    "empty_split",
     "parse_data_path",
 ]
 
@@ -83,6 +84,36 @@ def parse_data_path(values: Sequence[str], *, flag: str = "--data-path"):
             "W1 PREFIX1 W2 PREFIX2 ... (a weight before every prefix)"
         )
     return get_blend_from_list(values)
+
+
+def empty_split(files, split: str, *, flag: str = "--split") -> str | None:
+    """Why a split of a data set would get no token, or None.
+
+    megatron-core gives each split the documents ``[round(a * n), round(b * n))`` of a data set of
+    ``n`` (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``); a split with a
+    share but no token there makes ``GPTDataset`` count epochs forever (its
+    ``_get_num_epochs`` adds zero tokens per epoch), so it is refused instead.
+
+    Args:
+        files: the data set (:class:`~megatron_hybrid.data.files.PrefixFiles`).
+        split: the ``--split`` text.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+
+    n, matrix = files.sequences, convert_split_vector_to_split_matrix(check_split(split, flag=flag))
+    for name, bookends in zip(_SPLITS, matrix, strict=True):
+        if bookends is None:
+            continue
+        begin, end = int(round(bookends[0] * n)), int(round(bookends[1] * n))
+        if not files.lengths[begin:end].sum():
+            return (
+                f"{flag} {split} leaves the {name} split of {files.prefix} ({n:,} documents) "
+                f"no document (megatron-core would build it forever): give the {name} split a "
+                "larger share or none (e.g. --split 98,2,0), or use more data"
+            )
+    return None
 
 
 def check_split(split: str, *, flag: str = "--split") -> list[float]:

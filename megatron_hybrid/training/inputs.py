@@ -31,6 +31,7 @@ from megatron_hybrid.data.gpt import (
     GPTSamples,
     build_gpt_datasets,
     check_split,
+    empty_split,
     gpt_dataset_config,
     parse_data_path,
 )
@@ -88,7 +89,9 @@ def resolve_data(
                     f"--tokenizer-model HF_DIR{where}"
                 )
             for prefix in prefixes:
-                check_prefix(prefix)
+                problem = empty_split(check_prefix(prefix), split or DEFAULT_SPLIT)
+                if problem:
+                    raise ValueError(problem)
         vocab = args.vocab_size
         if tokenizer is not None:
             size = tokenizer_size(load_tokenizer(tokenizer))

@@ -42,7 +42,13 @@ import sys
 
 import torch
 
-from megatron_hybrid.data.gpt import build_gpt_datasets, gpt_dataset_config
+from megatron_hybrid.data.files import check_prefix
+from megatron_hybrid.data.gpt import (
+    DEFAULT_SPLIT,
+    build_gpt_datasets,
+    empty_split,
+    gpt_dataset_config,
+)
 from megatron_hybrid.data.synthetic import SyntheticTokens
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
@@ -247,6 +253,11 @@ def datasets_from_args(args, train_val_test_num_samples) -> tuple:
             "no training data: pass --data-path PREFIX ... (Megatron data sets, e.g. from "
             "python -m megatron_hybrid prepare-data) or --mock-data for synthetic tokens"
         )
+    if blend is not None:  # a split without documents would make megatron-core loop forever
+        for prefix in blend[0]:
+            problem = empty_split(check_prefix(prefix), args.split or DEFAULT_SPLIT)
+            if problem:
+                raise ValueError(problem)
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     config = gpt_dataset_config(

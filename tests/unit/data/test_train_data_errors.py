@@ -35,7 +35,8 @@ CASES = [
     pytest.param(["--data-path", "{d}/good"],
                  "--data-path needs the tokenizer the data was prepared with: add "
                  "--tokenizer-model HF_DIR", id="no_tokenizer"),
-    pytest.param(["--data-path", "{d}/good", "--tokenizer-model", "{t}", "--vocab-size", "256"],
+    pytest.param(["--data-path", "{d}/good", "--tokenizer-model", "{t}", "--vocab-size", "256",
+                  "--split", "9,1,0"],
                  "the tokenizer {t} has 512 tokens, more than the model's vocabulary of 256",
                  id="tokenizer_larger_than_vocab"),
     pytest.param(["--data-path", "0.5", "{d}/good", "0.5"],
@@ -47,6 +48,10 @@ CASES = [
     pytest.param(["--data-path", "{d}/good", "--tokenizer-model", "{t}", "--split", "100,0,0",
                   "--eval-interval", "1"], "--eval-interval needs a validation split",
                  id="eval_without_validation"),
+    pytest.param(["--data-path", "{d}/good", "--tokenizer-model", "{t}"],
+                 "--split 969, 30, 1 leaves the test split of {d}/good (30 documents) no "
+                 "document (megatron-core would build it forever): give the test split a larger "
+                 "share or none", id="empty_test_split_of_the_default"),
     pytest.param(["--lr-warmup-iters", "2"], "--lr-warmup-iters 2 must be below "
                  "--lr-decay-iters 2", id="warmup_past_decay"),
     pytest.param(["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr 0.001 is above --lr 0.0001",
@@ -86,7 +91,7 @@ def test_token_id_beyond_the_vocabulary_exits_2(data, tokenizer_dir):
         env.pop(name, None)
     result = subprocess.run(
         [sys.executable, "-m", "megatron_hybrid", "train", *MODEL, "--data-path",
-         str(data / "big"), "--tokenizer-model", str(tokenizer_dir)],
+         str(data / "big"), "--tokenizer-model", str(tokenizer_dir), "--split", "9,1,0"],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
