@@ -154,19 +154,41 @@ class ChatRenderer:
                 )
             spans[index].append((len(before), len(through)))
         full = texts[: len(conversations)]
-        encoded = self.tokenizer(list(full), add_special_tokens=False, return_offsets_mapping=True)
         results = []
-        for index, (ids, offsets) in enumerate(
-            zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
-        ):
-            offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-            mask = np.zeros(len(ids), dtype=bool)
-            for start, end in spans[index]:
-                mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        for index, (ids, token_spans) in enumerate(self._tokenize(full, spans)):
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for first, last in token_spans:
+                mask[first:last] = 1
             if not mask.any():
                 raise _at(index, "the assistant messages render to no tokens")
-            results.append((np.asarray(ids, dtype=np.int64), mask.astype(np.uint8)))
+            results.append((ids, mask))
         return results
+
+    def _tokenize(self, texts: list[str], spans: list[list[tuple[int, int]]]):
+        """``(ids, [(first, end) token range per character span])`` per text: the tokens whose
+        characters overlap each span (ids as ``tokenizer(text, add_special_tokens=False)``)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: two lookups per span, no per-token work
+            for encoding, text_spans in zip(
+                backend.encode_batch(texts, add_special_tokens=False), spans, strict=True
+            ):
+                ranges = []
+                for start, end in text_spans:
+                    first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+                    if first is None or last is None:  # a character no token covers
+                        ranges = None
+                        break
+                    ranges.append((first, last + 1))
+                if ranges is None:
+                    ranges = _overlaps(np.asarray(encoding.offsets).reshape(-1, 2), text_spans)
+                yield np.asarray(encoding.ids, dtype=np.int64), ranges
+            return
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        for ids, offsets, text_spans in zip(
+            encoded["input_ids"], encoded["offset_mapping"], spans, strict=True
+        ):
+            offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+            yield np.asarray(ids, dtype=np.int64), _overlaps(offsets, text_spans)
 
     def _render_each(self, wanted: list[tuple[list, bool]]) -> list[str]:
         """Render ``(messages, add_generation_prompt)`` pairs, batched by the flag."""
@@ -177,6 +199,17 @@ class ChatRenderer:
             for i, text in zip(where, rendered, strict=True):
                 texts[i] = text
         return texts
+
+
+def _overlaps(offsets: np.ndarray, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Token ranges whose character ``offsets`` overlap each span (as transformers marks
+    generation spans)."""
+    ranges = []
+    for start, end in spans:
+        hit = np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
+        if len(hit):
+            ranges.append((int(hit[0]), int(hit[-1]) + 1))
+    return ranges
 
 
 def _at(index: int, message: str) -> ChatError:

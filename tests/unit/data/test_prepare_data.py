@@ -211,3 +211,26 @@ def test_existing_output_needs_overwrite_and_loses_its_stale_mask(tmp_path, toke
     assert prepare("--input", tmp_path / "text.jsonl", *common, "--overwrite") == 0
     assert not list(tmp_path.glob("o_text_document_loss_mask*"))  # it described the old data
     assert len(read(tmp_path / "o_text_document")) == 3
+
+
+def test_offsets_path_gives_the_same_masks(tokenizer_dir):
+    """A tokenizer without a Rust backend is read through its offset mapping: same masks."""
+    from megatron_hybrid.data.chat import ChatRenderer
+
+    fast = tokenizer(tokenizer_dir)
+
+    class WithoutBackend:
+        def __getattr__(self, name):
+            if name == "backend_tokenizer":
+                raise AttributeError(name)
+            return getattr(fast, name)
+
+        def __call__(self, *args, **kwargs):
+            return fast(*args, **kwargs)
+
+    conversations = [row["messages"] for row in chat_rows(20, seed=5, turns=2)]
+    direct = ChatRenderer(fast).encode(conversations)
+    through_offsets = ChatRenderer(WithoutBackend()).encode(conversations)
+    for (ids, mask), (ids2, mask2) in zip(direct, through_offsets, strict=True):
+        assert ids.tolist() == ids2.tolist() and mask.tolist() == mask2.tolist()
+        assert 0 < mask.sum() < len(mask)
