@@ -150,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                 overwrite=True,
             )
             seconds, tokens = ours_seconds(options, args.repeats)
-            marks = "{% generation %} template" if template == "generation" else "plain template"
-            key = f"{kind} ({marks}, --workers {workers})"
+            if kind == "text":
+                key = f"text (--workers {workers})"
+            else:
+                marks = (
+                    "{% generation %} template" if template == "generation" else "plain template"
+                )
+                key = f"chat ({marks}, --workers {workers})"
             results[key] = {
                 "documents": len(values),
                 "tokens": tokens,
