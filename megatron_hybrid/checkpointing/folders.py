@@ -18,6 +18,7 @@ __all__ = [
     "COMMON_RECORD",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
+    "LOG_FILES",
     "METADATA_FILE",
     "MODEL_ONLY_FORMAT",
     "PER_RANK_FORMAT",
@@ -45,6 +46,9 @@ METADATA_FILE = "metadata.json"
 RELEASE = "release"
 #: Folder of a save root that receives the leftovers of interrupted saves (``train``).
 INCOMPLETE_DIR = "incomplete"
+#: Files of a save root that describe the run writing it (``train``'s metrics and loss curve;
+#: ``training/metrics.py`` writes them, through temporary names that start with these).
+LOG_FILES = ("metrics.jsonl", "loss_curve.png")
 #: The JSON record of the Hugging Face model a checkpoint holds (``hf/dist.py`` writes it).
 HF_RECORD_FILE = "hf_model.json"
 #: Key of the package's entry in a checkpoint's common state: ``format``, the pattern, and the
@@ -122,13 +126,17 @@ class LoadTarget:
 
 
 def _holds_only_leftovers(path: Path) -> bool:
-    """Whether a directory is missing, or holds nothing but interrupted saves."""
+    """Whether a directory is missing, or holds nothing but interrupted saves (and the logs of
+    the run that made them)."""
     if not path.exists():
         return True
     if not path.is_dir():
         return False
     leftovers = set(incomplete_iterations(path).values())
-    return all(p in leftovers or p.name == INCOMPLETE_DIR for p in path.iterdir())
+    return all(
+        p in leftovers or p.name == INCOMPLETE_DIR or p.name.startswith(LOG_FILES)
+        for p in path.iterdir()
+    )
 
 
 def resolve_load(path: str | Path) -> LoadTarget:

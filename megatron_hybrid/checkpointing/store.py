@@ -51,6 +51,7 @@ from megatron_hybrid.checkpointing.folders import (
     COMMON_RECORD,
     HF_RECORD_FILE,
     INCOMPLETE_DIR,
+    LOG_FILES,
     METADATA_FILE,
     MODEL_ONLY_FORMAT,
     PER_RANK_FORMAT,
@@ -78,6 +79,7 @@ from megatron_hybrid.checkpointing.sharded import model_sharded_state
 
 __all__ = [
     "COMMON_RECORD",
+    "LOG_FILES",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
     "INTEGRITY_FILE",

@@ -21,10 +21,12 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_hybrid.checkpointing.store import LOG_FILES
+
 __all__ = ["LOSS_CURVE_FILE", "METRICS_FILE", "MetricsLog", "ProgressLine", "read_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
-LOSS_CURVE_FILE = "loss_curve.png"
+# The checkpoint store's names: a save root may hold them beside its checkpoints.
+METRICS_FILE, LOSS_CURVE_FILE = LOG_FILES
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
