@@ -104,3 +104,29 @@ def test_token_id_beyond_the_vocabulary_exits_2(data, tokenizer_dir):
         "this model)"
     )
     assert "step" not in result.stdout
+
+
+def test_a_hugging_face_folder_brings_its_tokenizer(data, tokenizer_dir):
+    """``--load-hf`` folders are the default tokenizer; the model's vocabulary stays theirs and
+    a tokenizer larger than it is refused, naming where the vocabulary comes from."""
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.inputs import resolve_data
+    from megatron_hybrid.training.settings import SettingsError
+
+    argv = ["train", *MODEL, "--data-path", str(data / "good"), "--split", "9,1,0"]
+    args = build_parser(load_commands()).parse_args(argv)
+    args.vocab_size = 1024  # what HFSource.applied_to sets: the model's
+    hf = str(tokenizer_dir)
+    resolved = resolve_data(args, hf_folder=hf, vocab_from="the Hugging Face model's")
+    assert (resolved.tokenizer_model, resolved.vocab_size) == (hf, 1024)
+    args.vocab_size = 300
+    with pytest.raises(
+        SettingsError,
+        match=r"has 512 tokens, more than the model's vocabulary "
+        r"of 300 \(the Hugging Face model's\): pass the model's own tokenizer",
+    ):
+        resolve_data(args, hf_folder=hf, vocab_from="the Hugging Face model's")
+    # Without one of its own (and no --tokenizer-model), --data-path says where it looked.
+    args.vocab_size = None
+    with pytest.raises(SettingsError, match=f"add --tokenizer-model HF_DIR \\({data} holds none"):
+        resolve_data(args, hf_folder=str(data))
