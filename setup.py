@@ -56,6 +56,10 @@ setup(
             "black==26.10.1",
         ],
         "viz": ["matplotlib>=3.7"],
+        # prepare-data and train --tokenizer-model: Hugging Face tokenizers (AutoTokenizer).
+        "data": ["transformers>=4.51"],
+        # train --tensorboard-dir.
+        "tensorboard": ["tensorboard>=2.15"],
         # GatedDeltaNet ('G') layers; pure-Python wheels.
         "gdn": ["fla-core==0.6.0", "flash-linear-attention==0.6.0"],
     },

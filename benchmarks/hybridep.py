@@ -104,19 +104,24 @@ def make_batches(args, config, pg, rank: int, ours: bool) -> tuple[list[dict], l
     the tokens each dispatches (megatron's own pad rounds the group maximum up to 64)."""
     from megatron.core.transformer.moe.fused_a2a import HYBRIDEP_TOKEN_ALIGNMENT
 
+    from megatron_hybrid.data.batches import build_micro_batch
+    from megatron_hybrid.data.samples import TokenSample
+    from megatron_hybrid.data.synthetic import SyntheticTokens
     from megatron_hybrid.padding import padding_config_from
-    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
 
     # Both dispatchers get the rows hybridep needs (alltoall's own config plans no HybridEP term).
     padding = dataclasses.replace(padding_config_from(config, pg), hybridep=ours)
     data = SyntheticTokens(vocab_size=args.vocab, max_length=args.seq, seed=args.seed)
-    builder = MicroBatchBuilder(
-        data, padding, micro_batch_size=args.mbs, seq_length=args.seq,
-        equalize_group=pg.tp_ep if ours else None, device=DEVICE,
-    )  # fmt: skip
+    fixed = args.seq if padding.fixed_length_required else None  # as train's padded rows
+
+    def build(indices):
+        samples = [TokenSample(data.sequence(i)) for i in indices]
+        return build_micro_batch(samples, padding, packed=False, fixed_length=fixed,
+                                 equalize_group=pg.tp_ep if ours else None)  # fmt: skip
+
     world = torch.distributed.get_world_size()
     batches = [
-        builder.build([(m * world + rank) * args.mbs + i for i in range(args.mbs)])
+        build([(m * world + rank) * args.mbs + i for i in range(args.mbs)]).to(DEVICE).step_inputs()
         for m in range(args.microbatches)
     ]
     counts = torch.tensor([b["input_ids"].numel() for b in batches], device=DEVICE)

@@ -124,14 +124,16 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
 
 
 def train_args(flags: list[str]) -> argparse.Namespace:
-    """``flags`` parsed by ``train``'s own parser."""
-    from megatron_hybrid.cli.train import add_train_only_args
-    from megatron_hybrid.training.arguments import add_hybrid_args
+    """``flags`` parsed by ``train``'s own parser, with the run-dependent defaults filled in as
+    ``train`` fills them (a run from scratch on the synthetic data)."""
+    from megatron_hybrid.cli.train import COMMAND
+    from megatron_hybrid.training.inputs import resolve_data
+    from megatron_hybrid.training.schedule import resolve_schedule
 
     parser = argparse.ArgumentParser()
-    add_hybrid_args(parser)
-    add_train_only_args(parser)
-    return parser.parse_args(flags)
+    COMMAND.configure(parser)
+    args = resolve_data(parser.parse_args(flags))
+    return resolve_schedule(args, fine_tuning=False, lora=False)
 
 
 def gdn_torch_scan(args) -> bool:
@@ -147,6 +149,7 @@ class Run:
         from megatron_hybrid.pattern import parse_pattern
         from megatron_hybrid.runtime import select_backend
         from megatron_hybrid.training import run as train_run
+        from megatron_hybrid.training.inputs import RunInputs
         from megatron_hybrid.training.loop import build_model_chunks, build_optimizer
         from megatron_hybrid.training.throughput import StepFlops
         from megatron_hybrid.training.validation import SCOPES, validate_settings
@@ -167,14 +170,18 @@ class Run:
         self.rank = torch.distributed.get_rank()
         self.pg, _, self.num_microbatches = train_run.parallel_setup(targs, self.config, world)
         self.parsed = parse_pattern(targs.hybrid_layer_pattern)
-        self.seq_length, self.builder = train_run.batch_builder(
-            targs, self.config, self.pg, self.parsed, self.rank, self.backend
-        )
+        global_batch = targs.global_batch_size
+        self.inputs = RunInputs(targs, self.config, self.pg, self.parsed,
+                                global_batch=global_batch, device=self.backend.device(),
+                                on_gpu=self.backend.on_gpu)  # fmt: skip
+        self.inputs.open(consumed=0, start=0, evaluate=False)
+        self.seq_length = self.inputs.seq_length
         if args.data == "full":  # every sequence --seq-length long: one shape for every batch
             import dataclasses
 
-            self.builder.data = dataclasses.replace(
-                self.builder.data, min_length=self.builder.data.max_length
+            tokens = self.inputs.train.tokens
+            self.inputs.train = dataclasses.replace(
+                self.inputs.train, tokens=dataclasses.replace(tokens, min_length=tokens.max_length)
             )
         # train builds the fast path on GPUs and the reference path on the CPU; the CPU check
         # builds what the run names.
@@ -203,33 +210,27 @@ class Run:
 
     def batches(self) -> list[dict]:
         """The next step's micro-batches of this rank, as ``train`` builds them."""
-        mbs, dp_rank = self.args.micro_batch_size, self.pg.dp.rank()
-        base = self.consumed + dp_rank * self.num_microbatches * mbs
+        first = self.consumed
         self.consumed += self.args.global_batch_size
         return self.flops.annotate(
-            [
-                self.builder.build([base + m * mbs + b for b in range(mbs)])
-                for m in range(self.num_microbatches)
-            ]
+            self.inputs.micro_batches(self.inputs.train, first, self.num_microbatches)
         )
 
     def step(self, batches, timer=None):
         """``train``'s step on ``batches``."""
         from megatron_hybrid.training.loop import train_step
 
-        packed = self.builder.packed
+        seq_length, rows = self.inputs.step_shape
         return train_step(
-            self.chunks, self.optimizer, batches, self.config,
-            seq_length=self.seq_length * (self.args.micro_batch_size if packed else 1),
-            micro_batch_size=1 if packed else self.args.micro_batch_size,
-            pg_collection=self.pg, timer=timer,
+            self.chunks, self.optimizer, batches, self.config, seq_length=seq_length,
+            micro_batch_size=rows, pg_collection=self.pg, timer=timer,
         )  # fmt: skip
 
     def close(self) -> None:
         """Free the model, the optimizer and megatron's state (the next run starts clean)."""
         from megatron_hybrid.process_groups import reset_megatron_state
 
-        self.chunks = self.optimizer = self.builder = None
+        self.chunks = self.optimizer = self.inputs = None
         reset_megatron_state()
         gc.collect()
         if CUDA:

@@ -20,6 +20,7 @@ __all__ = [
     "HF_FILES_DIR",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
+    "LOG_FILES",
     "METADATA_FILE",
     "MODEL_ONLY_FORMAT",
     "PER_RANK_FORMAT",
@@ -47,6 +48,9 @@ METADATA_FILE = "metadata.json"
 RELEASE = "release"
 #: Folder of a save root that receives the leftovers of interrupted saves (``train``).
 INCOMPLETE_DIR = "incomplete"
+#: Files of a save root that describe the run writing it (``train``'s metrics and loss curve;
+#: ``training/metrics.py`` writes them, through temporary names that start with these).
+LOG_FILES = ("metrics.jsonl", "loss_curve.png")
 #: The JSON record of the Hugging Face model a checkpoint holds (``hf/dist.py`` writes it).
 HF_RECORD_FILE = "hf_model.json"
 #: Subfolder of a checkpoint with the files of its Hugging Face source that serving needs
@@ -127,14 +131,19 @@ class LoadTarget:
 
 
 def _holds_only_leftovers(path: Path) -> bool:
-    """Whether a directory is missing, or holds nothing but interrupted saves."""
+    """Whether a directory is missing, or holds nothing but interrupted saves (and the logs of
+    the run that made them)."""
     if not path.exists():
         return True
     if not path.is_dir():
         return False
     leftovers = set(incomplete_iterations(path).values())
     return all(
-        p in leftovers or p.name == INCOMPLETE_DIR or is_leftover(p.name) for p in path.iterdir()
+        p in leftovers
+        or p.name == INCOMPLETE_DIR
+        or is_leftover(p.name)
+        or p.name.startswith(LOG_FILES)
+        for p in path.iterdir()
     )
 
 

@@ -54,6 +54,7 @@ from megatron_hybrid.checkpointing.folders import (
     HF_FILES_DIR,
     HF_RECORD_FILE,
     INCOMPLETE_DIR,
+    LOG_FILES,
     METADATA_FILE,
     MODEL_ONLY_FORMAT,
     PER_RANK_FORMAT,
@@ -88,6 +89,7 @@ from megatron_hybrid.checkpointing.sharded import model_sharded_state
 __all__ = [
     "COMMON_RECORD",
     "HF_FILES_DIR",
+    "LOG_FILES",
     "HF_RECORD_FILE",
     "INCOMPLETE_DIR",
     "INTEGRITY_FILE",

@@ -44,6 +44,7 @@ __all__ = [
 #: Modules that define a ``COMMAND``, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "megatron_hybrid.cli.describe",
+    "megatron_hybrid.cli.prepare_data",
     "megatron_hybrid.cli.train",
     "megatron_hybrid.cli.check_checkpoint",
     "megatron_hybrid.cli.convert",

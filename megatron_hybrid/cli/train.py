@@ -1,8 +1,12 @@
-"""``train``: train a small hybrid model on synthetic variable-length data.
+"""``train``: train a hybrid model on your data (``--data-path``) or the built-in synthetic data.
 
 CPU by default (one process); GPUs under ``torchrun --nproc_per_node N -m megatron_hybrid train``.
-Prints loss, gradient norm and tokens/s per step and a one-line summary; ``--save``/``--load``
-write and resume ``torch_dist`` checkpoints.
+``--data-path`` reads Megatron data sets (``prepare-data`` writes them) with Megatron-LM's blends
+and ``--split``; ``--load-hf`` starts from a Hugging Face model and its tokenizer. Prints loss,
+learning rate, gradient norm and tokens/s, the validation loss with ``--eval-interval``, and a
+one-line summary; ``--save``/``--load`` write and resume ``torch_dist`` checkpoints, with the
+data position and the learning-rate schedule; metrics.jsonl and loss_curve.png go to
+``--log-dir`` (or ``--save``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 from megatron_hybrid.cli.main import Command, add_overwrite_flag
 from megatron_hybrid.runtime import select_backend
 from megatron_hybrid.training.arguments import PATTERN_REQUIRED, add_hybrid_args
+from megatron_hybrid.training.train_flags import RUN_DEFAULTS, add_train_flags
 
 __all__ = ["COMMAND", "add_train_only_args", "closing_line"]
 
@@ -21,9 +26,11 @@ def add_train_only_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("megatron_hybrid: train command")
     group.add_argument(
         "--packed",
-        action="store_true",
-        help="pack sequences into THD rows (needs layers that accept packed input; otherwise the "
-        "padded layout is used and the reason is printed)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pack sequences into THD micro-batches of a fixed token budget, documents apart "
+        "(needs layers that accept packed input; otherwise padded rows are used and the reason "
+        "is printed); default: packed with --data-path on GPUs, padded otherwise",
     )
     group.add_argument(
         "--round-up-seq-length",
@@ -55,6 +62,26 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s --hybrid-layer-pattern PATTERN [options]"
     add_hybrid_args(parser)
     add_train_only_args(parser)
+    add_train_flags(parser)
+    # Defaults that depend on the run (training/schedule.py, training/inputs.py fill them in).
+    scratch, full, lora = RUN_DEFAULTS["--lr"]
+    _redefault(
+        parser,
+        "lr",
+        f"learning rate (default: {scratch}; {full} when fine-tuning "
+        f"(--load-hf, --load-base, or a checkpoint of such a run), {lora} for LoRA)",
+    )
+    _redefault(parser, "vocab_size", "vocabulary size (default: the tokenizer's, padded to a "
+               "multiple of --make-vocab-size-divisible-by x TP; the Hugging Face model's with "
+               "--load-hf; 256 without a tokenizer)")  # fmt: skip
+
+
+def _redefault(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Make a shared flag's default None (resolved by the run) with its help saying so."""
+    parser.set_defaults(**{dest: None})
+    for action in parser._actions:  # argparse keeps no public registry
+        if action.dest == dest:
+            action.help = text
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,6 +123,8 @@ def closing_line(summary) -> str:
         f"done: {len(losses)} steps ({summary.first_iteration}->{summary.last_iteration})",
         f"loss {first:.4f} -> {last:.4f}",
     ]
+    if summary.validation_losses:
+        parts.append(f"validation loss {summary.validation_losses[-1][1]:.4f}")
     median = summary.median_step_seconds
     if median is not None:
         parts.append(f"median step {_duration(median)}, {summary.tokens_per_second:,.0f} tok/s")
@@ -111,7 +140,8 @@ def closing_line(summary) -> str:
 
 COMMAND = Command(
     name="train",
-    help="train a hybrid model on synthetic data (CPU by default, GPUs under torchrun)",
+    help="train a hybrid model on your data or synthetic data (CPU by default, GPUs under "
+    "torchrun)",
     configure=_configure,
     run=_run,
     description=__doc__,

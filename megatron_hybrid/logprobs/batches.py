@@ -1,47 +1,24 @@
 """Micro-batches for :func:`~megatron_hybrid.logprobs.forward_logprobs`: packed or padded rows.
 
 Sequences go into micro-batches of at most ``max_tokens`` tokens (after alignment), first fit in
-order of decreasing length. A packed micro-batch is one THD row planned by
-:meth:`~megatron_hybrid.padding.PaddingConfig.thd` (so TP/SP, CP, FP8 and HybridEP alignment
-hold); a padded one is ``[B, S]`` rows planned by
-:meth:`~megatron_hybrid.padding.PaddingConfig.bshd`.
-Each micro-batch also records, for every sequence in it, which rows of the model's flattened
-``[b * s, vocab]`` output predict its tokens, and the label of every row.
+order of decreasing length; a sequence of ``n`` tokens is ``n - 1`` inputs (its last token only
+is a label). The micro-batches themselves are the package's one layout of padded and packed
+rows (:func:`megatron_hybrid.data.batches.build_micro_batch`): a packed one is one THD row, a
+padded one ``[B, S]`` rows, and each records, for every sequence in it, which rows of the
+model's flattened ``[b * s, vocab]`` output predict its tokens, and the label of every row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from megatron_hybrid.padding import PaddingConfig, equalize_bshd, equalize_thd, pack_thd, pad_bshd
+from megatron_hybrid.data.batches import MicroBatch, build_micro_batch
+from megatron_hybrid.data.samples import TokenSample
+from megatron_hybrid.padding import PaddingConfig
 
-__all__ = ["MicroBatch", "micro_batch_groups", "build_micro_batch", "dummy_micro_batch"]
-
-PAD_TOKEN_ID = 0
-
-
-@dataclass
-class MicroBatch:
-    """One model input and where each sequence's predictions are in its output.
-
-    Attributes:
-        inputs: keyword arguments of the model's forward (tokens, positions, masks, THD params).
-        labels: ``[b * s]`` next-token label of every output row (0 where a row predicts nothing).
-        spans: ``(sequence index, first output row, number of predictions)`` per sequence.
-        seq_length: the row length the pipeline schedule sees (``T`` packed, ``S`` padded).
-        rows: ``b`` (1 when packed).
-        results: filled by the last pipeline stage: sequence index -> per-token tensors.
-    """
-
-    inputs: dict
-    labels: torch.Tensor
-    spans: list[tuple[int, int, int]]
-    seq_length: int
-    rows: int
-    results: dict = field(default_factory=dict)
+__all__ = ["MicroBatch", "dummy_micro_batch", "micro_batch_groups", "sequences_batch"]
 
 
 def _aligned_budget(padding: PaddingConfig, max_tokens: int) -> tuple[int, int, int]:
@@ -57,7 +34,7 @@ def micro_batch_groups(
     """Sequence indices of each micro-batch (first fit, longest first).
 
     Args:
-        lengths: token count of each sequence to run.
+        lengths: input tokens of each sequence to run (its length minus one).
         padding: the model's padding settings.
         max_tokens: tokens per micro-batch after alignment.
         packed: THD rows (True) or padded rows.
@@ -75,7 +52,8 @@ def micro_batch_groups(
         if too_long:
             i = too_long[0]
             raise ValueError(
-                f"sequence {i} has {lengths[i]} tokens ({need[i]} after aligning to {s}) but a "
+                f"sequence {i} has {lengths[i] + 1} tokens ({need[i]} inputs after aligning to "
+                f"{s}) but a "
                 f"micro-batch holds at most {budget} (max_tokens_per_micro_batch={max_tokens} "
                 f"rounded down to a multiple of {t}, the packing alignment); raise "
                 "max_tokens_per_micro_batch"
@@ -104,7 +82,8 @@ def micro_batch_groups(
         width = padding.bshd(cur_len=lengths[i], batch_size=rows_each).padded_len
         if rows_each * width > max_tokens:
             raise ValueError(
-                f"sequence {i} has {lengths[i]} tokens ({rows_each} x {width} after alignment) "
+                f"sequence {i} has {lengths[i] + 1} tokens ({rows_each} x {width} inputs after "
+                "alignment) "
                 f"but a micro-batch holds at most max_tokens_per_micro_batch={max_tokens}; "
                 "raise it"
             )
@@ -112,58 +91,7 @@ def micro_batch_groups(
     return groups + [current]
 
 
-def _thd(tokens, indices, padding, force_total, equalize_group):
-    plan = padding.thd([len(tokens[i]) for i in indices], force_total=force_total)
-    if equalize_group is not None and padding.needs_group_equalize:
-        plan = equalize_thd(plan, equalize_group)
-    packed = pack_thd([{"input_ids": tokens[i]} for i in indices], plan, pad_token_id=PAD_TOKEN_ID)
-    labels = torch.zeros(plan.total_tokens, dtype=torch.long)
-    spans = []
-    for i, start in zip(indices, plan.cu_seqlens_padded, strict=False):
-        n = len(tokens[i]) - 1
-        labels[start : start + n] = tokens[i][1:]
-        spans.append((i, start, n))
-    inputs = dict(
-        input_ids=packed.tensors["input_ids"],
-        position_ids=packed.tensors["position_ids"],
-        padding_mask=packed.tensors["padding_mask"],
-        packed_seq_params=packed.packed_seq_params,
-    )
-    return MicroBatch(inputs, labels, spans, plan.total_tokens, 1)
-
-
-def _bshd(tokens, indices, padding, force_len, rows, equalize_group):
-    lengths = [len(tokens[i]) for i in indices]
-    count = rows or len(indices)
-    longest = max(lengths)
-    plan = padding.bshd(cur_len=longest, batch_size=count, force_len=force_len)
-    if equalize_group is not None and padding.needs_group_equalize:
-        plan = equalize_bshd(plan, equalize_group)
-    batch = torch.full((count, longest), PAD_TOKEN_ID, dtype=torch.long)
-    real = [0] * count
-    for row, i in enumerate(indices):
-        batch[row, : lengths[row]] = tokens[i]
-        real[row] = lengths[row]
-    positions = torch.arange(longest).expand(count, -1).contiguous()
-    padded = pad_bshd(
-        dict(input_ids=batch, position_ids=positions), plan, pad_token_id=PAD_TOKEN_ID, lengths=real
-    ).tensors
-    width = plan.padded_len
-    labels = torch.zeros(count, width, dtype=torch.long)
-    spans = []
-    for row, i in enumerate(indices):
-        labels[row, : lengths[row] - 1] = tokens[i][1:]
-        spans.append((i, row * width, lengths[row] - 1))
-    inputs = dict(
-        input_ids=padded["input_ids"],
-        position_ids=padded["position_ids"],
-        padding_mask=padded["padding_mask"],
-        packed_seq_params=None,
-    )
-    return MicroBatch(inputs, labels.view(-1), spans, width, count)
-
-
-def build_micro_batch(
+def sequences_batch(
     tokens: Sequence[torch.Tensor],
     indices: Sequence[int],
     padding: PaddingConfig,
@@ -173,24 +101,34 @@ def build_micro_batch(
     rows: int | None = None,
     equalize_group=None,
 ) -> MicroBatch:
-    """The micro-batch of ``tokens[i]`` for ``i`` in ``indices`` (CPU tensors).
+    """The micro-batch of ``tokens[i]`` for ``i`` in ``indices`` (CPU tensors), built by
+    :func:`megatron_hybrid.data.batches.build_micro_batch`; its spans name the sequences by
+    their index in ``tokens``.
 
     Args:
-        tokens: every sequence's token ids.
+        tokens: every sequence's token ids (each at least 2: one predicts nothing).
         indices: the sequences of this micro-batch.
         padding: the model's padding settings.
         packed: one THD row, or padded rows.
-        fixed_length: a fixed ``T`` (packed) or ``S`` (padded) the pipeline needs, or None.
+        fixed_length: a fixed ``T`` (packed) or ``S`` (padded), or None.
         rows: a fixed row count (padded), or None.
         equalize_group: the TP x EP group whose HybridEP counts must match (one all-reduce).
     """
-    if packed:
-        return _thd(tokens, list(indices), padding, fixed_length, equalize_group)
-    return _bshd(tokens, list(indices), padding, fixed_length, rows, equalize_group)
+    indices = list(indices)
+    batch = build_micro_batch(
+        [TokenSample(tokens[i]) for i in indices],
+        padding,
+        packed=packed,
+        fixed_length=fixed_length,
+        rows=rows,
+        equalize_group=equalize_group,
+    )
+    batch.spans = [(indices[sample], first, count) for sample, first, count in batch.spans]
+    return batch
 
 
 def dummy_micro_batch(padding: PaddingConfig, **kwargs) -> MicroBatch:
     """A one-token micro-batch whose output is discarded (keeps ranks' micro-batch counts equal)."""
-    batch = build_micro_batch([torch.zeros(1, dtype=torch.long)], [0], padding, **kwargs)
+    batch = sequences_batch([torch.zeros(2, dtype=torch.long)], [0], padding, **kwargs)
     batch.spans = []
     return batch

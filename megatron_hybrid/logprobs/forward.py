@@ -24,9 +24,9 @@ import torch
 from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
 from megatron_hybrid.logprobs.batches import (
     MicroBatch,
-    build_micro_batch,
     dummy_micro_batch,
     micro_batch_groups,
+    sequences_batch,
 )
 from megatron_hybrid.logprobs.vocab import check_temperature, token_entropy, token_logprobs
 from megatron_hybrid.padding import (
@@ -236,7 +236,7 @@ def forward_logprobs(
     padding = padding_config_from(config, pg)
     use_thd = _packs(inner[0], config, packed)
     runnable = [i for i, t in enumerate(tokens) if len(t) > 1]  # one token predicts nothing
-    lengths = [len(tokens[i]) for i in runnable]
+    lengths = [len(tokens[i]) - 1 for i in runnable]  # inputs: the last token is a label only
     pipelined = padding.fixed_length_required
     rows = 1 if not use_thd and (pipelined or padding.needs_group_equalize) else None
     fixed = None
@@ -254,7 +254,7 @@ def forward_logprobs(
     if len(chunks) > 1:
         count = -(-count // pg.pp.size()) * pg.pp.size()  # interleaving needs whole rounds
     options = dict(packed=use_thd, fixed_length=fixed, rows=rows, equalize_group=pg.tp_ep)
-    batches = [build_micro_batch(tokens, group, padding, **options) for group in groups]
+    batches = [sequences_batch(tokens, group, padding, **options) for group in groups]
     batches += [dummy_micro_batch(padding, **options) for _ in range(count - len(groups))]
 
     reduce = partial(_reduce, tp_group=pg.tp, temperature=temperature, vocab_size=vocab,

@@ -144,6 +144,7 @@ def save_checkpoint(
     records: Mapping[str, Mapping] | None = None,
     run: str | None = None,
     replace_root: bool = False,
+    common: Mapping | None = None,
 ):
     """Save a step's state under ``root`` through the checkpoint store; return the folder.
 
@@ -160,6 +161,8 @@ def save_checkpoint(
         run: the run's identity (recorded; see ``training/save_target.py``).
         replace_root: the checkpoint replaces everything ``root`` holds (the store's
             ``replace_root``; with ``overwrite``).
+        common: further non-tensor values of the run (the learning-rate schedule's state, the
+            data it reads), kept in the checkpoint's common state under their keys.
 
     Raises:
         CheckpointExistsError: the folder exists and ``overwrite`` is False.
@@ -186,6 +189,7 @@ def save_checkpoint(
         state["consumed_samples"] = consumed_samples
     if layout is not None:
         state["parallel_layout"] = dict(layout)
+    state.update(common or {})
     # A model started from Hugging Face weights: which one, so that the checkpoint resumes
     # without model flags and exports with convert --to-hf (its FP8 scales and carried tensors
     # travel in the state, outside the model's keys).

@@ -148,6 +148,11 @@ class CPUOptimizer:
         torch.distributed.all_reduce(expert, group=self.pg_collection.tp_ep_pp)
         return math.sqrt(float(dense + expert))
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's parameter groups (the learning-rate scheduler sets their ``lr``)."""
+        return self.optimizer.param_groups
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -201,19 +206,23 @@ class CPUOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
-    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU; their AdamW
-    runs torch's fused kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0``
-    (:mod:`~megatron_hybrid.training.optimizer_step`)."""
+def build_optimizer(
+    chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg, min_lr: float = 0.0
+):
+    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU (a
+    learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
+    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``)."""
     optimizer = _build_optimizer(
-        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg
+        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg, min_lr=min_lr
     )
     if fused_step_enabled():
         use_fused_adam(optimizer)
     return optimizer
 
 
-def _build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg):
+def _build_optimizer(
+    chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg, min_lr: float
+):
     if not torch.cuda.is_available():
         return CPUOptimizer(
             chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
@@ -223,6 +232,7 @@ def _build_optimizer(chunks, config, *, lr: float, weight_decay: float, clip_gra
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=min_lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=config.bf16,

@@ -27,6 +27,13 @@ A pretraining script needs these lines (this module's :func:`main` is such a scr
 Run it like any Megatron-LM script, e.g. ``torchrun --nproc_per_node 2 -m
 megatron_hybrid.training.megatron_lm --hybrid-layer-pattern '[*E]{4}' --num-experts 8 ...``.
 Requires Python >= 3.12 (``megatron.training`` 0.19.2 does not import on 3.11).
+
+Data comes as ``pretrain_gpt.py`` builds it: megatron-core's ``GPTDataset`` from Megatron-LM's
+``--data-path`` / ``--split`` (or ``--train-data-path`` ...), ``--data-cache-path`` and tokenizer
+flags, blended by ``BlendedMegatronDatasetBuilder`` (the data set class is
+:class:`~megatron_hybrid.data.gpt.DocumentGPTDataset`, which also applies the loss masks
+``prepare-data`` stores beside chat data). ``--mock-data`` trains on the package's synthetic
+tokens instead; without either the script stops with a message.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ import sys
 
 import torch
 
+from megatron_hybrid.data.files import check_prefix
+from megatron_hybrid.data.gpt import (
+    DEFAULT_SPLIT,
+    build_gpt_datasets,
+    empty_split,
+    gpt_dataset_config,
+)
+from megatron_hybrid.data.synthetic import SyntheticTokens
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
@@ -45,11 +60,11 @@ from megatron_hybrid.training.arguments import (
     required_pattern,
     spec_backend,
 )
-from megatron_hybrid.training.data import SyntheticTokens
 
 __all__ = [
     "SyntheticLMDataset",
     "check_fused_kernels",
+    "datasets_from_args",
     "datasets_provider",
     "flatten_for_megatron",
     "forward_step",
@@ -197,15 +212,87 @@ class SyntheticLMDataset(torch.utils.data.Dataset):
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Train/valid/test datasets of synthetic tokens (megatron's data-provider callback)."""
+    """megatron's data-provider callback: :func:`datasets_from_args` of the global args."""
     from megatron.training import get_args
 
-    args = get_args()
-    vocab = args.padded_vocab_size
-    return tuple(
-        SyntheticLMDataset(max(int(n), 1), args.seq_length, vocab, args.seed + split)
-        for split, n in enumerate(train_val_test_num_samples)
+    return datasets_from_args(get_args(), train_val_test_num_samples)
+
+
+def _blends(args):
+    """``(blend, blend_per_split)`` of Megatron-LM's data flags, as its
+    ``get_blend_and_blend_per_split`` reads them (megatron-core's ``get_blend_from_list``)."""
+    import json
+
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    if getattr(args, "data_args_path", None):
+        with open(args.data_args_path) as stream:
+            return get_blend_from_list(stream.read().split()), None
+    if getattr(args, "data_path", None):
+        return get_blend_from_list(args.data_path), None
+    if getattr(args, "per_split_data_args_path", None):
+        with open(args.per_split_data_args_path) as stream:
+            per_split = json.load(stream)
+        return None, [
+            get_blend_from_list(
+                per_split[split].split() if isinstance(per_split[split], str) else per_split[split]
+            )
+            for split in ("train", "valid", "test")
+        ]
+    paths = [getattr(args, f"{split}_data_path", None) for split in ("train", "valid", "test")]
+    if any(path is not None for path in paths):
+        return None, [get_blend_from_list(path) for path in paths]
+    return None, None
+
+
+def datasets_from_args(args, train_val_test_num_samples) -> tuple:
+    """Train/valid/test datasets of Megatron-LM's flags, built as ``pretrain_gpt.py`` builds
+    them (its ``core_gpt_dataset_config_from_args``): the tokenizer from its tokenizer flags
+    (megatron-core's ``build_tokenizer``), ``GPTDatasetConfig`` from the data flags, and
+    ``BlendedMegatronDatasetBuilder``; ``--mock-data``: the package's synthetic tokens.
+
+    Raises:
+        ValueError: neither data flags nor ``--mock-data``.
+    """
+    if getattr(args, "mock_data", False):
+        vocab = args.padded_vocab_size
+        return tuple(
+            SyntheticLMDataset(max(int(n), 1), args.seq_length, vocab, args.seed + split)
+            for split, n in enumerate(train_val_test_num_samples)
+        )
+    blend, blend_per_split = _blends(args)
+    if blend is None and blend_per_split is None:
+        raise ValueError(
+            "no training data: pass --data-path PREFIX ... (Megatron data sets, e.g. from "
+            "python -m megatron_hybrid prepare-data) or --mock-data for synthetic tokens"
+        )
+    if blend is not None:  # a split without documents would make megatron-core loop forever
+        for prefix in blend[0]:
+            problem = empty_split(check_prefix(prefix), args.split or DEFAULT_SPLIT)
+            if problem:
+                raise ValueError(problem)
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    config = gpt_dataset_config(
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        seq_length=args.seq_length,
+        seed=args.seed,
+        tokenizer=build_tokenizer(args),
+        multiple_validation_sets=getattr(args, "multiple_validation_sets", None),
+        full_validation=getattr(args, "full_validation", None),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        allow_ambiguous_pad_tokens=getattr(args, "allow_ambiguous_pad_tokens", False),
     )
+    return tuple(build_gpt_datasets(config, train_val_test_num_samples))
 
 
 # Every rank builds the (deterministic) data itself: no broadcast from TP rank 0 needed.
@@ -221,6 +308,8 @@ class _OnDevice:
 
     def __next__(self):
         batch = next(self.iterator)
+        if "tokens" in batch:  # a GPTDataset sample: the forward step reads input_ids
+            batch["input_ids"] = batch.pop("tokens")
         device = torch.cuda.current_device()
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -274,7 +363,7 @@ def _without_megatron_training(argv: list[str], error: ImportError) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Pretrain with Megatron-LM's loop on synthetic data; returns the exit code."""
+    """Pretrain with Megatron-LM's loop; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         from megatron.training import pretrain

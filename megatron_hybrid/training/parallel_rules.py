@@ -23,7 +23,7 @@ def _tp_divides(s: Settings) -> str | None:
              ("--ffn-hidden-size", s.ffn_hidden_size or 4 * s.hidden_size),
              ("--vocab-size", s.vocab_size)]  # fmt: skip
     for flag, value in sizes:
-        if value % tp:
+        if value is not None and value % tp:  # None: resolved later (a tokenizer's, padded)
             return (
                 f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}: every TP "
                 f"rank holds an equal share; use a multiple of {tp}"

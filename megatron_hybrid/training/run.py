@@ -1,17 +1,21 @@
-"""The small pretraining loop behind ``python -m megatron_hybrid train``.
+"""The training loop behind ``python -m megatron_hybrid train``.
 
 One process on CPU by default (megatron-core's CUDA-only calls emulated, gloo), or one process
-per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 names the device
-and layout when training starts, shows a progress line per step (loss, gradient norm, tokens/s)
-and a one-line summary at the end, whose throughput leaves out the warm-up step.
+per GPU under ``torchrun`` (NCCL) with any TP/PP/VPP/EP/CP/SP layout. Rank 0 names the device,
+layout and data when training starts, shows a progress line every ``--log-interval`` steps
+(loss, learning rate, gradient norm, tokens/s), the validation loss every ``--eval-interval``
+steps and at the end, and a one-line summary, whose throughput leaves out the warm-up step.
+The data (:mod:`~megatron_hybrid.training.inputs`), the learning-rate schedule
+(:mod:`~megatron_hybrid.training.schedule`) and the metrics files
+(:mod:`~megatron_hybrid.training.metrics`) live in modules of their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -19,8 +23,8 @@ import torch
 
 from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint, sharded_tensor_shapes
 from megatron_hybrid.checkpointing.settings import mismatched_flags
+from megatron_hybrid.checkpointing.store import read_common
 from megatron_hybrid.hf.api import stack_spec_for
-from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.pattern import GDN, parse_pattern
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import RuntimeBackend, prefer_expandable_segments, select_backend
@@ -28,18 +32,32 @@ from megatron_hybrid.training import resume
 from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
 from megatron_hybrid.training.config import hybrid_config_from_args
-from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
+from megatron_hybrid.training.evaluation import evaluate
 from megatron_hybrid.training.fusions import apply_gpu_fusions
 from megatron_hybrid.training.guard import check_step, describe
 from megatron_hybrid.training.hf_source import hf_source, hf_training_config, load_initial_weights
 from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
+from megatron_hybrid.training.inputs import (
+    RunInputs,
+    data_change_notes,
+    data_record,
+    resolve_data,
+)
 from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
+from megatron_hybrid.training.metrics import MetricsLog, ProgressLine
 from megatron_hybrid.training.save_target import (
     SaveTarget,
     check_save_sources,
     decide_save_target,
+)
+from megatron_hybrid.training.schedule import (
+    SCHEDULER_KEY,
+    build_scheduler,
+    current_lr,
+    resolve_schedule,
+    restore_scheduler,
 )
 from megatron_hybrid.training.throughput import (
     PEAK_ENV,
@@ -54,7 +72,6 @@ from megatron_hybrid.training.validation import validate_settings
 __all__ = [
     "TrainingError",
     "TrainingSummary",
-    "batch_builder",
     "build_chunks",
     "check_resume_compatible",
     "model_config",
@@ -85,6 +102,8 @@ class TrainingSummary:
         step_flops: model FLOPs of each applied step (real tokens; ``training.throughput``).
         gpus: GPUs the run used (0 on the CPU: no TFLOP/s or MFU reported).
         peak: the peak MFU divides by (None: unknown, no MFU).
+        learning_rates: the rate of each applied step.
+        validation_losses: ``(iteration, loss)`` of each evaluation.
     """
 
     first_iteration: int
@@ -97,6 +116,8 @@ class TrainingSummary:
     step_flops: list[float] = field(default_factory=list)
     gpus: int = 0
     peak: DevicePeak | None = None
+    learning_rates: list[float] = field(default_factory=list)
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def warmup_seconds(self) -> float:
@@ -154,36 +175,6 @@ def check_resume_compatible(chunks, folder, args=None) -> None:
         raise TrainingError("\n".join(lines))
 
 
-class _Progress:
-    """Rank 0's per-step line: an updating bar on a terminal, plain lines in logs."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.tty = enabled and sys.stdout.isatty()
-
-    def update(
-        self, iteration: int, loss: float, norm: float, tok_s: float, extra: str | None = None
-    ) -> None:
-        if not self.enabled:
-            return
-        done = int(20 * iteration / max(self.total, 1))
-        bar = "#" * done + "." * (20 - done)
-        line = (
-            f"[{bar}] step {iteration:>5}/{self.total} | loss {loss:.4f} | "
-            f"grad norm {norm:.3f} | {tok_s:,.0f} tok/s"
-        ) + (f" | {extra}" if extra else "")
-        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def note(self, text: str) -> None:
-        """A line of its own between progress updates."""
-        if self.enabled:
-            print(f"\n{text}" if self.tty else text, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print()
-
-
 @dataclass(frozen=True)
 class _Setup:
     """What the training loop needs, built by :func:`run_training` before the first step.
@@ -201,7 +192,7 @@ class _Setup:
     global_batch: int
     num_microbatches: int
     seq_length: int
-    builder: object
+    inputs: RunInputs
     autotunes: bool
     lora: object = None
     peak: DevicePeak | None = None
@@ -224,6 +215,15 @@ def run_training(
     source = lora.source() if lora is not None else hf_source(args)
     if source is not None:
         args = source.applied_to(args)  # the conversion's settings, validated and read below
+    # The tokenizer (--load-hf's by default), the vocabulary and the data files; then the
+    # learning-rate schedule's defaults, which depend on whether the run fine-tunes.
+    args = resolve_data(
+        args,
+        hf_folder=source.hf_path if source is not None else None,
+        vocab_from="the Hugging Face model's" if source is not None else None,
+    )
+    fine_tuning = source is not None or lora is not None
+    args = resolve_schedule(args, fine_tuning=fine_tuning, lora=lora is not None)
     validate_settings(args)  # every setting, before any process group or model exists
     check_save_sources(args, lora, source)  # a file, unwritable, or one of the run's sources
     parsed = parse_pattern(args.hybrid_layer_pattern)
@@ -241,11 +241,20 @@ def run_training(
     backend.activate()
     rank, world = init_world()
     pg, global_batch, num_microbatches = parallel_setup(args, config, world)
-    seq_length, builder = batch_builder(args, config, pg, parsed, rank, backend)
+    inputs = RunInputs(args, config, pg, parsed, global_batch=global_batch,
+                       device=backend.device(), on_gpu=backend.on_gpu)  # fmt: skip
+    seq_length = inputs.seq_length
     chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank, lora=lora)
     optimizer = build_optimizer(
-        chunks, config, lr=args.lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, pg=pg
+        chunks,
+        config,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        pg=pg,
     )
+    scheduler = build_scheduler(optimizer, args, global_batch)
     setup = _Setup(
         args=args,
         load=args.load if lora is not None or not (source and source.checkpoint) else None,
@@ -256,18 +265,22 @@ def run_training(
         global_batch=global_batch,
         num_microbatches=num_microbatches,
         seq_length=seq_length,
-        builder=builder,
+        inputs=inputs,
         autotunes=autotunes,
         lora=lora,
         peak=peak,
     )
-    start, consumed, resumed = _resume(setup, chunks, optimizer)
+    start, consumed, resumed, notes = _resume(setup, chunks, optimizer, scheduler)
     settings = recorded_settings(args, seq_length)
     target = decide_save_target(args, start, resumed, settings, lora=lora is not None)
+    inputs.open(consumed=consumed, start=start, evaluate=bool(args.eval_interval))
     counts = parameter_counts(chunks, pg)  # collective: before rank 0 alone prints
     if rank == 0:
         print(_start_line(setup, world, start, counts), flush=True)
-    return _train(setup, chunks, optimizer, start, consumed, target)
+        print(inputs.describe(), flush=True)
+        for note in notes:
+            print(note, flush=True)
+    return _train(setup, chunks, optimizer, scheduler, start, consumed, target)
 
 
 def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) -> str:
@@ -341,37 +354,6 @@ def parallel_setup(args: argparse.Namespace, config, world: int):
     return pg, global_batch, global_batch // (args.micro_batch_size * dp)
 
 
-def batch_builder(args, config, pg, parsed, rank: int, backend: RuntimeBackend):
-    """The (aligned) sequence length and the builder of padded or packed micro-batches."""
-    padding = padding_config_from(config, pg)
-    seq_length = args.seq_length
-    if padding.fixed_length_required:
-        seq_length = padding.align_seq_length(
-            seq_length,
-            micro_batch_size=args.micro_batch_size,
-            force_policy="round_up" if args.round_up_seq_length else "raise",
-        )
-    packed = args.packed
-    if packed:
-        symbols = {symbol for symbol, count in parsed.layer_counts.items() if count}
-        reason = thd_unsupported_reason_for(symbols, config)
-        if reason:
-            packed = False
-            if rank == 0:
-                print(f"--packed: using padded (BSHD) batches instead: {reason}", flush=True)
-    data = SyntheticTokens(vocab_size=args.vocab_size, max_length=seq_length, seed=args.seed)
-    builder = MicroBatchBuilder(
-        data,
-        padding,
-        micro_batch_size=args.micro_batch_size,
-        seq_length=seq_length,
-        packed=packed,
-        equalize_group=pg.tp_ep,
-        device=backend.device(),
-    )
-    return seq_length, builder
-
-
 def build_chunks(
     args, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
 ) -> list:
@@ -407,9 +389,10 @@ def build_chunks(
     return chunks
 
 
-def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int, object]:
-    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed,
-    the folder resumed from or None)``."""
+def _resume(setup: _Setup, chunks, optimizer, scheduler) -> tuple[int, int, object, list[str]]:
+    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed
+    samples, the folder resumed from or None, notes)``; the learning-rate schedule continues
+    from the checkpoint's."""
     args = setup.args
     try:
         point = resume.prepare_resume(setup.load, args.save)
@@ -418,7 +401,7 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int, object]:
     for note in point.notes if setup.rank == 0 else ():
         print(note, flush=True)
     if point.folder is None:
-        return 0, 0, None
+        return 0, 0, None, []
     folder = point.folder
     if setup.lora is not None:
         check_resumable(setup.lora, chunks, folder)
@@ -428,9 +411,17 @@ def _resume(setup: _Setup, chunks, optimizer) -> tuple[int, int, object]:
     resume.check_target(start, args.train_iters, folder)
     consumed = consumed_samples(folder)
     consumed = start * setup.global_batch if consumed is None else consumed
-    if setup.rank == 0:
-        print(f"resumed from {folder} at iteration {start}", flush=True)
-    return start, consumed, folder
+    common = read_common(folder)
+    notes = [f"resumed from {folder} at iteration {start}"]
+    saved = common.get(SCHEDULER_KEY)
+    if saved is None:  # a checkpoint from before the schedule was recorded
+        scheduler.step(increment=consumed)
+        notes.append(f"{folder} records no learning-rate schedule: it continues at sample "
+                     f"{consumed:,} of this run's")  # fmt: skip
+    else:
+        notes += restore_scheduler(scheduler, saved, args, setup.global_batch)
+    notes += data_change_notes(common.get("data"), args, folder, consumed)
+    return start, consumed, folder, notes
 
 
 def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
@@ -442,62 +433,59 @@ def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
 
 
 def _train(
-    setup: _Setup, chunks, optimizer, start: int, consumed: int, target: SaveTarget
+    setup: _Setup, chunks, optimizer, scheduler, start: int, consumed: int, target: SaveTarget
 ) -> TrainingSummary:
-    """The steps from ``start`` to ``--train-iters``, with periodic and final saves (the first
-    one replacing what ``--save`` held where ``target`` says so)."""
-    args, rank, mbs = setup.args, setup.rank, setup.args.micro_batch_size
-    dp_rank = setup.pg.dp.rank()
-    progress = _Progress(args.train_iters, enabled=rank == 0)
-    losses, norms, saved = [], [], None
-    seconds, tokens, flops = [], [], []
-    counter = StepFlops(setup.config, parse_pattern(args.hybrid_layer_pattern), args.vocab_size)
+    """The steps from ``start`` to ``--train-iters``, with evaluations and periodic and final
+    saves (the first one replacing what ``--save`` held where ``target`` says so); returns the
+    :class:`TrainingSummary`."""
+    args, rank, inputs = setup.args, setup.rank, setup.inputs
+    progress = ProgressLine(args.train_iters, enabled=rank == 0, interval=args.log_interval)
+    metrics = MetricsLog(args.log_dir or args.save, args.tensorboard_dir, start=start,
+                         enabled=rank == 0, title=_curve_title(setup))  # fmt: skip
     gpus = torch.distributed.get_world_size() if setup.backend.on_gpu else 0
+    summary = TrainingSummary(start, args.train_iters, [], [], None, gpus=gpus, peak=setup.peak)
+    saved = None
+    counter = StepFlops(setup.config, parse_pattern(args.hybrid_layer_pattern), args.vocab_size)
+    seq_length, rows = inputs.step_shape
     for iteration in range(start, args.train_iters):
-        base = consumed + dp_rank * setup.num_microbatches * mbs
         batches = counter.annotate(
-            [
-                setup.builder.build([base + m * mbs + b for b in range(mbs)])
-                for m in range(setup.num_microbatches)
-            ]
+            inputs.micro_batches(inputs.train, consumed, setup.num_microbatches)
         )
+        lr = current_lr(optimizer)
         began = time.perf_counter()
-        result = train_step(
-            chunks,
-            optimizer,
-            batches,
-            setup.config,
-            # A packed micro-batch is one [1, seq_length * mbs] row (the pipeline's P2P shape).
-            seq_length=setup.seq_length * (mbs if setup.builder.packed else 1),
-            micro_batch_size=1 if setup.builder.packed else mbs,
-            pg_collection=setup.pg,
-        )
+        result = train_step(chunks, optimizer, batches, setup.config, seq_length=seq_length,
+                            micro_batch_size=rows, pg_collection=setup.pg)  # fmt: skip
         setup.backend.synchronize()
         elapsed = time.perf_counter() - began
         consumed += setup.global_batch
-        if check_step(result, iteration + 1, getattr(args, "on_nonfinite", "stop"), saved):
+        done = iteration + 1
+        if check_step(result, done, getattr(args, "on_nonfinite", "stop"), saved):
             if rank == 0:
-                print(f"step {iteration + 1}: {describe(result)}: skipped", flush=True)
+                print(f"step {done}: {describe(result)}: skipped", flush=True)
         else:
-            seconds.append(elapsed)
-            tokens.append(result.tokens)
-            flops.append(result.flops)
-            losses.append(result.loss)
-            norms.append(result.grad_norm)
-            rate = tflops_per_gpu([result.flops], [elapsed], gpus) if gpus else None
-            progress.update(
-                iteration + 1,
-                result.loss,
-                result.grad_norm,
-                result.tokens / elapsed,
-                throughput_text(rate, setup.peak),
-            )
+            scheduler.step(increment=setup.global_batch)  # as Megatron-LM: applied steps only
+            rate = result.tokens / elapsed
+            summary.step_seconds.append(elapsed)
+            summary.step_tokens.append(result.tokens)
+            summary.step_flops.append(result.flops)
+            summary.losses.append(result.loss)
+            summary.grad_norms.append(result.grad_norm)
+            summary.learning_rates.append(lr)
+            tflops = tflops_per_gpu([result.flops], [elapsed], gpus) if gpus else None
+            progress.update(done, result.loss, lr, result.grad_norm, rate,
+                            throughput_text(tflops, setup.peak))  # fmt: skip
+            metrics.step(done, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
+                         tokens_per_second=rate, tflops_per_gpu=tflops)  # fmt: skip
         if setup.autotunes and iteration == start:
             progress.note(
                 f"first step took {elapsed:.0f} s with fla's kernel autotuning "
                 "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
             )
-        done = iteration + 1
+        if args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
+            loss = _evaluate(setup, chunks, seq_length, rows)
+            summary.validation_losses.append((done, loss))
+            metrics.validation(done, loss)
+            progress.note(f"iteration {done}: validation loss {loss:.4f}")
         if args.save and (
             done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
         ):
@@ -514,20 +502,29 @@ def _train(
                     layout=resume.layout_of(setup.pg),
                     run=target.run,
                     replace_root=target.replace_root and saved is None,
+                    common={SCHEDULER_KEY: scheduler.state_dict(), "data": data_record(args)},
                 )
             )
             if done != args.train_iters:  # the final save is in the summary line
                 progress.note(f"saved {saved}")
     progress.close()
-    return TrainingSummary(
-        first_iteration=start,
-        last_iteration=args.train_iters,
-        losses=losses,
-        grad_norms=norms,
-        saved=saved,
-        step_seconds=seconds,
-        step_tokens=tokens,
-        step_flops=flops,
-        gpus=gpus,
-        peak=setup.peak,
+    note = metrics.close()
+    if note:
+        print(note, flush=True)
+    return dataclasses.replace(summary, saved=saved)
+
+
+def _evaluate(setup: _Setup, chunks, seq_length: int, rows: int) -> float:
+    """The validation loss over the first ``--eval-iters`` global batches of the split."""
+    inputs, step = setup.inputs, setup.global_batch
+    batches = (
+        inputs.micro_batches(inputs.valid, k * step, setup.num_microbatches)
+        for k in range(setup.args.eval_iters)
     )
+    return evaluate(chunks, batches, setup.config, seq_length=seq_length,
+                    micro_batch_size=rows, pg=setup.pg)  # fmt: skip
+
+
+def _curve_title(setup: _Setup) -> str:
+    data = setup.args.data_path
+    return f"{setup.args.hybrid_layer_pattern} on {' '.join(data) if data else 'synthetic data'}"

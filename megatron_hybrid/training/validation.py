@@ -21,6 +21,7 @@ import os
 
 from megatron_hybrid.training import capabilities
 from megatron_hybrid.training.arguments import PATTERN_REQUIRED, dest_of, with_defaults
+from megatron_hybrid.training.data_rules import DATA_RULES
 from megatron_hybrid.training.lora_rules import LORA_RULES
 from megatron_hybrid.training.model_rules import DEVICE_RULES, MODEL_RULES
 from megatron_hybrid.training.parallel_rules import PARALLEL_RULES, TRAIN_RULES
@@ -103,6 +104,7 @@ RULES: tuple[Rule, ...] = (
     *DEVICE_RULES,
     *PARALLEL_RULES,
     *TRAIN_RULES,
+    *DATA_RULES,
 )
 
 

@@ -139,9 +139,9 @@ def test_gpt_and_grouped_train_the_same_from_one_checkpoint(world, shared_dir):
     """10 optimizer steps (megatron DDP + distributed optimizer) from the same checkpoint."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_hybrid.data.synthetic import SyntheticTokens
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
-    from megatron_hybrid.training.data import SyntheticTokens
     from megatron_hybrid.training.loop import build_optimizer, train_step
 
     rank, world_size, device = world

@@ -173,8 +173,9 @@ def _sequences(case: Case, pg, *, lengths=None):
 def _batch(case: Case, config, pg, device, sequences, *, ours: bool = True) -> dict:
     """The sequences as one micro-batch: padded (BSHD) or packed (THD) by our planners and made
     equal across the TP x EP group (``ours``), or padded only to this rank's longest row."""
+    from megatron_hybrid.data.batches import build_micro_batch
+    from megatron_hybrid.data.samples import TokenSample
     from megatron_hybrid.padding import padding_config_from
-    from megatron_hybrid.training.data import MicroBatchBuilder
 
     padding = padding_config_from(config, pg)
     if not ours:  # no alignment term at all, no equal counts
@@ -182,15 +183,15 @@ def _batch(case: Case, config, pg, device, sequences, *, ours: bool = True) -> d
     elif case.quant:
         padding = dataclasses.replace(padding, quant=case.quant)
 
-    class Given:  # MicroBatchBuilder draws sequences by index; these are drawn already
-        def sequence(self, index):
-            return sequences[index]
-
-    builder = MicroBatchBuilder(
-        Given(), padding, micro_batch_size=len(sequences), seq_length=case.max_len,
-        packed=case.layout == "thd", equalize_group=pg.tp_ep if ours else None, device=device,
+    packed = case.layout == "thd"
+    fixed = None
+    if padding.fixed_length_required:  # as train: rows of the sequence length, or its multiple
+        fixed = case.max_len * len(sequences) if packed else case.max_len
+    batch = build_micro_batch(
+        [TokenSample(s) for s in sequences], padding, packed=packed, fixed_length=fixed,
+        equalize_group=pg.tp_ep if ours else None,
     )  # fmt: skip
-    return builder.build(list(range(len(sequences))))
+    return batch.to(device).step_inputs()
 
 
 def _run(model, batch) -> tuple[torch.Tensor, dict]:

@@ -53,8 +53,9 @@ def test_megatron_lm_pretrain_with_and_without_overlap():
     args = ["-m", "megatron_hybrid.training.megatron_lm", *MODEL[:-2],
             "--expert-model-parallel-size", "2", "--global-batch-size", str(GLOBAL_BATCH),
             "--train-iters", "10", "--lr", "3e-3", "--lr-decay-style", "constant",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--eval-iters", "0",
-            "--eval-interval", "1000", "--log-interval", "1", "--no-gradient-accumulation-fusion",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--mock-data",
+            "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+            "--no-gradient-accumulation-fusion",
             "--no-rope-fusion", "--use-distributed-optimizer", "--position-embedding-type",
             "rope", "--no-masked-softmax-fusion"]  # fmt: skip
     outputs = launch_all([Job(args, 2, name="pretrain plain"),
@@ -97,7 +98,7 @@ def test_train_command_with_and_without_overlap():
 def _step_batch(step: int) -> list[list[int]]:
     """The sequences of ``train``'s global batch at ``step`` (1-based): samples are drawn by
     index from the synthetic Markov data, ``GLOBAL_BATCH`` per step."""
-    from megatron_hybrid.training.data import SyntheticTokens
+    from megatron_hybrid.data.synthetic import SyntheticTokens
 
     data = SyntheticTokens(vocab_size=VOCAB, max_length=SEQ, seed=1234)
     first = (step - 1) * GLOBAL_BATCH

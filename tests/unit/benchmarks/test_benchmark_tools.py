@@ -259,3 +259,26 @@ def test_bind_cores_refuses_more_cores_than_there_are(tools, monkeypatch, capsys
         ep_overlap.bind_cores(2, 3, argparse.ArgumentParser())
     assert exit_info.value.code == 2
     assert "rank 2 needs cores 6..8 of the 8 allowed here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_prepare_data_benchmark_records_its_run(tmp_path):
+    """benchmarks/prepare_data.py end to end on a tiny corpus: the record names machine, date
+    and command, and every case's ratio is its time over the floor's."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("prepare_data")
+        bench.main(["--documents", "60", "--repeats", "1", "--vocab-size", "400",
+                    "--out", str(tmp_path)])  # fmt: skip
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    record = json.loads((tmp_path / "prepare_data_CPU.json").read_text())
+    assert record["command"] == (
+        "python benchmarks/prepare_data.py --documents 60 --repeats 1 --vocab-size 400 "
+        "--out benchmarks/results"
+    )
+    assert record["machine"] and record["date"]
+    assert len(record["results"]) == 4
+    for case in record["results"].values():
+        assert case["ratio"] == pytest.approx(case["prepare_data_seconds"] / case["floor_seconds"])
+    assert "| text (--workers 1) |" in (tmp_path / "prepare_data_CPU.md").read_text()

@@ -13,6 +13,7 @@ WRITERS = {
     "convert": "--save/--to-hf/--to-peft",
     "train": "--save DIR",
     "logprobs": "--output FILE",
+    "prepare-data": "--output-prefix PREFIX",
 }
 
 

@@ -22,18 +22,18 @@ def _worker(rank, world_size, folders):
 
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
-    from megatron_hybrid.training import data
+    from megatron_hybrid.training.inputs import RunInputs
     from megatron_hybrid.training.run import run_training
 
     layouts: list[str] = []
-    build = data.MicroBatchBuilder.build
+    build = RunInputs._build
 
-    def recording(self, indices):
-        batch = build(self, indices)
-        layouts.append("thd" if batch.get("packed_seq_params") is not None else "bshd")
+    def recording(self, samples):
+        batch = build(self, samples)
+        layouts.append("thd" if batch.packed else "bshd")
         return batch
 
-    data.MicroBatchBuilder.build = recording
+    RunInputs._build = recording
     parser = build_parser(load_commands())
     out = {}
     for family, folder in folders.items():

@@ -101,8 +101,10 @@ def _builder_worker(rank: int, world_size: int, equalize: bool) -> dict:
     """Each rank builds a micro-batch of different sequences, padded and packed."""
     import torch.distributed as dist
 
+    from megatron_hybrid.data.batches import build_micro_batch
+    from megatron_hybrid.data.samples import TokenSample
+    from megatron_hybrid.data.synthetic import SyntheticTokens
     from megatron_hybrid.padding import PaddingConfig
-    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
 
     group = dist.new_group(list(range(world_size)))
     padding = PaddingConfig(tp=2, sp=True, hybridep=True, tp_ep=world_size)
@@ -110,11 +112,10 @@ def _builder_worker(rank: int, world_size: int, equalize: bool) -> dict:
     data = SyntheticTokens(vocab_size=64, max_length=[100, 700][rank], seed=5)
     out = {}
     for layout in ("bshd", "thd"):
-        builder = MicroBatchBuilder(
-            data, padding, micro_batch_size=3, seq_length=700, packed=layout == "thd",
-            equalize_group=group if equalize else None,
-        )  # fmt: skip
-        batch = builder.build([0, 1, 2])
+        samples = [TokenSample(data.sequence(i)) for i in range(3)]
+        batch = build_micro_batch(
+            samples, padding, packed=layout == "thd", equalize_group=group if equalize else None
+        ).step_inputs()
         out[layout] = (batch["input_ids"].numel(), batch["num_tokens"])
     return out
 

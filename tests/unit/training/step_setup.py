@@ -18,10 +18,12 @@ def tiny_training(pg, pattern: str = "[*E]", *, micro_batches: int = 2, clip_gra
     """``train``'s config, chunks, optimizer and micro-batch builder for ``pattern``."""
     import torch
 
+    from megatron_hybrid.data.batches import build_micro_batch
+    from megatron_hybrid.data.samples import TokenSample
+    from megatron_hybrid.data.synthetic import SyntheticTokens
     from megatron_hybrid.padding import padding_config_from
     from megatron_hybrid.runtime.cpu import cpu_config_overrides
     from megatron_hybrid.training.config import config_from_flags
-    from megatron_hybrid.training.data import MicroBatchBuilder, SyntheticTokens
     from megatron_hybrid.training.loop import build_model_chunks, build_optimizer
 
     config = config_from_flags(pattern, *FLAGS, **cpu_config_overrides())
@@ -31,16 +33,19 @@ def tiny_training(pg, pattern: str = "[*E]", *, micro_batches: int = 2, clip_gra
     )
     optimizer = build_optimizer(chunks, config, lr=lr, weight_decay=0.01, clip_grad=clip_grad,
                                 pg=pg)  # fmt: skip
-    builder = MicroBatchBuilder(
-        SyntheticTokens(vocab_size=32, max_length=12, seed=seed),
-        padding_config_from(config, pg),
-        micro_batch_size=2,
-        seq_length=12,
-    )
+    data = SyntheticTokens(vocab_size=32, max_length=12, seed=seed)
+    padding = padding_config_from(config, pg)
 
     def batches(step: int) -> list[dict]:
         first = step * micro_batches * 2
-        return [builder.build([first + 2 * m, first + 2 * m + 1]) for m in range(micro_batches)]
+        return [
+            build_micro_batch(
+                [TokenSample(data.sequence(first + 2 * m + b)) for b in range(2)],
+                padding,
+                packed=False,
+            ).step_inputs()
+            for m in range(micro_batches)
+        ]
 
     return SimpleNamespace(config=config, chunks=chunks, optimizer=optimizer, batches=batches,
                            pattern=parse_pattern(pattern))  # fmt: skip

@@ -63,8 +63,8 @@ def run_cli(*argv: str, kill_at: str | None = None, children: Path | None = None
 
 
 def step_lines(stdout: str) -> dict[int, str]:
-    """Step number -> 'loss X | grad norm Y' of the progress lines."""
-    found = re.findall(r"step +(\d+)/\d+ \| (loss \S+ \| grad norm \S+)", stdout)
+    """Step number -> 'loss X | lr L | grad norm Y' of the progress lines."""
+    found = re.findall(r"step +(\d+)/\d+ \| (loss \S+ \| lr \S+ \| grad norm \S+)", stdout)
     return {int(step): text for step, text in found}
 
 

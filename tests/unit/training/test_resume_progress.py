@@ -14,17 +14,17 @@ def recording_worker(rank: int, world_size: int, argv: list[str]):
 
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
-    from megatron_hybrid.training import data
+    from megatron_hybrid.data.synthetic import SyntheticSamples
     from megatron_hybrid.training.run import run_training
 
     seen: list[int] = []
-    build = data.MicroBatchBuilder.build
+    sample = SyntheticSamples.sample
 
-    def recording_build(self, indices):
-        seen.extend(indices)
-        return build(self, indices)
+    def recording_sample(self, index):
+        seen.append(index)
+        return sample(self, index)
 
-    data.MicroBatchBuilder.build = recording_build
+    SyntheticSamples.sample = recording_sample
     summary = run_training(build_parser(load_commands()).parse_args(["train", *argv]))
     return summary, seen
 

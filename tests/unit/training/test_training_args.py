@@ -29,7 +29,15 @@ HYBRID_FLAGS = [
     "--weight-decay",
 ]  # fmt: skip
 TRAIN_ONLY_FLAGS = [
-    "--on-nonfinite", "--overwrite", "--packed", "--round-up-seq-length", "--verbose"
+    "--no-packed", "--on-nonfinite", "--overwrite", "--packed",
+    "--round-up-seq-length", "--verbose",
+]  # fmt: skip
+# The train command's data, schedule, evaluation and logging flags (Megatron-LM's names).
+TRAIN_FLAGS = [
+    "--data-cache-path", "--data-path", "--eval-interval", "--eval-iters", "--log-dir",
+    "--log-interval", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
+    "--make-vocab-size-divisible-by", "--min-lr", "--split", "--tensorboard-dir",
+    "--tokenizer-model",
 ]  # fmt: skip
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).
@@ -78,8 +86,29 @@ def test_train_only_flags_snapshot():
     assert _options(parser) == TRAIN_ONLY_FLAGS
 
 
+def test_train_flags_snapshot():
+    from megatron_hybrid.training.train_flags import TRAIN_FLAGS as FLAGS
+    from megatron_hybrid.training.train_flags import add_train_flags
+
+    parser = argparse.ArgumentParser()
+    add_train_flags(parser)
+    assert _options(parser) == TRAIN_FLAGS == sorted(f.option for f in FLAGS)
+    assert all(f.kwargs.get("help") for f in FLAGS)
+
+
+@pytest.mark.parametrize("command", ["train", "prepare-data"])
+def test_help_renders(command, capsys):
+    from megatron_hybrid.cli.main import main
+
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--tokenizer-model" in out
+    if command == "train":
+        assert "10% of --train-iters when fine-tuning" in out and "--data-path [W] PREFIX" in out
+
+
 def test_train_command_has_exactly_the_snapshot_flags():
-    assert _options(_train_parser()) == sorted(HYBRID_FLAGS + TRAIN_ONLY_FLAGS)
+    assert _options(_train_parser()) == sorted(HYBRID_FLAGS + TRAIN_ONLY_FLAGS + TRAIN_FLAGS)
     assert set(REQUIRED_BY_ISSUE) <= set(HYBRID_FLAGS)
 
 

@@ -94,8 +94,10 @@ def test_resume_equals_uninterrupted_run(resumed):
 @pytest.mark.slow
 def test_save_layout(resumed):
     saved = resumed["saved"]
+    # The run's metrics and loss curve go beside its checkpoints.
     assert sorted(p.name for p in saved.iterdir()) == [
-        "iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"
+        "iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt", "loss_curve.png",
+        "metrics.jsonl",
     ]  # fmt: skip
     assert resumed["tracker"] == "6"  # the newest, which --load resumed from (not iter 3)
     assert resumed["first"].saved == str(saved / "iter_0000006")

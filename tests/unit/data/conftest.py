@@ -1,0 +1,20 @@
+"""Tokenizers for the data tests, built locally (no download)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hybrid.testing.tokenizers import CHATML, CHATML_GENERATION, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE with a ChatML template that does not mark the assistant's tokens."""
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer") / "chatml", chat_template=CHATML)
+
+
+@pytest.fixture(scope="session")
+def generation_tokenizer_dir(tmp_path_factory):
+    """The same tokenizer, its template marking the assistant's tokens with {% generation %}."""
+    folder = tmp_path_factory.mktemp("tokenizer") / "generation"
+    return build_tokenizer(folder, chat_template=CHATML_GENERATION)
