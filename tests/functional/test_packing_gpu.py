@@ -154,7 +154,8 @@ def test_forward_logprobs_on_gpu_equals_each_sequence_alone(world):
     model = _model(pattern, PATTERNS[pattern], "local", {}, pg, device)
     sequences = random_sequences(vocab_size=128, seed=4)
     with exact_float32():
-        got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=48, with_entropy=True)
+        got = zip(*forward_logprobs(model, sequences, max_tokens_per_micro_batch=48,
+                                    with_entropy=True), strict=True)  # fmt: skip
         worst = 0.0
         with torch.no_grad():
             for tokens, (lp, entropy) in zip(sequences, got, strict=True):
