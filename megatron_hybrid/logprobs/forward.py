@@ -185,7 +185,9 @@ def forward_logprobs(
 
 
 def _reduce(logits, labels, *, tp_group, temperature, vocab_size, with_entropy):
-    options = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
+    # The labels are the checked sequences' tokens: no range check (it would wait for the device).
+    options = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size,
+                   check_labels=False)  # fmt: skip
     if with_entropy:  # one pass over the vocabulary for both
         return list(token_logprobs_and_entropy(logits, labels, **options))
     return [token_logprobs(logits, labels, **options)]

@@ -62,7 +62,8 @@ def _layout(logits: Tensor, vocab_size, tp_group) -> tuple[int, int]:
     return first, max(0, min(local, vocab_size - first))
 
 
-def _check_labels(labels, logits: Tensor, vocab_size: int) -> None:
+def _check_labels(labels, logits: Tensor, vocab_size: int, ids: bool = True) -> None:
+    """Refuse labels of the wrong type or shape, and (``ids``) ids outside the vocabulary."""
     if not torch.is_tensor(labels) or labels.dtype.is_floating_point or labels.is_complex():
         raise ValueError("labels must be an integer tensor of token ids")
     if labels.shape != logits.shape[:-1]:
@@ -70,7 +71,7 @@ def _check_labels(labels, logits: Tensor, vocab_size: int) -> None:
             f"labels {tuple(labels.shape)} must have the logits' shape without the vocabulary "
             f"dimension, {tuple(logits.shape[:-1])}"
         )
-    if labels.numel():
+    if ids and labels.numel():
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(
@@ -235,6 +236,7 @@ def token_logprobs(
     tp_group=None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> Tensor:
     """``log softmax(logits / temperature)[label]`` per position, from vocab-parallel logits.
 
@@ -247,6 +249,9 @@ def token_logprobs(
         temperature: the sampling temperature the log-probabilities are for.
         vocab_size: the real vocabulary size; logits of ids at and past it (vocabulary padding)
             are excluded. None: every column is a token.
+        check_labels: check that the labels are ids of the vocabulary (reading their range
+            waits for the device); pass False for labels already checked (``forward_logprobs``
+            and the RL step do), so that nothing synchronises the host with the device.
 
     Returns:
         float32 ``[...]`` log-probabilities, the same on every rank of ``tp_group``;
@@ -257,9 +262,9 @@ def token_logprobs(
             or vocab_size.
     """
     temperature = check_temperature(temperature)
-    first, valid = _layout(logits, vocab_size, tp_group)
+    _layout(logits, vocab_size, tp_group)
     size = 1 if tp_group is None else tp_group.size()
-    _check_labels(labels, logits, vocab_size or logits.size(-1) * size)
+    _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
     return _TokenLogProbs.apply(logits, labels, temperature, vocab_size, tp_group)
 
 
@@ -297,6 +302,7 @@ def token_logprobs_and_entropy(
     tp_group=None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """:func:`token_logprobs` and :func:`token_entropy` together, for the price of one.
 
@@ -309,10 +315,10 @@ def token_logprobs_and_entropy(
         ``logits``.
 
     Raises:
-        ValueError: as :func:`token_logprobs`.
+        ValueError: as :func:`token_logprobs` (``check_labels`` likewise).
     """
     temperature = check_temperature(temperature)
     _layout(logits, vocab_size, tp_group)
     size = 1 if tp_group is None else tp_group.size()
-    _check_labels(labels, logits, vocab_size or logits.size(-1) * size)
+    _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
     return _TokenLogProbsAndEntropy.apply(logits, labels, temperature, vocab_size, tp_group)

@@ -440,9 +440,10 @@ class PolicyTrainer:
             where,
         )
         items = [self._micro_batch(batch, tokens, inputs) for batch in batches]
-        options = dict(
-            tp_group=self.pg.tp, temperature=self.settings.temperature, vocab_size=self.vocab_size
-        )
+        # The labels are the checked sequences' tokens: no range check (it would wait for the
+        # device).
+        options = dict(tp_group=self.pg.tp, temperature=self.settings.temperature,
+                       vocab_size=self.vocab_size, check_labels=False)  # fmt: skip
         result = train_step(
             self.chunks,
             self.optimizer,
@@ -488,10 +489,12 @@ class PolicyTrainer:
         for values in inputs.values():
             if isinstance(values, str):
                 return values, {}
+        arguments = dict(mask="loss_masks", advantages="advantages", old="old_logprobs",
+                         ref="ref_logprobs")  # fmt: skip
         for name, values in inputs.items():
             for i, value in enumerate(values or ()):
                 if not bool(torch.isfinite(value[masks[i] > 0]).all()):
-                    return f"{name} of sequence {i} is NaN or infinite at a loss-masked token", {}
+                    return (f"{arguments[name]}[{i}] is NaN or infinite at a loss-masked token", {})
         shares = [sequence_weights(mask, loss.loss_agg) for mask in masks]
         inputs["weights"] = [weights for weights, _ in shares]
         inputs["count"] = [count for _, count in shares]

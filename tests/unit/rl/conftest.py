@@ -15,6 +15,18 @@ import hf_oracle  # noqa: E402
 import rl_oracle  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: the tiny models' ops gain nothing from a pool, which only adds a
+    synchronisation to each (the spawned ranks run with one thread too)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def rl_folders(tmp_path_factory) -> dict:
     """``name -> folder`` of :data:`rl_oracle.FAMILIES`."""
