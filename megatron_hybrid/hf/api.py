@@ -44,6 +44,7 @@ from megatron_hybrid.modules.mamba_torch import with_mixer_params
 from megatron_hybrid.pattern import MAMBA, MOE, PIPE, virtual_stages, with_stages
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.schedule.p2p import pipeline_p2p_fields
 
 __all__ = [
     "ConversionCheck",
@@ -327,6 +328,7 @@ def build_model(
         expert_tensor_parallel_size=pg_collection.expt_tp.size(),
         context_parallel_size=pg_collection.cp.size(),
         virtual_pipeline_model_parallel_size=vpp,
+        **pipeline_p2p_fields(vpp),
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
