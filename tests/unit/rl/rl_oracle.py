@@ -28,15 +28,14 @@ import torch
 LR = 1.0
 EPS32 = 2.0**-23
 
-#: name -> (transformers family, tiny-config overrides): a dense transformer, MoE experts, and
-#: GatedDeltaNet next to attention.
+#: name -> (transformers family, tiny-config overrides): a dense transformer (four layers: two
+#: pipeline stages of two virtual stages each), MoE experts, and GatedDeltaNet next to attention.
 FAMILIES = {
-    "dense": ("qwen3_5", dict(num_hidden_layers=2, layer_types=["full_attention"] * 2)),
+    "dense": ("qwen3_5", dict(num_hidden_layers=4, layer_types=["full_attention"] * 4)),
     "moe": ("qwen3_5_moe", dict(num_hidden_layers=2, layer_types=["full_attention"] * 2)),
     "gdn": ("qwen3_5", dict(num_hidden_layers=2, layer_types=[
         "linear_attention", "full_attention"])),
 }  # fmt: skip
-LAYERS = 2
 
 #: Sequence lengths of the global batch: with 24 tokens per micro-batch they make micro-batches
 #: of different loss-masked token counts ([20], [16, 7], [13, 9], [5]); sequence 3 has no
@@ -178,7 +177,8 @@ def bound(grads: dict, weights: dict) -> float:
     """The largest allowed ``|step / -lr - gradient|`` (see the module doc)."""
     scale = max(g.abs().max().item() for g in grads.values())
     largest = max(w.abs().max().item() for w in weights.values())
-    return 16 * (LAYERS + 2) * EPS32 * scale + EPS32 * largest / LR
+    layers = 1 + max(int(n.split(".")[2]) for n in grads if n.startswith("model.layers."))
+    return 16 * (layers + 2) * EPS32 * scale + EPS32 * largest / LR
 
 
 def worst_error(deltas: dict, grads: dict) -> float:

@@ -3,9 +3,11 @@ times the gradient of the same loss computed by transformers in float32.
 
 Dense, MoE and GatedDeltaNet families (``rl_oracle.FAMILIES``), every ``loss_agg`` with and
 without the old/reference log-probs, KL and entropy terms, at TP1 (this process) and on two gloo
-ranks at TP2 and EP2 (the MoE family) or DP2 (the others, which have no experts to place). EP2
-is data parallelism 2 as well: at EP2 and DP2 each rank steps on its half of the global batch,
-so the token and sequence counts are reduced over data-parallel ranks. The two-rank run also
+ranks at TP2 and EP2 (the MoE family) or DP2 (the others, which have no experts to place), and
+through megatron-core's pipeline schedules at PP2 (MoE) and PP2 x VPP2 (the four-layer dense
+model, interleaved). EP2 is data parallelism 2 as well: at EP2 and DP2 each rank steps on its
+half of the global batch, so the token and sequence counts are reduced over data-parallel
+ranks. The two-rank run also
 checks ``sample``'s greedy tokens at TP2 and EP2 against transformers' ``generate``. The batch
 makes four micro-batches of different loss-masked token counts and holds a sequence without
 loss-masked tokens. Negative controls: a loss averaged per micro-batch instead of over the
@@ -88,6 +90,11 @@ LAYOUTS = {
     "tp2": (dict(tensor_model_parallel_size=2), ("dense", "moe", "gdn")),
     "ep2": (dict(expert_model_parallel_size=2), ("moe",)),
     "dp2": ({}, ("dense", "gdn")),
+    "pp2": (dict(pipeline_model_parallel_size=2), ("moe",)),
+    "pp2-vpp2": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ("dense",),
+    ),
 }
 
 
@@ -102,7 +109,7 @@ def _layouts_worker(rank, world_size, folders, batches):
         for family in families:
             folder = folders[family]
             reset_megatron_state()
-            greedy = [] if layout != "dp2" else None
+            greedy = [] if layout in ("tp2", "ep2") else None  # sample runs without PP
             results = step_deltas(
                 folder, kwargs, batches[family], VARIANTS, deltas=rank == 0, greedy=greedy
             )
@@ -113,7 +120,7 @@ def _layouts_worker(rank, world_size, folders, batches):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tp2_ep2_and_dp2_steps_match_transformers(rl_folders, rl_cases):
+def test_two_rank_layouts_step_as_transformers(rl_folders, rl_cases):
     batches = {family: rl_cases[family][0] for family in rl_oracle.FAMILIES}
     per_rank = run_distributed(_layouts_worker, 2, dict(rl_folders), batches, timeout=1200)
     assert len(per_rank[0]) == sum(len(families) for _, families in LAYOUTS.values())
