@@ -269,7 +269,7 @@ class PolicyTrainer:
 
     Raises:
         ValueError: bad settings, a model already wrapped, without trainable parameters, with
-            context parallelism or with the EP-overlap schedule.
+            context parallelism, MTP layers or the EP-overlap schedule.
     """
 
     def __init__(
@@ -307,6 +307,11 @@ class PolicyTrainer:
             raise ValueError(
                 "PolicyTrainer: context parallelism is not supported; load the model with "
                 "context_parallel_size=1"
+            )
+        if getattr(config, "mtp_num_layers", None):
+            raise ValueError(
+                "PolicyTrainer: the model has multi-token-prediction layers, which the policy "
+                "loss does not train; load it with load_hf_model(..., mtp=False)"
             )
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             raise ValueError(
