@@ -17,8 +17,10 @@ lower half for an odd one. A policy that ignores the prompt is right half of the
 outputs (the questions are drawn evenly), so a mean reward well above 0.5 means it learned the
 rule. Prints the reward per step, writes ``OUT/rewards.json`` and ``OUT/reward_curve.png``.
 
-Needs transformers (to make the model) and matplotlib (the picture): the ``test`` and ``viz``
-extras. Runs on one GPU as it is (the CUDA runtime is picked when one is visible).
+Needs transformers to make the model (the ``test`` extra; or ``--model`` a folder made
+before, e.g. by a CPU run: ``OUT/model``) and matplotlib for the picture (``viz``; without it
+the picture is skipped with a note). Runs on one GPU as it is (the CUDA runtime is picked when
+one is visible).
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ def group_advantages(reward: torch.Tensor, group: int) -> torch.Tensor:
     return ((grouped - mean) / (std + 1e-6)).view(-1)
 
 
-def plot(rewards_per_step: list[float], path: Path, title: str) -> None:
-    import matplotlib
+def plot(rewards_per_step: list[float], path: Path, title: str) -> bool:
+    """Draw the reward curve; False (with a note) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name} (install the viz extra)", flush=True)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -96,11 +103,15 @@ def plot(rewards_per_step: list[float], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the model and results")
+    parser.add_argument("--model", type=Path, default=None, help="a Hugging Face folder made "
+                        "before (OUT/model of an earlier run) instead of a new one: for "
+                        "machines without transformers")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt")
@@ -119,6 +130,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.model is not None:
+        config = json.loads((args.model / "config.json").read_text())
+        args.vocab_size = config.get("text_config", config)["vocab_size"]
     if args.questions + 2 > args.vocab_size or args.questions < 2:
         parser.error("--questions must be at least 2 and fit in the vocabulary")
     if args.lr is None:
@@ -137,7 +151,7 @@ def main(argv=None) -> dict:
 
     args = parse(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = make_model(args.out / "model", args)
+    folder = args.model or make_model(args.out / "model", args)
     policy = load_hf_model(folder)  # sets up the process groups (one CPU process, or torchrun)
     if args.lora_rank:
         apply_lora(policy, LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank))
@@ -198,11 +212,12 @@ def main(argv=None) -> dict:
     if not dist.is_initialized() or dist.get_rank() == 0:
         (args.out / "rewards.json").write_text(json.dumps(result, indent=1) + "\n")
         mode = f"LoRA rank {args.lora_rank}" if args.lora_rank else "full weights"
-        plot(history, args.out / "reward_curve.png", f"GRPO toy task ({mode})")
+        drawn = plot(history, args.out / "reward_curve.png", f"GRPO toy task ({mode})")
         print(
             f"reward {result['first']:.3f} (first {window} steps) -> {result['last']:.3f} (last "
             f"{window}); chance {CHANCE}; engine vs policy log-probs {sync_error:.1e}; "
-            f"{result['seconds']:.0f} s; wrote {args.out / 'reward_curve.png'}",
+            f"{result['seconds']:.0f} s; wrote {args.out / 'rewards.json'}"
+            + (f" and {args.out / 'reward_curve.png'}" if drawn else ""),
             flush=True,
         )
     return result
