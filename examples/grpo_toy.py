@@ -60,6 +60,9 @@ def make_model(folder: Path, args: argparse.Namespace) -> Path:
         shared_expert_intermediate_size=args.hidden_size // 2,
         tie_word_embeddings=False,
         max_position_embeddings=64,
+        # Weights of scale 1/sqrt(fan-in) rather than transformers' 0.02: the logits then move
+        # when the layers below the (frozen, with LoRA) output layer do.
+        initializer_range=args.hidden_size**-0.5,
     )
     torch.manual_seed(args.seed)
     model = Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.float32)

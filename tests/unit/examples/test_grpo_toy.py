@@ -1,9 +1,9 @@
 """``examples/grpo_toy.py``: the whole GRPO loop on a CPU, in this process (its imports shared).
 
-With the seeds fixed the toy task is learned in about 10 of the 20 steps (reward 1.0 by step 13
-on the reference machine); the test requires the mean reward of the last five steps to be at
-least 0.8, where any policy that ignores the question gets 0.5 on average, and the engine's
-synced weights to score the last batch as the policy does.
+With the seeds fixed the toy task is learned within the 20 steps (full weights: a mean reward of
+0.997 over the last five steps on the reference machine, LoRA rank 8: 0.875); the test requires
+at least 0.8 (LoRA: 0.7), where any policy that ignores the question gets 0.5 on average, and
+the engine's synced weights (merged, with LoRA) to score the last batch as the policy does.
 """
 
 from __future__ import annotations
@@ -36,12 +36,17 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_grpo_toy_learns_the_rule(pg, one_thread, tmp_path):
-    result = _example().main(["--out", str(tmp_path), "--steps", "20"])
+@pytest.mark.parametrize(
+    "flags, reward, sync",
+    [([], 0.8, 0.0), (["--lora-rank", "8"], 0.7, 1e-5)],
+    ids=["full-weights", "lora"],
+)
+def test_grpo_toy_learns_the_rule(pg, one_thread, tmp_path, flags, reward, sync):
+    result = _example().main(["--out", str(tmp_path), "--steps", "20", *flags])
     assert len(result["rewards"]) == 20
     assert result["first"] < 0.7  # it starts near chance
-    assert result["last"] >= 0.8, result["rewards"]
-    assert result["sync_error"] <= 1e-6
+    assert result["last"] >= reward, result["rewards"]
+    assert result["sync_error"] <= sync  # merged LoRA weights round differently
     assert json.loads((tmp_path / "rewards.json").read_text())["rewards"] == result["rewards"]
     assert (tmp_path / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
