@@ -115,7 +115,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="a Hugging Face folder made "
                         "before (OUT/model of an earlier run) instead of a new one: for "
                         "machines without transformers")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=20, help="GRPO steps")
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps (0: only make the "
+                        "model folder OUT/model, for a machine without transformers)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt")
     parser.add_argument("--questions", type=int, default=8, help="distinct question tokens")
@@ -136,6 +137,8 @@ def parse(argv=None) -> argparse.Namespace:
     if args.model is not None:
         config = json.loads((args.model / "config.json").read_text())
         args.vocab_size = config.get("text_config", config)["vocab_size"]
+    if args.steps < 0:
+        parser.error("--steps must be >= 0")
     if args.questions + 2 > args.vocab_size or args.questions < 2:
         parser.error("--questions must be at least 2 and fit in the vocabulary")
     if args.lr is None:
@@ -155,6 +158,9 @@ def main(argv=None) -> dict:
     args = parse(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     folder = args.model or make_model(args.out / "model", args)
+    if args.steps == 0:
+        print(f"made {folder}", flush=True)
+        return {"model": str(folder)}
     policy = load_hf_model(folder)  # sets up the process groups (one CPU process, or torchrun)
     if args.lora_rank:
         apply_lora(policy, LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank))
