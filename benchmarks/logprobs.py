@@ -13,6 +13,11 @@ Sequence lengths are drawn uniformly between ``--min-len`` and ``--max-len`` (ea
 in ``[B, S]`` rows (longest first, ``B x S <= max-tokens``). The figure is real tokens per second
 of the whole call (median of ``--repeats`` after one warm-up call, which also compiles fla's
 kernels); the log-probs of the two layouts are compared as a check.
+
+A last, untimed pass of each layout records every router's chosen experts
+(``benchmarks/routing_flips.py``): the report counts the tokens whose top-k expert set differs
+between packed and padded (per MoE layer), and how much of the log-prob difference falls on
+tokens at or after a sequence's first flip, against the largest difference elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import recorded_command
+from routing_flips import RoutingRecorder, flip_report
 
 #: Qwen3.5-35B-A3B's text config (Qwen3.5-MoE), the shape the benchmark model takes.
 QWEN35_MOE = {
@@ -140,6 +147,35 @@ def _micro_batches(sequences, packed: bool, args) -> int:
     return len(micro_batch_groups(sizes, PaddingConfig(), args.max_tokens, packed, None))
 
 
+def routing_flips(model, sequences, results, args) -> dict:
+    """The routing flips between the packed and the padded run (untimed, hooks on)."""
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    sets = {}
+    for packed in (True, False):
+        with RoutingRecorder(model, sequences) as recorder:
+            forward_logprobs(
+                model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
+            )
+        sets[packed] = recorder.expert_sets()
+    differences = [
+        (a.float() - b.float()).abs().cpu()
+        for a, b in zip(results[True], results[False], strict=True)
+    ]
+    return flip_report(sets[True], sets[False], differences)
+
+
+def _flip_lines(flips: dict) -> list[str]:
+    per_layer = ", ".join(str(n) for n in flips["flips_per_layer"])
+    return [
+        f"routing flips (top-k expert set differs, packed vs padded): {flips['tokens_with_flip']} "
+        f"of {flips['tokens']} tokens in some MoE layer; per MoE layer: {per_layer}",
+        f"{100 * flips['downstream_share']:.1f} % of the summed |log-prob difference| falls on the "
+        f"{flips['downstream_tokens']} tokens at or after a sequence's first flip; largest "
+        f"difference there {flips['max_downstream']:.3g}, elsewhere {flips['max_elsewhere']:.3g}",
+    ]
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# forward_logprobs: packed vs padded ({meta['device']})",
@@ -162,10 +198,12 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         )
     lines.append("")
     lines.append(f"max |log-prob packed - padded| = {meta['max_abs_diff']:.3g}")
+    if meta.get("routing_flips") is not None:
+        lines += ["", *_flip_lines(meta["routing_flips"])]
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="depth (multiple of 4 keeps periods)")
     parser.add_argument("--experts", type=int, default=None, help="experts (default: 256)")
@@ -177,7 +215,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model (a smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the results files")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.max_len < 2 * args.min_len:
         parser.error("--max-len must be at least 2 x --min-len (lengths varying 2x or more)")
     if args.max_len > args.max_tokens:
@@ -195,7 +233,9 @@ def main() -> int:
     diff = max(
         (a.float() - b.float()).abs().max().item()
         for a, b in zip(results[True], results[False], strict=True)
+        if a.numel()
     )
+    flips = routing_flips(model, sequences, results, args)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = dict(
         device=name,
@@ -210,7 +250,8 @@ def main() -> int:
         tokens=sum(len(s) for s in sequences),
         repeats=args.repeats,
         max_abs_diff=diff,
-        command="python benchmarks/logprobs.py " + " ".join(sys.argv[1:]),
+        routing_flips=flips,
+        command=recorded_command("logprobs.py", sys.argv[1:] if argv is None else list(argv)),
     )
     table = _markdown(rows, meta)
     print(table)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,7 +55,8 @@ class MicroBatch:
         seq_length: the row length the pipeline schedule sees (``T`` packed, ``S`` padded).
         rows: ``b`` (1 when packed).
         num_tokens: the real (unpadded) input tokens.
-        results: filled by whoever consumes the output (log-probs: sample -> tensors).
+        results: filled by whoever consumes the output (log-probs: the ``[parts,
+            predictions]`` values of the spans' rows, in span order).
     """
 
     inputs: dict
@@ -62,12 +64,19 @@ class MicroBatch:
     seq_length: int
     rows: int
     num_tokens: int
-    results: dict = field(default_factory=dict)
+    results: Any = None
 
     @property
     def labels(self) -> torch.Tensor:
         """``[b * s]``: the label of every output row (0 where a row predicts nothing)."""
         return self.inputs["labels"].reshape(-1)
+
+    @property
+    def span_rows(self) -> torch.Tensor:
+        """Output rows of every span, in span order (CPU int64)."""
+        if not self.spans:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(first, first + n) for _, first, n in self.spans])
 
     @property
     def packed(self) -> bool:

@@ -47,12 +47,14 @@ from megatron_hybrid.hf.weights import (
 from megatron_hybrid.model import HybridModel, expected_checkpoint_tensors
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.modules.mamba_torch import with_mixer_params
-from megatron_hybrid.pattern import MAMBA
+from megatron_hybrid.pattern import MAMBA, MOE, PIPE, virtual_stages, with_stages
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import select_backend
+from megatron_hybrid.schedule.p2p import pipeline_p2p_fields
 
 __all__ = [
     "ConversionCheck",
+    "ParallelSizes",
     "check_conversion",
     "dry_run",
     "expected_key_shapes",
@@ -169,33 +171,96 @@ def _carried_notes(conversion: HFConversion, carried) -> list[str]:
     return notes
 
 
-def _ensure_process_groups(tp: int, pp: int, ep: int):
+@dataclass(frozen=True)
+class ParallelSizes:
+    """The parallel layout :func:`load_hf_model` builds a model for (``train``'s sizes).
+
+    Attributes:
+        tp, pp, ep, cp: tensor, pipeline, expert and context parallel sizes.
+        vpp: virtual pipeline stages per pipeline rank (None: no interleaving).
+        etp: expert tensor parallel size (None: the tensor parallel size).
+        sequence_parallel: None: on whenever TP is (megatron-core needs it for MoE under TP).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    vpp: int | None = None
+    etp: int | None = None
+    sequence_parallel: bool | None = None
+
+    @property
+    def sp(self) -> bool:
+        """Whether sequence parallelism is on."""
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    def unsupported(self, transformer_impl: str, has_experts: bool) -> str | None:
+        """What this layout cannot do, by the name of the argument that asks for it (or None)."""
+        names = dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                     expert_model_parallel_size=self.ep, context_parallel_size=self.cp)  # fmt: skip
+        if self.etp is not None:
+            names["expert_tensor_parallel_size"] = self.etp
+        if self.vpp is not None:
+            names["virtual_pipeline_model_parallel_size"] = self.vpp
+        for name, value in names.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                return f"{name} must be an int >= 1, got {value!r}"
+        if self.sequence_parallel and self.tp == 1:
+            return "sequence_parallel=True needs tensor_model_parallel_size > 1"
+        if self.sequence_parallel is False and self.tp > 1 and has_experts:
+            return (
+                "sequence_parallel=False with tensor_model_parallel_size > 1: megatron-core runs "
+                "MoE layers under tensor parallelism only with sequence parallelism; leave it on"
+            )
+        if self.vpp is not None and self.pp == 1:
+            return (
+                "virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1 "
+                "(virtual stages interleave pipeline ranks)"
+            )
+        if self.cp > 1 and transformer_impl != "transformer_engine":
+            return (
+                f"context_parallel_size={self.cp} needs transformer_impl='transformer_engine': the "
+                "local backend's attention, GatedDeltaNet and Mamba layers have no context "
+                "parallelism (train's --context-parallel-size rule)"
+            )
+        return None
+
+
+def _ensure_process_groups(sizes: ParallelSizes):
     """The current process groups, set up first if nothing is (plain process or torchrun)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     select_backend().activate()
     init_world()
-    if parallel_state.model_parallel_is_initialized():
+    want = (sizes.tp, sizes.pp, sizes.ep, sizes.cp, sizes.etp or sizes.tp, sizes.vpp)
+    if ps.model_parallel_is_initialized():
         have = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
         )
-        if have != (tp, pp, ep):
+        if have != want:
             raise ValueError(
-                f"model parallelism is already set up as TP/PP/EP {have}, but load_hf_model was "
-                f"asked for {(tp, pp, ep)}; pass the sizes of the current setup"
+                f"model parallelism is already set up as TP/PP/EP/CP/ETP/VPP {have}, but "
+                f"load_hf_model was asked for {want}; pass the sizes of the current setup"
             )
         return ProcessGroupCollection.use_mpu_process_groups()
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (sizes.tp * sizes.pp * sizes.cp):
         raise ValueError(
             f"{world} processes cannot hold tensor_model_parallel_size x "
-            f"pipeline_model_parallel_size = {tp * pp}"
+            f"pipeline_model_parallel_size x context_parallel_size = "
+            f"{sizes.tp * sizes.pp * sizes.cp}"
         )
-    return initialize_model_parallel(tp=tp, pp=pp, ep=ep)
+    return initialize_model_parallel(
+        tp=sizes.tp, pp=sizes.pp, vpp=sizes.vpp, ep=sizes.ep, cp=sizes.cp, etp=sizes.etp
+    )
 
 
 def stack_spec_for(conversion: HFConversion, backend: str, config, mamba_impl: str = "auto"):
@@ -223,24 +288,40 @@ def build_model(
     params_dtype: torch.dtype | None = None,
     parallel_output: bool = False,
     mamba_impl: str = "auto",
+    sequence_parallel: bool | None = None,
+    vp_stage: int | None = None,
+    hybrid_layer_pattern: str | None = None,
     **config_overrides,
 ):
-    """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded)."""
+    """The HybridModel of a conversion on this rank's pipeline stage (weights not loaded).
+
+    ``sequence_parallel`` None: on whenever TP is. Under virtual pipeline parallelism
+    ``vp_stage`` picks the chunk and ``hybrid_layer_pattern`` is the conversion's pattern with
+    the ``|`` boundaries of the virtual stages (``megatron_hybrid.pattern.with_stages``).
+    """
     if transformer_impl not in ("local", "transformer_engine"):
         raise ValueError(
             f"transformer_impl={transformer_impl!r}: choose 'local' or 'transformer_engine'"
         )
     dtype = params_dtype or conversion.dtype
     pp = pg_collection.pp
+    pattern = hybrid_layer_pattern or conversion.pattern.pattern
+    vpp = virtual_stages(pattern, pp.size()) if PIPE in pattern else 1
+    vpp = vpp if vpp > 1 else None
+    if sequence_parallel is None:
+        # megatron-core wants sequence parallelism with MoE under TP; the package's norms
+        # support it for every layer type, so it is on whenever TP is.
+        sequence_parallel = pg_collection.tp.size() > 1
     config = conversion.transformer_config(
         **select_backend().config_overrides(),
         tensor_model_parallel_size=pg_collection.tp.size(),
         pipeline_model_parallel_size=pp.size(),
         expert_model_parallel_size=pg_collection.ep.size(),
         expert_tensor_parallel_size=pg_collection.expt_tp.size(),
-        # megatron-core wants sequence parallelism with MoE under TP; the package's norms support
-        # it for every layer type, so it is on whenever TP is.
-        sequence_parallel=pg_collection.tp.size() > 1,
+        context_parallel_size=pg_collection.cp.size(),
+        virtual_pipeline_model_parallel_size=vpp,
+        **pipeline_p2p_fields(vpp),
+        sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -261,11 +342,12 @@ def build_model(
         stack_spec_for(conversion, backend, config, mamba_impl),
         vocab_size=kwargs.pop("vocab_size"),
         max_sequence_length=kwargs.pop("max_sequence_length"),
-        hybrid_layer_pattern=conversion.pattern.pattern,
-        pre_process=pp.rank() == 0,
-        post_process=pp.rank() == pp.size() - 1,
+        hybrid_layer_pattern=pattern,
+        pre_process=pp.rank() == 0 and vp_stage in (None, 0),
+        post_process=pp.rank() == pp.size() - 1 and vp_stage in (None, (vpp or 1) - 1),
         parallel_output=parallel_output,
         pg_collection=pg_collection,
+        vp_stage=vp_stage,
         **kwargs,
     )
     model.hf_conversion = conversion
@@ -286,6 +368,10 @@ def load_hf_model(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    sequence_parallel: bool | None = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
     transformer_impl: str = "local",
     params_dtype: torch.dtype | None = None,
     mtp: bool | None = None,
@@ -300,14 +386,22 @@ def load_hf_model(
 
     Sets up the process groups if none exist (a plain process: a one-rank world; under
     torchrun: the job's world), as ``train`` does; otherwise uses the current ones, which must
-    have the requested sizes.
+    have the requested sizes. Takes every parallel size ``train`` takes; what a layout cannot do
+    is refused by the argument's name before anything is built.
 
     Args:
         path: folder with config.json and safetensors (sharded with an index or not), or an
             open ``HFCheckpoint``.
-        tensor_model_parallel_size: TP size (expert TP follows it).
+        tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size; the pattern is split by physical layers.
         expert_model_parallel_size: EP size.
+        expert_tensor_parallel_size: expert TP size (None: the TP size).
+        context_parallel_size: CP size (needs ``transformer_impl="transformer_engine"``;
+            ``forward_logprobs`` and ``PolicyTrainer`` do not run it yet and say so).
+        sequence_parallel: None: on whenever TP is (MoE layers need it under TP).
+        virtual_pipeline_model_parallel_size: virtual stages per pipeline rank: the pattern is
+            cut into ``pp x vpp`` stages of nearly equal logical layer counts
+            (``megatron_hybrid.pattern.with_stages``), and one chunk per stage is returned.
         transformer_impl: ``"local"`` (Megatron-Core modules) or ``"transformer_engine"``.
         params_dtype: parameter dtype (default: the checkpoint's).
         mtp: load the MTP layers the config declares (None: when the checkpoint holds them).
@@ -324,24 +418,50 @@ def load_hf_model(
 
     Returns:
         This rank's HybridModel (``model(input_ids, position_ids, None)`` gives logits
-        ``[batch, seq, vocab]`` on the last pipeline stage), with ``hf_conversion`` attached.
+        ``[batch, seq, vocab]`` on the last pipeline stage), with ``hf_conversion`` attached;
+        under virtual pipeline parallelism the list of this rank's chunks, in stage order.
+
+    Raises:
+        ValueError: a parallel size the layout cannot run (named), or one that does not fit
+            the current process groups or the world.
     """
     source = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     if conversion is None:
         conversion = conversion_for(source, mtp=mtp, ignore_config_fields=ignore_config_fields)
-    pg = _ensure_process_groups(
-        tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    sizes = ParallelSizes(
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        ep=expert_model_parallel_size,
+        cp=context_parallel_size,
+        vpp=virtual_pipeline_model_parallel_size,
+        etp=expert_tensor_parallel_size,
+        sequence_parallel=sequence_parallel,
     )
-    model = build_model(
-        conversion,
-        pg,
+    has_experts = bool(conversion.pattern.layer_counts.get(MOE))
+    refused = sizes.unsupported(transformer_impl, has_experts)
+    if refused:
+        raise ValueError(f"load_hf_model: {refused}")
+    pattern = None
+    if sizes.vpp is not None:
+        try:
+            pattern = with_stages(conversion.pattern, sizes.pp * sizes.vpp)
+        except ValueError as error:
+            raise ValueError(
+                f"load_hf_model: virtual_pipeline_model_parallel_size={sizes.vpp}: {error}"
+            ) from None
+    pg = _ensure_process_groups(sizes)
+    options = dict(
         transformer_impl=transformer_impl,
         params_dtype=params_dtype,
         mamba_impl=mamba_impl,
+        sequence_parallel=sizes.sp,
+        hybrid_layer_pattern=pattern,
         **(config_overrides or {}),
     )
-    load_hf_weights(model, source, conversion, progress=progress, plan=plan)
-    return model
+    stages = range(sizes.vpp) if sizes.vpp is not None else [None]
+    chunks = [build_model(conversion, pg, vp_stage=v, **options) for v in stages]
+    load_hf_weights(chunks, source, conversion, progress=progress, plan=plan)
+    return chunks if sizes.vpp is not None else chunks[0]
 
 
 def save_hf_checkpoint(

@@ -23,6 +23,7 @@ __all__ = [
     "HFCheckpoint",
     "HFCheckpointError",
     "HFCheckpointWriter",
+    "HFTensors",
     "parse_size",
     "require_finite",
     "side_files",
@@ -201,6 +202,45 @@ class HFCheckpoint:
     def close(self) -> None:
         """Release the open files."""
         self._handles.clear()
+
+
+class HFTensors(HFCheckpoint):
+    """Tensors by Hugging Face name, held in memory and read like a folder.
+
+    What an ``iter_hf_weights`` stream collected into a dict becomes, so that
+    :func:`~megatron_hybrid.hf.load_hf_weights` loads it into another model (an engine's copy,
+    the sampler's model) with the same plan, checks and shard reads as a folder.
+
+    Args:
+        tensors: Hugging Face name -> tensor (CPU or not).
+        config: the config.json the names belong to (the conversion's ``config_json``).
+        label: how messages name the source.
+    """
+
+    def __init__(self, tensors, config: dict, label: str = "<tensors in memory>") -> None:
+        # No files: the folder's reader state is replaced by the mapping.
+        self.path = Path(label)
+        self.config = config
+        self.weight_map = {name: label for name in tensors}
+        self._tensors = dict(tensors)
+        self._handles = {}
+        self._meta = {}
+
+    def file_of(self, name: str) -> Path:
+        return self.path
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        tensor = self.get(name)
+        return tensor.dtype, tuple(tensor.shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise HFCheckpointError(f"{self.path} has no tensor {name!r}") from None
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.get(name)[index].to("cpu")
 
 
 def require_finite(source: HFCheckpoint, name: str, values: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from megatron_hybrid.hf.config import HFConversion, conversion_for, family_named
 from megatron_hybrid.hf.fp8 import FP8_DTYPE, SCALE_SUFFIX, DequantizingReader
 from megatron_hybrid.hf.fp8_stream import BucketQuantizer, FP8Spec, fp8_specs
-from megatron_hybrid.hf.io import HFCheckpoint, parse_size, require_finite, side_files
+from megatron_hybrid.hf.io import HFCheckpoint, HFTensors, parse_size, require_finite, side_files
 from megatron_hybrid.hf.plan import EXPERT_KEY_MARK, Link, Plan, build_plan, check_plan
 
 __all__ = [
@@ -164,9 +164,11 @@ def load_hf_weights(
 
     Args:
         model: a HybridModel, a list of model chunks, or wrapped ones (DDP, Float16Module).
-        path: the Hugging Face folder.
+        path: the Hugging Face folder (or an open :class:`HFCheckpoint`), or a mapping of
+            Hugging Face names to tensors (an ``iter_hf_weights`` stream collected with
+            ``dict``: weight sync into another model built from the same folder).
         conversion: the :class:`HFConversion` the model was built from (default: from the
-            folder's config.json).
+            folder's config.json; for a mapping, the one ``load_hf_model`` attached).
         progress: optional callable ``(done, total)`` called after each tensor.
         plan: the conversion's weight plan over the whole model (``check_conversion`` made
             it); default: planned here from this rank's keys.
@@ -178,7 +180,16 @@ def load_hf_weights(
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
 
-    folder = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    if isinstance(path, Mapping):
+        conversion = conversion or getattr(model_chunks(model)[0], "hf_conversion", None)
+        if conversion is None:
+            raise HFWeightsError(
+                "load_hf_weights of tensors in memory needs conversion=... for a model not "
+                "built by load_hf_model"
+            )
+        folder = HFTensors(path, conversion.config_json)
+    else:
+        folder = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     conversion = conversion or conversion_for(folder)
     carried = carried_names(folder, conversion)
     source = DequantizingReader(folder, conversion.quantization, skip=carried)
@@ -252,8 +263,9 @@ def load_hf_weights(
         chunk.hf_fp8_scales = scales
         chunk.hf_carried = kept
         chunk.hf_conversion = conversion
-        chunk.hf_source_path = os.path.abspath(folder.path)
-        chunk.hf_side_files = side_files(folder.path)  # tokenizer etc., for checkpoints, exports
+        if not isinstance(folder, HFTensors):  # weights synced from memory keep their source
+            chunk.hf_source_path = os.path.abspath(folder.path)
+            chunk.hf_side_files = side_files(folder.path)  # tokenizer etc., for exports
     return model
 
 

@@ -6,6 +6,13 @@ is a label). The micro-batches themselves are the package's one layout of padded
 rows (:func:`megatron_hybrid.data.batches.build_micro_batch`): a packed one is one THD row, a
 padded one ``[B, S]`` rows, and each records, for every sequence in it, which rows of the
 model's flattened ``[b * s, vocab]`` output predict its tokens, and the label of every row.
+
+:func:`plan_micro_batches` is the whole plan of one call on one rank: the sequences' micro-batches
+(a fixed row length under pipeline parallelism) and dummy micro-batches so that every rank runs
+as many as the busiest one (expert parallelism spans data-parallel replicas). The checks before
+it (:func:`check_sequences`, :func:`replica_error`) and :func:`agree` make a bad input on any rank
+an error on every rank before the forward pass, so no rank is left waiting in a collective.
+``forward_logprobs``, ``PolicyTrainer`` and ``sample`` plan their micro-batches here.
 """
 
 from __future__ import annotations
@@ -18,7 +25,17 @@ from megatron_hybrid.data.batches import MicroBatch, build_micro_batch
 from megatron_hybrid.data.samples import TokenSample
 from megatron_hybrid.padding import PaddingConfig
 
-__all__ = ["MicroBatch", "dummy_micro_batch", "micro_batch_groups", "sequences_batch"]
+__all__ = [
+    "MicroBatch",
+    "agree",
+    "check_sequences",
+    "dummy_micro_batch",
+    "micro_batch_groups",
+    "plan_micro_batches",
+    "replica_error",
+    "sequences_batch",
+    "world_max",
+]
 
 
 def _aligned_budget(padding: PaddingConfig, max_tokens: int) -> tuple[int, int, int]:
@@ -132,3 +149,133 @@ def dummy_micro_batch(padding: PaddingConfig, **kwargs) -> MicroBatch:
     batch = sequences_batch([torch.zeros(2, dtype=torch.long)], [0], padding, **kwargs)
     batch.spans = []
     return batch
+
+
+def check_sequences(sequences, vocab: int) -> tuple[str | None, list[torch.Tensor]]:
+    """The first problem with ``sequences`` (or None) and the sequences as CPU int64 tensors."""
+    if torch.is_tensor(sequences) or not isinstance(sequences, Sequence):
+        return "sequences must be a list of 1-D token tensors", []
+    if not sequences:
+        return "sequences is empty: pass at least one sequence of token ids", []
+    tokens = []
+    for i, seq in enumerate(sequences):
+        t = seq if torch.is_tensor(seq) else torch.as_tensor(seq)
+        if t.dtype.is_floating_point or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
+            return f"sequence {i} must be a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}", []
+        if t.numel() == 0:
+            return f"sequence {i} is empty (0 tokens); every sequence needs at least one", []
+        tokens.append(t.detach().to("cpu", torch.long))
+    flat = torch.cat(tokens)
+    if int(flat.min()) < 0 or int(flat.max()) >= vocab:  # one check for all, then find where
+        for i, t in enumerate(tokens):
+            bad = ((t < 0) | (t >= vocab)).nonzero()
+            if bad.numel():
+                at = int(bad[0])
+                return (
+                    f"sequence {i} holds token id {int(t[at])} at position {at}, outside the "
+                    f"vocabulary [0, {vocab})"
+                ), []
+    return None, tokens
+
+
+def agree(error: str | None, device, where: str) -> None:
+    """Raise on every rank if any rank found an error (no rank waits in a collective).
+
+    Args:
+        error: this rank's error message, or None.
+        device: where the flag's all-reduce runs.
+        where: the caller's name, which starts the message.
+    """
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if error is not None:
+        raise ValueError(f"{where}: {error}")
+    if flag.item():
+        raise ValueError(
+            f"{where}: another rank refused its input (see that rank's error); every rank must "
+            "pass valid input"
+        )
+
+
+def replica_error(tokens: list[torch.Tensor], group, device) -> str | None:
+    """Why the ranks of one model replica (``group``: tensor x pipeline parallel) disagree about
+    the sequences, or None (they compare a digest of every token and position)."""
+    if group is None or group.size() == 1:
+        return None
+    lengths = torch.tensor([len(t) for t in tokens])
+    flat = torch.cat(tokens)
+    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    position = torch.arange(len(flat)) - starts + 1
+    which = torch.repeat_interleave(torch.arange(len(tokens)), lengths) + 1
+    digest = int(((flat * position) % 1_000_003 * which % 1_000_033).sum())
+    sizes = (len(tokens), len(flat), digest)
+    mix = torch.tensor(sizes, dtype=torch.float64, device=device)
+    low, high = mix.clone(), mix.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        return (
+            "the ranks of one model replica (tensor and pipeline parallel) passed different "
+            "sequences; every rank of a replica must pass the same list"
+        )
+    return None
+
+
+def world_max(values: list[int], device) -> list[int]:
+    """Each value's maximum over every rank (the values themselves without a process group)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def _fixed_length(padding, lengths, max_tokens, packed, device) -> int:
+    """The one row length every micro-batch has under pipeline parallelism."""
+    if packed:
+        probe = padding.thd([1])
+        return max(probe.total_multiple, max_tokens // probe.total_multiple * probe.total_multiple)
+    longest = world_max([max(lengths, default=1)], device)[0]
+    return padding.align_seq_length(longest, micro_batch_size=1, force_policy="round_up")
+
+
+def plan_micro_batches(
+    tokens: Sequence[torch.Tensor],
+    padding: PaddingConfig,
+    *,
+    max_tokens: int,
+    packed: bool,
+    pg_collection,
+    chunks: int,
+    device,
+    where: str,
+) -> list[MicroBatch]:
+    """Every micro-batch this rank runs for ``tokens`` (collective over the world).
+
+    Sequences of one token predict nothing and run in no micro-batch. Under pipeline
+    parallelism every micro-batch has one row length; every rank runs as many micro-batches as
+    the busiest one (dummies whose output nobody reads), a whole number of pipeline rounds
+    under interleaving (``chunks`` > 1).
+
+    Raises:
+        ValueError: on every rank, if a sequence does not fit ``max_tokens`` on any rank.
+    """
+    runnable = [i for i, t in enumerate(tokens) if len(t) > 1]  # one token predicts nothing
+    lengths = [len(tokens[i]) - 1 for i in runnable]  # inputs: the last token is a label only
+    pipelined = padding.fixed_length_required
+    rows = 1 if not packed and (pipelined or padding.needs_group_equalize) else None
+    fixed = _fixed_length(padding, lengths, max_tokens, packed, device) if pipelined else None
+    try:
+        groups = micro_batch_groups(lengths, padding, max_tokens, packed, rows) if lengths else []
+        groups = [[runnable[i] for i in group] for group in groups]
+        error = None
+    except ValueError as refused:
+        groups, error = [], str(refused)
+    agree(error, device, where)
+    count = world_max([len(groups)], device)[0]
+    if chunks > 1:
+        pp = pg_collection.pp.size()
+        count = -(-count // pp) * pp  # interleaving needs whole rounds
+    options = dict(packed=packed, fixed_length=fixed, rows=rows, equalize_group=pg_collection.tp_ep)
+    batches = [sequences_batch(tokens, group, padding, **options) for group in groups]
+    return batches + [dummy_micro_batch(padding, **options) for _ in range(count - len(groups))]

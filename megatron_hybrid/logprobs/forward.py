@@ -24,18 +24,23 @@ import torch
 from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
 from megatron_hybrid.logprobs.batches import (
     MicroBatch,
-    dummy_micro_batch,
-    micro_batch_groups,
-    sequences_batch,
+    agree,
+    check_sequences,
+    plan_micro_batches,
+    replica_error,
 )
-from megatron_hybrid.logprobs.vocab import check_temperature, token_entropy, token_logprobs
+from megatron_hybrid.logprobs.vocab import (
+    check_temperature,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from megatron_hybrid.padding import (
     packed_seq_params_to,
     padding_config_from,
     thd_unsupported_reason_for,
 )
 
-__all__ = ["forward_logprobs", "real_vocab_size"]
+__all__ = ["choose_packed", "forward_logprobs", "model_device", "real_vocab_size"]
 
 
 def _chunks(model) -> list:
@@ -53,69 +58,12 @@ def real_vocab_size(model) -> int:
     return model.vocab_size if real is None else real
 
 
-def _device(inner: list) -> torch.device:
+def model_device(inner: list) -> torch.device:
+    """Where the model chunks' parameters are (the current CUDA device, or the CPU)."""
     for chunk in inner:
         for param in chunk.parameters():
             return param.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-
-
-def _input_error(sequences, vocab: int) -> tuple[str | None, list[torch.Tensor]]:
-    """The first problem with ``sequences`` (or None) and the sequences as CPU int64 tensors."""
-    if torch.is_tensor(sequences) or not isinstance(sequences, Sequence):
-        return "sequences must be a list of 1-D token tensors", []
-    if not sequences:
-        return "sequences is empty: pass at least one sequence of token ids", []
-    tokens = []
-    for i, seq in enumerate(sequences):
-        t = seq if torch.is_tensor(seq) else torch.as_tensor(seq)
-        if t.dtype.is_floating_point or t.is_complex() or t.dtype == torch.bool or t.dim() != 1:
-            return f"sequence {i} must be a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}", []
-        if t.numel() == 0:
-            return f"sequence {i} is empty (0 tokens); every sequence needs at least one", []
-        bad = ((t < 0) | (t >= vocab)).nonzero()
-        if bad.numel():
-            at = int(bad[0])
-            return (
-                f"sequence {i} holds token id {int(t[at])} at position {at}, outside the "
-                f"vocabulary [0, {vocab})"
-            ), []
-        tokens.append(t.detach().to("cpu", torch.long))
-    return None, tokens
-
-
-def _agree(error: str | None, device) -> None:
-    """Raise on every rank if any rank refused its input (no rank waits in a collective)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    if error is not None:
-        raise ValueError(f"forward_logprobs: {error}")
-    if flag.item():
-        raise ValueError(
-            "forward_logprobs: another rank refused its input (see that rank's error); every "
-            "rank must pass valid sequences"
-        )
-
-
-def _replica_error(tokens: list[torch.Tensor], group, device) -> str | None:
-    """Why the ranks of one model replica disagree about the sequences, or None."""
-    if group is None or group.size() == 1:
-        return None
-    digest = 0
-    for i, t in enumerate(tokens):
-        digest = (digest * 1_000_003 + int((t * torch.arange(1, len(t) + 1)).sum()) + i) % (1 << 31)
-    sizes = (len(tokens), sum(len(t) for t in tokens), digest)
-    mix = torch.tensor(sizes, dtype=torch.float64, device=device)
-    low, high = mix.clone(), mix.clone()
-    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN, group=group)
-    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX, group=group)
-    if not torch.equal(low, high):
-        return (
-            "the ranks of one model replica (tensor and pipeline parallel) passed different "
-            "sequences; every rank of a replica must pass the same list"
-        )
-    return None
 
 
 def _symbols(inner, config) -> set[str] | None:
@@ -125,8 +73,9 @@ def _symbols(inner, config) -> set[str] | None:
     return {symbol for symbol, count in parsed.layer_counts.items() if count}
 
 
-def _packs(inner, config, packed: bool | None) -> bool:
-    """Whether to pack: the caller's choice, else whenever every layer type packs."""
+def choose_packed(inner, config, packed: bool | None) -> bool:
+    """Whether to pack (THD) a model chunk's input: the caller's choice ``packed``, else whenever
+    every layer type packs; ``packed=True`` for a model that cannot is a ValueError."""
     symbols = _symbols(inner, config)
     if symbols is None:  # a model without a pattern (GPTModel): TE's attention packs
         reason = None if config.transformer_impl == "transformer_engine" else "local attention"
@@ -137,19 +86,12 @@ def _packs(inner, config, packed: bool | None) -> bool:
     return reason is None if packed is None else bool(packed)
 
 
-def _world_max(values: list[int], device) -> list[int]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return [int(v) for v in tensor.tolist()]
-
-
 def _collect(batch: MicroBatch, reduce, output: torch.Tensor):
-    """Loss function of the last stage: per-token results of every sequence in ``batch``."""
+    """Loss function of the last stage: the per-token results of ``batch``'s spans, in one
+    ``[parts, predictions]`` tensor."""
     logits = output.reshape(-1, output.size(-1))
-    values = reduce(logits, batch.labels.to(logits.device))
-    for index, first, count in batch.spans:
-        batch.results[index] = tuple(v[first : first + count] for v in values)
+    rows = batch.span_rows.to(logits.device, non_blocking=True)
+    batch.results = torch.stack(reduce(logits, batch.labels.to(logits.device)))[:, rows]
     zero = torch.zeros((), device=logits.device)
     return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
 
@@ -198,8 +140,8 @@ def forward_logprobs(
 
     Returns:
         On every rank, in input order, one float32 tensor of ``len - 1`` log-probs per sequence
-        (``logprobs[j] = log p(seq[j + 1] | seq[: j + 1])``), or with ``with_entropy`` one
-        ``(logprobs, entropies)`` pair per sequence. No gradients.
+        (``logprobs[j] = log p(seq[j + 1] | seq[: j + 1])``); with ``with_entropy`` two such
+        lists, ``(logprobs, entropies)``. No gradients. The tensors are views of one buffer.
 
     Raises:
         ValueError: bad sequences (empty list, an empty sequence, ids outside the vocabulary,
@@ -224,63 +166,40 @@ def forward_logprobs(
             f"max_tokens_per_micro_batch must be an int, got {max_tokens_per_micro_batch!r}"
         )
     vocab = vocab_size if vocab_size is not None else real_vocab_size(inner[0])
-    device = _device(inner)
-    error, tokens = _input_error(sequences, vocab)
+    device = model_device(inner)
+    where = "forward_logprobs"
+    error, tokens = check_sequences(sequences, vocab)
     if error is None and max_tokens_per_micro_batch < 1:
         error = f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}"
     if error is None and pg.cp.size() > 1:
         error = "context parallelism is not supported; run with context_parallel_size 1"
-    _agree(error, device)
-    _agree(_replica_error(tokens, pg.mp, device), device)
+    agree(error, device, where)
+    agree(replica_error(tokens, pg.mp, device), device, where)
 
-    padding = padding_config_from(config, pg)
-    use_thd = _packs(inner[0], config, packed)
-    runnable = [i for i, t in enumerate(tokens) if len(t) > 1]  # one token predicts nothing
-    lengths = [len(tokens[i]) - 1 for i in runnable]  # inputs: the last token is a label only
-    pipelined = padding.fixed_length_required
-    rows = 1 if not use_thd and (pipelined or padding.needs_group_equalize) else None
-    fixed = None
-    if pipelined:
-        fixed = _fixed_length(padding, lengths, max_tokens_per_micro_batch, use_thd, device)
-    try:
-        groups = micro_batch_groups(lengths, padding, max_tokens_per_micro_batch, use_thd, rows)
-        groups = [[runnable[i] for i in group] for group in groups] if lengths else []
-        error = None
-    except ValueError as refused:
-        groups, error = [], str(refused)
-    _agree(error, device)
-
-    count = _world_max([len(groups)], device)[0]
-    if len(chunks) > 1:
-        count = -(-count // pg.pp.size()) * pg.pp.size()  # interleaving needs whole rounds
-    options = dict(packed=use_thd, fixed_length=fixed, rows=rows, equalize_group=pg.tp_ep)
-    batches = [sequences_batch(tokens, group, padding, **options) for group in groups]
-    batches += [dummy_micro_batch(padding, **options) for _ in range(count - len(groups))]
-
+    batches = plan_micro_batches(
+        tokens,
+        padding_config_from(config, pg),
+        max_tokens=max_tokens_per_micro_batch,
+        packed=choose_packed(inner[0], config, packed),
+        pg_collection=pg,
+        chunks=len(chunks),
+        device=device,
+        where=where,
+    )
     reduce = partial(_reduce, tp_group=pg.tp, temperature=temperature, vocab_size=vocab,
                      with_entropy=with_entropy)  # fmt: skip
-    if count:
+    if batches:
         _run(chunks, config, pg, batches, reduce, device)
     return _gather(tokens, batches, pg, device, with_entropy)
 
 
-def _fixed_length(padding, lengths, max_tokens, use_thd, device) -> int:
-    """The one row length every micro-batch has under pipeline parallelism."""
-    if use_thd:
-        probe = padding.thd([1])
-        return max(probe.total_multiple, max_tokens // probe.total_multiple * probe.total_multiple)
-    longest = _world_max([max(lengths, default=1)], device)[0]
-    return padding.align_seq_length(longest, micro_batch_size=1, force_policy="round_up")
-
-
 def _reduce(logits, labels, *, tp_group, temperature, vocab_size, with_entropy):
-    values = [token_logprobs(logits, labels, tp_group=tp_group, temperature=temperature,
-                             vocab_size=vocab_size)]  # fmt: skip
-    if with_entropy:
-        values.append(
-            token_entropy(logits, tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
-        )
-    return values
+    # The labels are the checked sequences' tokens: no range check (it would wait for the device).
+    options = dict(tp_group=tp_group, temperature=temperature, vocab_size=vocab_size,
+                   check_labels=False)  # fmt: skip
+    if with_entropy:  # one pass over the vocabulary for both
+        return list(token_logprobs_and_entropy(logits, labels, **options))
+    return [token_logprobs(logits, labels, **options)]
 
 
 def _run(chunks, config, pg, batches, reduce, device) -> None:
@@ -317,24 +236,21 @@ def _run(chunks, config, pg, batches, reduce, device) -> None:
 
 
 def _gather(tokens, batches, pg, device, with_entropy):
-    """Every sequence's results, broadcast from the last pipeline stage, in input order."""
-    found = {index: values for batch in batches for index, values in batch.results.items()}
+    """Every sequence's results, broadcast from the last pipeline stage, in input order: one
+    copy per micro-batch into one buffer, whose views are returned."""
     sizes = [len(t) - 1 for t in tokens]
     parts = 2 if with_entropy else 1
     flat = torch.empty(parts, sum(sizes), dtype=torch.float32, device=device)
-    last = pg.pp.rank() == pg.pp.size() - 1
-    if last:
-        offset = 0
-        for index, size in enumerate(sizes):
-            for part in range(parts):
-                if size:
-                    flat[part, offset : offset + size] = found[index][part].float()
-            offset += size
+    if pg.pp.rank() == pg.pp.size() - 1:
+        starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        for batch in batches:
+            if batch.spans:
+                where = torch.cat(
+                    [torch.arange(starts[i], starts[i] + n) for i, _, n in batch.spans]
+                )
+                flat.index_copy_(1, where.to(device, non_blocking=True), batch.results.float())
     if pg.pp.size() > 1:
         source = torch.distributed.get_global_rank(pg.pp, pg.pp.size() - 1)
         torch.distributed.broadcast(flat, src=source, group=pg.pp)
-    split = [
-        tuple(p.clone() for p in pair)
-        for pair in zip(*(flat[k].split(sizes) for k in range(parts)), strict=True)
-    ]
-    return [pair if with_entropy else pair[0] for pair in split]
+    split = [list(flat[k].split(sizes)) for k in range(parts)]
+    return (split[0], split[1]) if with_entropy else split[0]

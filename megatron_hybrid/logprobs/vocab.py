@@ -21,7 +21,13 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-__all__ = ["BLOCK_ELEMENTS", "check_temperature", "token_entropy", "token_logprobs"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "check_temperature",
+    "token_entropy",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+]
 
 #: Logits per block of rows; float32 temporaries of one or two blocks are the extra memory.
 BLOCK_ELEMENTS = 1 << 24
@@ -56,7 +62,8 @@ def _layout(logits: Tensor, vocab_size, tp_group) -> tuple[int, int]:
     return first, max(0, min(local, vocab_size - first))
 
 
-def _check_labels(labels, logits: Tensor, vocab_size: int) -> None:
+def _check_labels(labels, logits: Tensor, vocab_size: int, ids: bool = True) -> None:
+    """Refuse labels of the wrong type or shape, and (``ids``) ids outside the vocabulary."""
     if not torch.is_tensor(labels) or labels.dtype.is_floating_point or labels.is_complex():
         raise ValueError("labels must be an integer tensor of token ids")
     if labels.shape != logits.shape[:-1]:
@@ -64,7 +71,7 @@ def _check_labels(labels, logits: Tensor, vocab_size: int) -> None:
             f"labels {tuple(labels.shape)} must have the logits' shape without the vocabulary "
             f"dimension, {tuple(logits.shape[:-1])}"
         )
-    if labels.numel():
+    if ids and labels.numel():
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(
@@ -97,7 +104,8 @@ def _softmax_statistics(flat: Tensor, valid: int, temperature: float, tp_group, 
     rows = flat.size(0)
     shift = torch.full((rows,), -math.inf, dtype=torch.float32, device=flat.device)
     for block in _blocks(rows, valid) if valid else ():
-        shift[block] = flat[block, :valid].float().amax(-1) / temperature
+        # The maximum is exact in any dtype: no float32 copy of the block for it.
+        shift[block] = flat[block, :valid].amax(-1).float() / temperature
     _all_reduce(shift, ReduceOp.MAX, tp_group)
     sums = torch.zeros(2, rows, dtype=torch.float32, device=flat.device)
     for block in _blocks(rows, valid) if valid else ():
@@ -176,6 +184,51 @@ class _TokenEntropy(torch.autograd.Function):
         return out.view_as(logits), None, None, None
 
 
+class _TokenLogProbsAndEntropy(torch.autograd.Function):
+    """Both from one pass of softmax statistics; one backward pass for both gradients."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, vocab_size, tp_group):
+        first, valid = _layout(logits, vocab_size, tp_group)
+        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        shift, log_sum, mean_z = _softmax_statistics(flat, valid, temperature, tp_group, True)
+        target = _target_logits(flat, flat_labels, first, valid, temperature, shift, tp_group)
+        entropy = log_sum - mean_z
+        ctx.set_materialize_grads(False)  # an output nobody uses costs no backward work
+        ctx.save_for_backward(logits, labels, shift, log_sum, entropy)
+        ctx.layout = (first, valid, temperature)
+        return (target - log_sum).view(labels.shape), entropy.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, labels, shift, log_sum, entropy = ctx.saved_tensors
+        first, valid, temperature = ctx.layout
+        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1).float()
+        g_h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        out = torch.zeros_like(flat)
+        for block in _blocks(flat.size(0), valid) if valid else ():
+            # d/dz_i of g_lp * log p(label) + g_h * H, with z = logits / T:
+            # g_lp * ([i == label] - p_i) - g_h * p_i * (log p_i + H); the indicator is added
+            # below.
+            log_p = _shifted(flat, block, valid, temperature, shift + log_sum)
+            p = log_p.exp()
+            parts = []
+            if g_lp is not None:
+                parts.append(p * (-g_lp[block] / temperature).unsqueeze(-1))
+            if g_h is not None:
+                scale = (-g_h[block] / temperature).unsqueeze(-1)
+                parts.append(log_p.add_(entropy[block].unsqueeze(-1)).mul_(p).mul_(scale))
+            out[block, :valid] = (parts[0] if len(parts) == 1 else parts[0].add_(parts[1])).to(
+                out.dtype
+            )
+        if g_lp is not None:
+            local = (flat_labels >= first) & (flat_labels < first + valid)
+            hit = local.nonzero().squeeze(-1)
+            out[hit, flat_labels[hit] - first] += (g_lp[hit] / temperature).to(out.dtype)
+        return out.view_as(logits), None, None, None, None
+
+
 def token_logprobs(
     logits: Tensor,
     labels: Tensor,
@@ -183,6 +236,7 @@ def token_logprobs(
     tp_group=None,
     temperature: float = 1.0,
     vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> Tensor:
     """``log softmax(logits / temperature)[label]`` per position, from vocab-parallel logits.
 
@@ -195,6 +249,9 @@ def token_logprobs(
         temperature: the sampling temperature the log-probabilities are for.
         vocab_size: the real vocabulary size; logits of ids at and past it (vocabulary padding)
             are excluded. None: every column is a token.
+        check_labels: check that the labels are ids of the vocabulary (reading their range
+            waits for the device); pass False for labels already checked (``forward_logprobs``
+            and the RL step do), so that nothing synchronises the host with the device.
 
     Returns:
         float32 ``[...]`` log-probabilities, the same on every rank of ``tp_group``;
@@ -205,9 +262,9 @@ def token_logprobs(
             or vocab_size.
     """
     temperature = check_temperature(temperature)
-    first, valid = _layout(logits, vocab_size, tp_group)
+    _layout(logits, vocab_size, tp_group)
     size = 1 if tp_group is None else tp_group.size()
-    _check_labels(labels, logits, vocab_size or logits.size(-1) * size)
+    _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
     return _TokenLogProbs.apply(logits, labels, temperature, vocab_size, tp_group)
 
 
@@ -236,3 +293,32 @@ def token_entropy(
     temperature = check_temperature(temperature)
     _layout(logits, vocab_size, tp_group)
     return _TokenEntropy.apply(logits, temperature, vocab_size, tp_group)
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    tp_group=None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    check_labels: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` and :func:`token_entropy` together, for the price of one.
+
+    One pass over the logits gives the softmax statistics both need (the row maxima, ``sum
+    exp(z)`` and ``sum exp(z) z``), and one backward pass gives the gradient of any combination
+    of the two; the numbers are those of the two functions called apart.
+
+    Returns:
+        ``(logprobs, entropies)``, float32 ``[...]`` each, differentiable with respect to
+        ``logits``.
+
+    Raises:
+        ValueError: as :func:`token_logprobs` (``check_labels`` likewise).
+    """
+    temperature = check_temperature(temperature)
+    _layout(logits, vocab_size, tp_group)
+    size = 1 if tp_group is None else tp_group.size()
+    _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
+    return _TokenLogProbsAndEntropy.apply(logits, labels, temperature, vocab_size, tp_group)

@@ -40,6 +40,7 @@ from megatron_hybrid.pattern.pipeline import (
     select_pipeline_segment,
     virtual_stages,
     with_option_names,
+    with_stages,
 )
 from megatron_hybrid.pattern.symbols import (
     ATTENTION,
@@ -103,4 +104,5 @@ __all__ = [
     "unregister_layer_facts",
     "with_option_names",
     "virtual_stages",
+    "with_stages",
 ]

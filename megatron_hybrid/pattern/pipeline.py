@@ -29,7 +29,7 @@ from megatron_hybrid.pattern.layout import (
     item_to_str,
     items_to_str,
 )
-from megatron_hybrid.pattern.symbols import PIPE
+from megatron_hybrid.pattern.symbols import MTP_SEPARATOR, PIPE
 
 __all__ = [
     "PipelineSelection",
@@ -37,6 +37,7 @@ __all__ = [
     "select_pipeline_segment",
     "virtual_stages",
     "with_option_names",
+    "with_stages",
 ]
 
 
@@ -164,6 +165,37 @@ def virtual_stages(pattern: ParsedPattern | str, pp_size: int) -> int:
             "virtual stages per rank)"
         )
     return p.num_segments // pp_size
+
+
+def with_stages(pattern: ParsedPattern | str, stages: int) -> str:
+    """The pattern cut into ``stages`` ``|``-segments of nearly equal logical layer counts.
+
+    For a pattern that has no ``|`` (a Hugging Face model's) to run under virtual pipeline
+    stages: the earlier segments take one logical layer more where the count does not divide.
+    The layers, their order and the checkpoint keys stay the same (keys never depend on the
+    pipeline split); MTP depths are kept.
+
+    Raises:
+        ValueError: the pattern already has ``|``, or fewer logical layers than ``stages``.
+
+    >>> with_stages("[GE]{3}[*E]/*E", 2), with_stages("M*-", 2)
+    ('[GE][GE]|[GE][*E]/*E', 'M*|-')
+    """
+    p = _as_parsed(pattern)
+    stages = check_int("stages", stages, 1)
+    if p.num_segments > 1:
+        raise ValueError(f"{_quoted(p)} already has '|' stage boundaries; keep them")
+    items = p.items
+    if len(items) < stages:
+        raise ValueError(
+            f"{_quoted(p)} has {len(items)} logical layers, too few for {stages} pipeline stages "
+            "(one layer at least each)"
+        )
+    size, extra = divmod(len(items), stages)
+    cuts = list(accumulate(size + (i < extra) for i in range(stages)))
+    parts = [items_to_str(items[a:b]) for a, b in pairwise([0, *cuts])]
+    mtp = (MTP_SEPARATOR + "".join(p.mtp_items)) * p.mtp_num_depths
+    return PIPE.join(parts) + mtp
 
 
 def pipeline_segments(

@@ -14,7 +14,10 @@ from functools import partial
 
 import torch
 
-__all__ = ["lm_forward_step", "masked_token_loss"]
+__all__ = ["LM_LOSS", "lm_forward_step", "masked_token_loss"]
+
+#: The report key of the language-model loss (Megatron-LM's name for it in its logs).
+LM_LOSS = "lm loss"
 
 
 def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -33,7 +36,7 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    return loss_sum, num_tokens, {LM_LOSS: report}
 
 
 def lm_forward_step(data_iterator: Iterator, model, return_schedule_plan: bool = False):

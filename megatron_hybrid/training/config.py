@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, ParsedPattern
+from megatron_hybrid.schedule.p2p import pipeline_p2p_fields
 from megatron_hybrid.training.arguments import (
     add_hybrid_args,
     required_pattern,
@@ -75,12 +76,12 @@ def training_fields(args: argparse.Namespace, parsed: ParsedPattern) -> dict[str
 
     args = with_defaults(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
     return dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp_size_from_pattern(
-            parsed, args.pipeline_model_parallel_size
-        ),
+        virtual_pipeline_model_parallel_size=vpp,
+        **pipeline_p2p_fields(vpp),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         context_parallel_size=args.context_parallel_size,

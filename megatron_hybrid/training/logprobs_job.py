@@ -224,14 +224,13 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
         temperature=args.temperature,
         with_entropy=args.entropy,
     )
-    local = [
-        (
-            (i, {"logprobs": r[0].tolist(), "entropies": r[1].tolist()})
-            if args.entropy
-            else (i, {"logprobs": r.tolist()})
-        )
-        for i, r in zip(mine, results[: len(mine)], strict=True)
-    ]
+    logprobs, entropies = results if args.entropy else (results, None)
+    local = []
+    for k, i in enumerate(mine):
+        record = {"logprobs": logprobs[k].tolist()}
+        if entropies is not None:
+            record["entropies"] = entropies[k].tolist()
+        local.append((i, record))
     gathered = [None] * dp
     torch.distributed.all_gather_object(gathered, local, group=pg.dp)
     records = dict(pair for part in gathered for pair in part)

@@ -14,7 +14,7 @@ gradient norm computed over model-parallel shards as megatron computes it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,7 @@ from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_a
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
-from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.schedule.steps import LM_LOSS, lm_forward_step
 from megatron_hybrid.training.optimizer_step import (
     NormGroup,
     apply_step,
@@ -33,13 +33,16 @@ from megatron_hybrid.training.optimizer_step import (
 from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
+    "OPTIMIZERS",
     "CPUOptimizer",
     "StepResult",
     "all_finite",
     "build_model_chunks",
     "build_optimizer",
+    "check_optimizer",
     "first_nonfinite_parameter",
     "train_step",
+    "wrap_model_chunks",
 ]
 
 
@@ -66,16 +69,13 @@ def build_model_chunks(
     buffers hold the parameters that train then: LoRA adapters go on here);
     ``model_kwargs`` are further HybridModel arguments (``rotary_percent``, ``rotary_base``).
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
-    # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
+    # train_step's loss is a per-token sum; the routers read the flag when they are built.
     config.calculate_per_token_loss = True
     spec = stack_spec or hybrid_stack_spec(backend, config=config, mamba_impl=mamba_impl)
     pp = pg_collection.pp
     vpp = config.virtual_pipeline_model_parallel_size
-    on_gpu = torch.cuda.is_available()
     models = []
     for vp_stage in range(vpp) if vpp else [None]:
         last_vp = vp_stage is None or vp_stage == vpp - 1
@@ -93,15 +93,33 @@ def build_model_chunks(
             vp_stage=vp_stage,
             **model_kwargs,
         )
-        if on_gpu:
+        if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         models.append(model)
     if prepare is not None:
         prepare(models)
+    return wrap_model_chunks(models, config, pg_collection)
+
+
+def wrap_model_chunks(models: list, config, pg_collection) -> list:
+    """Model chunks (one per virtual stage) wrapped in megatron's ``DistributedDataParallel``.
+
+    The one wrapping ``train`` and :class:`~megatron_hybrid.rl.PolicyTrainer` use: gradient
+    buffers in float32 for the parameters that require gradients (LoRA runs: the adapters),
+    the distributed optimizer's layout on GPUs, and gradients summed over data-parallel ranks
+    (the step's loss is a sum over tokens that ``finalize_model_grads`` divides by the global
+    count; ``train_step``).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
+    # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
+    config.calculate_per_token_loss = True
+    on_gpu = torch.cuda.is_available()
     chunks = []
-    for vp_stage, model in zip(range(vpp) if vpp else [None], models, strict=True):
+    for index, model in enumerate(models):
         # delay_wgrad_compute: TE's backward_dw assigns each micro-batch's weight gradient to
         # .grad; only DDP's wgrad hooks, registered with this flag, add it to main_grad.
         ddp_config = DistributedDataParallelConfig(
@@ -114,21 +132,46 @@ def build_model_chunks(
                 config,
                 ddp_config,
                 model,
-                disable_bucketing=vp_stage not in (None, 0),
+                disable_bucketing=index > 0,
                 pg_collection=pg_collection,
             )
         )
     return chunks
 
 
-class CPUOptimizer:
-    """AdamW over megatron's ``main_grad`` buffers, with global-norm clipping (CPU runs)."""
+#: The optimizers a step can use (megatron-core's ``OptimizerConfig.optimizer`` names).
+OPTIMIZERS = ("adam", "sgd")
 
-    def __init__(self, chunks, *, lr: float, weight_decay: float, clip_grad: float, pg_collection):
+
+def check_optimizer(optimizer) -> str:
+    """``optimizer`` if it names one of :data:`OPTIMIZERS`, else ValueError saying which exist."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return optimizer
+
+
+class CPUOptimizer:
+    """AdamW (or plain SGD) over megatron's ``main_grad`` buffers, with global-norm clipping
+    (CPU runs). SGD has no momentum, as megatron's is set up here: one step is
+    ``w - lr * (grad + weight_decay * w)``."""
+
+    def __init__(
+        self,
+        chunks,
+        *,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        pg_collection,
+        optimizer: str = "adam",
+    ):
         self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.clip_grad = clip_grad
         self.pg_collection = pg_collection
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        if check_optimizer(optimizer) == "sgd":
+            self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
 
     def _grad_norm(self) -> float:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -207,30 +250,58 @@ class CPUOptimizer:
 
 
 def build_optimizer(
-    chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg, min_lr: float = 0.0
+    chunks,
+    config,
+    *,
+    lr: float,
+    weight_decay: float,
+    clip_grad: float,
+    pg,
+    min_lr: float = 0.0,
+    optimizer: str = "adam",
 ):
     """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU (a
     learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
-    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``)."""
-    optimizer = _build_optimizer(
-        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg, min_lr=min_lr
-    )
+    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``).
+
+    ``optimizer`` is ``"adam"`` (train's) or ``"sgd"`` (no momentum: with ``clip_grad=0`` and
+    no weight decay one step is ``w - lr * grad``, the check a user can do).
+    """
+    check_optimizer(optimizer)
+    built = _build_optimizer(
+        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg,
+        min_lr=min_lr, optimizer=optimizer,
+    )  # fmt: skip
     if fused_step_enabled():
-        use_fused_adam(optimizer)
-    return optimizer
+        use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
+    return built
 
 
 def _build_optimizer(
-    chunks, config, *, lr: float, weight_decay: float, clip_grad: float, pg, min_lr: float
+    chunks,
+    config,
+    *,
+    lr: float,
+    weight_decay: float,
+    clip_grad: float,
+    pg,
+    min_lr: float,
+    optimizer: str,
 ):
     if not torch.cuda.is_available():
         return CPUOptimizer(
-            chunks, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg_collection=pg
+            chunks,
+            lr=lr,
+            weight_decay=weight_decay,
+            clip_grad=clip_grad,
+            pg_collection=pg,
+            optimizer=optimizer,
         )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     optimizer_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optimizer,
+        sgd_momentum=0.0,
         lr=lr,
         min_lr=min_lr,
         weight_decay=weight_decay,
@@ -251,7 +322,9 @@ class StepResult:
     ``nonfinite`` says what was found first (``parameter NAME (rank R)``, ``gradient of NAME
     (rank R)``, ``the loss`` or ``the gradient norm``). ``flops`` are the model FLOPs of the
     global batch (the micro-batches' ``model_flops``, summed over data-parallel ranks; 0 where
-    the batches carry none).
+    the batches carry none). ``reports`` holds every report of the
+    forward step's loss function summed over the global batch (micro-batches and
+    data-parallel ranks), by key, for forward steps other than the language model's.
     """
 
     loss: float
@@ -260,6 +333,7 @@ class StepResult:
     finite: bool = True
     nonfinite: str | None = None
     flops: float = 0.0
+    reports: dict = field(default_factory=dict)
 
 
 def all_finite(tensors, pg_collection) -> bool:
@@ -321,15 +395,33 @@ def train_step(
     micro_batch_size: int,
     pg_collection,
     timer: PhaseTimer | None = None,
+    forward_step=lm_forward_step,
+    loss_key: str = LM_LOSS,
 ) -> StepResult:
     """One optimizer step over ``batches`` (a list of micro-batch dicts, or one list per chunk).
 
-    ``timer`` (a :class:`~megatron_hybrid.training.phases.PhaseTimer`, for benchmarks) times
-    the step's phases, waiting for the device around each; without it nothing waits.
+    Args:
+        chunks: the model chunks, wrapped by :func:`wrap_model_chunks`.
+        optimizer: from :func:`build_optimizer`.
+        batches: what ``forward_step`` reads, one item per micro-batch (a dict with
+            ``num_tokens``, the real tokens, and ``model_flops`` counts them in the result).
+        config: the models' TransformerConfig.
+        seq_length, micro_batch_size: the pipeline's tensor shape (``[seq_length,
+            micro_batch_size, hidden]``).
+        pg_collection: the process groups.
+        timer: a :class:`~megatron_hybrid.training.phases.PhaseTimer` (benchmarks) times the
+            step's phases, waiting for the device around each; without it nothing waits.
+        forward_step: megatron-core's ``forward_step_func``: ``(data_iterator, model) ->
+            (output, loss_func)``, where ``loss_func(output)`` returns megatron's per-token
+            three-tuple ``(loss_sum, count, {key: report tensor})``; gradients are those of the
+            sum of ``loss_sum`` over the global batch divided by the sum of ``count``
+            (``calculate_per_token_loss``). Default: the language-model step.
+        loss_key: the report whose entries 0 and 1 are the loss sum and its count (the step's
+            ``loss`` is their ratio).
 
     Returns:
-        The step's per-token loss, the gradient norm before clipping and the real tokens of the
-        global batch.
+        The step's loss (summed over the global batch, divided by its count), the gradient norm
+        before clipping, the real tokens of the global batch and every report summed.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -341,7 +433,7 @@ def train_step(
     iterators = [iter(list(b)) for b in per_chunk]
     with phase(timer, "forward-backward"):
         reports = get_forward_backward_func()(
-            forward_step_func=lm_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(per_chunk[0]),
@@ -350,9 +442,14 @@ def train_step(
             forward_only=False,
         )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    # The language model reports its loss alone (in the statistics below, with no host read);
+    # other forward steps' reports (the policy loss's terms) are summed for the caller.
+    summed = (
+        {} if forward_step is lm_forward_step else _summed_reports(reports, pg_collection, device)
+    )
     fused = fused_step_enabled()
     with phase(timer, "guard"):
-        stats = _step_statistics(reports, per_chunk[0], pg_collection, device)
+        stats = _step_statistics(reports, per_chunk[0], pg_collection, device, loss_key)
         if fused:
             guard = guard_statistics(optimizer, stats[:2])
         else:  # megatron's path: every gradient checked before its optimizer.step()
@@ -388,14 +485,15 @@ def train_step(
         finite=nonfinite is None,
         nonfinite=nonfinite,
         flops=flops,
+        reports={key: value.cpu() for key, value in summed.items()},
     )
 
 
-def _step_statistics(reports, batches, pg_collection, device) -> torch.Tensor:
+def _step_statistics(reports, batches, pg_collection, device, loss_key: str) -> torch.Tensor:
     """``[loss sum, loss tokens, real tokens, model FLOPs]`` of the global batch, float64 on the
     device (no host read): the last pipeline stage's losses and every rank's micro-batches,
     summed over data-parallel ranks, the losses shared with the other pipeline stages."""
-    losses = [report["lm loss"].double().to(device) for report in reports]
+    losses = [report[loss_key][:2].double().to(device) for report in reports]
     if losses:
         loss = torch.stack(losses).sum(0)
     else:
@@ -418,3 +516,33 @@ def _clip_grad(optimizer) -> float:
     if hasattr(optimizer, "clip_grad"):
         return optimizer.clip_grad
     return optimizer.config.clip_grad
+
+
+def _summed_reports(reports: list[dict], pg_collection, device) -> dict:
+    """Every key's report tensors summed over micro-batches and data-parallel ranks, in float64,
+    on every rank (only the last pipeline stage has them; the others add zeros)."""
+    keys = sorted({key for report in reports for key in report})
+    keys = _same_keys(keys, pg_collection)
+    summed = {}
+    for key in keys:
+        local = [report[key].double().reshape(-1).cpu() for report in reports if key in report]
+        size = torch.tensor([max((t.numel() for t in local), default=0)], device=device)
+        torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX)
+        total = torch.zeros(int(size.item()), dtype=torch.float64)
+        for t in local:
+            total += t
+        total = total.to(device)
+        torch.distributed.all_reduce(total, group=pg_collection.dp_cp)
+        torch.distributed.all_reduce(total, group=pg_collection.pp)  # only the last stage adds
+        summed[key] = total
+    return summed
+
+
+def _same_keys(keys: list[str], pg_collection) -> list[str]:
+    """The report keys of the last pipeline stage, known on every rank."""
+    if pg_collection.pp.size() == 1:
+        return keys
+    shared = [keys]
+    last = torch.distributed.get_global_rank(pg_collection.pp, pg_collection.pp.size() - 1)
+    torch.distributed.broadcast_object_list(shared, src=last, group=pg_collection.pp)
+    return shared[0]

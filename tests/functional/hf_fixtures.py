@@ -115,6 +115,30 @@ def _make(root: Path) -> None:
             {"input_ids": input_ids, "logits": reference, "bound": bound}, folder / "reference.pt"
         )
         print(f"{name}: {folder} (bound {bound:.2e})", flush=True)
+    rl_main(str(root))
+
+
+#: The loss variants test_rl_gpu.py checks (indices into ``rl_oracle.VARIANTS``): token-mean
+#: alone, and the sequence mean with old/reference log-probs, KL and entropy.
+RL_VARIANTS = (0, 3)
+
+
+def rl_main(out: str) -> None:
+    """``OUT/rl_<name>``: each policy-step family's folder and ``policy.pt``."""
+    sys.path.insert(0, str(HERE.parent / "unit" / "hf"))
+    sys.path.insert(0, str(HERE.parent / "unit" / "rl"))
+    import hf_oracle
+    import rl_oracle
+
+    for name, (family, overrides) in rl_oracle.FAMILIES.items():
+        folder = hf_oracle.make_hf_checkpoint(family, Path(out) / f"rl_{name}", **overrides)
+        batch = rl_oracle.make_batch(folder, family)
+        variants = [rl_oracle.VARIANTS[i] for i in RL_VARIANTS]
+        oracle = {
+            v.name: rl_oracle.transformers_gradients(folder, family, batch, v) for v in variants
+        }
+        torch.save({"batch": batch.__dict__, "oracle": oracle}, folder / "policy.pt")
+        print(f"rl_{name}: {folder}")
 
 
 if __name__ == "__main__":

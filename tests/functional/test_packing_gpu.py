@@ -174,7 +174,8 @@ def test_forward_logprobs_on_gpu_equals_each_sequence_alone(world):
     model = _model(pattern, PATTERNS[pattern], "local", {}, pg, device)
     sequences = random_sequences(vocab_size=128, seed=4)
     with exact_float32():
-        got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=48, with_entropy=True)
+        got = zip(*forward_logprobs(model, sequences, max_tokens_per_micro_batch=48,
+                                    with_entropy=True), strict=True)  # fmt: skip
         worst = 0.0
         with torch.no_grad():
             for tokens, (lp, entropy) in zip(sequences, got, strict=True):
@@ -214,8 +215,10 @@ def test_layouts_match_tp1_and_pack_exactly(world, shared_dir):
     with exact_float32():
         pg = initialize_model_parallel(seed=5)
         model = layout_model(pg, pattern, *flags, device=device).eval()
-        reference = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
-        reference = [[p.float().cpu().tolist() for p in pair] for pair in reference]
+        lp, h = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+        reference = [
+            [a.float().cpu().tolist(), b.float().cpu().tolist()] for a, b in zip(lp, h, strict=True)
+        ]
         dist_checkpointing.save(model_sharded_state([model]), shared_dir)
         results = run_layouts(rank, world_size, shared_dir, sequences, device=device, names=names)
     rows = [("layout", "forward_logprobs vs TP1", "packed vs alone", "leaking control")]

@@ -91,9 +91,9 @@ def _logprobs(chunks, sequences, rank, name):
 
     # Data-parallel ranks need not see the same sequences: at EP2 the others get them reversed.
     mine = sequences if rank == 0 or name != "ep2" else sequences[::-1]
-    got = forward_logprobs(chunks if len(chunks) > 1 else chunks[0], mine,
-                           max_tokens_per_micro_batch=64, with_entropy=True,
-                           vocab_size=VOCAB)  # fmt: skip
+    got = list(zip(*forward_logprobs(chunks if len(chunks) > 1 else chunks[0], mine,
+                                     max_tokens_per_micro_batch=64, with_entropy=True,
+                                     vocab_size=VOCAB), strict=True))  # fmt: skip
     got = got if mine is sequences else got[::-1]
     # Plain lists: tensors would travel through shared memory a spawned rank releases on exit.
     return [[p.float().cpu().tolist() for p in pair] for pair in got]

@@ -318,6 +318,11 @@ def test_every_package_has_a_layer(layers):
     assert packages <= set(layers), f"missing from docs/architecture.md: {packages - set(layers)}"
 
 
+def test_rl_is_a_layer_between_training_and_cli(layers):
+    """The RL trainer's API builds on train's machinery and nothing below it uses it."""
+    assert layers["training"] < layers["rl"] < layers["cli"]
+
+
 def test_imports_run_downhill(imports, layers):
     assert len(imports) > 100  # the walk found the package's imports at all
     assert layering_violations(imports, layers) == []

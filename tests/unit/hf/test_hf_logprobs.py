@@ -75,8 +75,8 @@ def test_logprobs_match_transformers(family, hf_folders, sequences, references, 
 
     model = load_hf_model(hf_folders[family][0])
     # 32 tokens per micro-batch: the 30-token sequence alone, the others packed together.
-    got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=32,
-                           with_entropy=True, packed=True)  # fmt: skip
+    got = list(zip(*forward_logprobs(model, sequences, max_tokens_per_micro_batch=32,
+                                     with_entropy=True, packed=True), strict=True))  # fmt: skip
     assert _error(got, references[family]) <= _bound(hf_folders, family)
 
 
@@ -95,8 +95,9 @@ def _layouts_worker(rank, world_size, folders, sequences, layouts):
                 continue  # no experts to place
             reset_megatron_state()
             model = load_hf_model(folder, **kwargs)
-            got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=64,
-                                   with_entropy=True, packed=True)  # fmt: skip
+            lp, h = forward_logprobs(model, sequences, max_tokens_per_micro_batch=64,
+                                     with_entropy=True, packed=True)  # fmt: skip
+            got = list(zip(lp, h, strict=True))
             out[layout, family] = [[p.tolist() for p in pair] for pair in got]
     reset_megatron_state()
     return out

@@ -50,8 +50,10 @@ def test_equals_log_softmax_of_each_sequence_alone(pg, name, max_tokens, packed)
     model = _model(pg, pattern, *flags)
     sequences = random_sequences(vocab_size=VOCAB)
     model.train()
-    got = forward_logprobs(model, sequences, max_tokens_per_micro_batch=max_tokens,
-                           with_entropy=True, vocab_size=VOCAB, packed=packed)  # fmt: skip
+    logprobs, entropies = forward_logprobs(model, sequences, max_tokens_per_micro_batch=max_tokens,
+                                           with_entropy=True, vocab_size=VOCAB,
+                                           packed=packed)  # fmt: skip
+    got = list(zip(logprobs, entropies, strict=True))
     assert model.training and all(m.training for m in model.modules())  # mode restored
     assert [len(lp) for lp, _ in got] == [n - 1 for n in PACKING_LENGTHS]
     assert all(lp.dtype == h.dtype == torch.float32 for lp, h in got)
@@ -74,6 +76,19 @@ def test_temperature_and_plain_results(pg):
         logits = model(sequences[1].unsqueeze(0), torch.arange(9).unsqueeze(0), None)[0]
     want = torch.log_softmax(logits.double() / 0.5, -1)[:-1].gather(-1, sequences[1][1:, None])
     torch.testing.assert_close(got[1].double(), want.squeeze(-1), rtol=0, atol=EXACT)
+
+
+def test_with_entropy_gives_two_lists(pg):
+    """Two sequences: per-sequence pairs would unpack into ``lp, ent`` too, wrongly."""
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    model = _model(pg, "[*E]", *FLAGS).eval()
+    sequences = random_sequences((4, 9), vocab_size=VOCAB)
+    logprobs, entropies = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+    assert [len(lp) for lp in logprobs] == [len(h) for h in entropies] == [3, 8]
+    plain = forward_logprobs(model, sequences, vocab_size=VOCAB)
+    assert all(torch.equal(a, b) for a, b in zip(logprobs, plain, strict=True))
+    assert all(bool((h > 0).all()) for h in entropies)
 
 
 @pytest.mark.parametrize(
@@ -132,8 +147,8 @@ def test_layouts_give_tp1_results_and_pack_exactly(pg, tmp_path):
     pattern, flags = PATTERNS["attention"]
     model = _model(pg, pattern, *flags).eval()
     sequences = random_sequences(vocab_size=VOCAB, seed=5)
-    reference = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
-    reference = [[p.tolist() for p in pair] for pair in reference]
+    lp, h = forward_logprobs(model, sequences, with_entropy=True, vocab_size=VOCAB)
+    reference = [[a.tolist(), b.tolist()] for a, b in zip(lp, h, strict=True)]
     dist_checkpointing.save(model_sharded_state([model]), str(tmp_path))
     per_rank = run_distributed(_layouts_worker, 2, str(tmp_path), sequences, timeout=900)
     for rank, results in enumerate(per_rank):

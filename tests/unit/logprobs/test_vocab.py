@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_hybrid.logprobs import token_entropy, token_logprobs
+from megatron_hybrid.logprobs.vocab import token_logprobs_and_entropy
 from megatron_hybrid.testing.spawn import run_distributed
 
 VOCAB, PADDED = 250, 256  # the model's vocabulary and its TP-padded size
@@ -58,6 +59,41 @@ def test_gradients_match_autograd_of_log_softmax():
     assert leaf.grad[..., VOCAB:].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_at_once_equal_each_alone(dtype):
+    logits, labels = _inputs(seed=5, dtype=dtype)
+    lp, h = token_logprobs_and_entropy(logits, labels, vocab_size=VOCAB, temperature=0.7)
+    assert torch.equal(lp, token_logprobs(logits, labels, vocab_size=VOCAB, temperature=0.7))
+    assert torch.equal(h, token_entropy(logits, vocab_size=VOCAB, temperature=0.7))
+
+
+@pytest.mark.parametrize("block", [None, 2 * PADDED + 5], ids=["whole", "two-rows-a-block"])
+@pytest.mark.parametrize("which", ["logprobs", "entropy", "both"])
+def test_both_at_once_backward_matches_autograd(monkeypatch, which, block):
+    import megatron_hybrid.logprobs.vocab as vocab
+
+    if block is not None:
+        monkeypatch.setattr(vocab, "BLOCK_ELEMENTS", block)
+    logits, labels = _inputs(seed=6)
+    gen = torch.Generator().manual_seed(7)
+    w_lp, w_h = torch.randn(labels.shape, generator=gen), torch.randn(labels.shape, generator=gen)
+    use_lp, use_h = which in ("logprobs", "both"), which in ("entropy", "both")
+
+    def loss(lp, h):  # only the outputs asked for take part
+        return sum(
+            (value * weight).sum()
+            for value, weight, used in ((lp, w_lp, use_lp), (h, w_h, use_h))
+            if used
+        )
+
+    leaf = logits.clone().requires_grad_()
+    loss(*token_logprobs_and_entropy(leaf, labels, vocab_size=VOCAB, temperature=0.8)).backward()
+    ref_leaf = logits.double().clone().requires_grad_()
+    loss(*_reference(ref_leaf, labels, 0.8)).backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=0, atol=1e-5)
+    assert leaf.grad[..., VOCAB:].abs().max() == 0
+
+
 def test_work_in_blocks_gives_the_same_result(monkeypatch):
     import megatron_hybrid.logprobs.vocab as vocab
 
@@ -98,6 +134,13 @@ def _tp2_worker(rank: int, world_size: int, logits, labels):
     lp = token_logprobs(shard, labels, tp_group=group, vocab_size=VOCAB, temperature=0.9)
     h = token_entropy(shard, tp_group=group, vocab_size=VOCAB, temperature=0.9)
     (lp.sum() + h.sum()).backward()
+    both = shard.detach().clone().requires_grad_()
+    lp2, h2 = token_logprobs_and_entropy(
+        both, labels, tp_group=group, vocab_size=VOCAB, temperature=0.9
+    )
+    (lp2.sum() + h2.sum()).backward()
+    assert torch.equal(lp2, lp) and torch.equal(h2, h)
+    torch.testing.assert_close(both.grad, shard.grad, rtol=0, atol=1e-6)
     # numpy: tensors would travel through shared memory that the rank releases when it exits.
     return lp.detach().numpy(), h.detach().numpy(), shard.grad.numpy()
 

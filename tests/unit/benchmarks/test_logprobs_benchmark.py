@@ -1,0 +1,61 @@
+"""``benchmarks/logprobs.py`` on the CPU (``--tiny``, float32) and its routing-flip report.
+
+In float32 on a CPU packed and padded runs route every token alike (their log-probs agree to
+1e-6), so the report must count no flip; on made-up expert choices with one flip it must find
+the flip and put the differences after it downstream.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from routing_flips import flip_report  # noqa: E402
+
+
+def test_a_flip_and_what_lies_downstream_of_it():
+    k, layers = 2, 3
+    a = {0: torch.zeros(layers, 6, k, dtype=torch.int16), 1: torch.ones(layers, 4, k).short()}
+    b = {i: t.clone() for i, t in a.items()}
+    b[0][1, 3] = torch.tensor([5, 7])  # layer 1, position 3 of sequence 0 routes elsewhere
+    differences = [torch.tensor([1e-6, 2e-6, 1e-6, 0.3, 0.1, 0.2]), torch.full((4,), 1e-6)]
+    report = flip_report(a, b, differences)
+    assert report["flips_per_layer"] == [0, 1, 0]
+    assert (report["tokens"], report["tokens_with_flip"]) == (10, 1)
+    assert report["downstream_tokens"] == 3  # positions 3, 4, 5 of sequence 0
+    assert report["max_downstream"] == pytest.approx(0.3)
+    assert report["max_elsewhere"] == pytest.approx(2e-6)
+    assert report["downstream_share"] > 0.99
+    # Control: the same runs without the flip put nothing downstream.
+    clean = flip_report(a, a, differences)
+    assert clean["tokens_with_flip"] == clean["downstream_tokens"] == 0
+    assert clean["max_elsewhere"] == pytest.approx(0.3)
+
+
+@pytest.mark.slow
+def test_tiny_run_counts_no_flip_in_float32(model_parallel, tmp_path):
+    import logprobs as benchmark
+
+    argv = ["--tiny", "--layers", "4", "--tokens", "120", "--min-len", "12", "--max-len", "30",
+            "--max-tokens", "64", "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a thread pool only adds synchronisation
+    try:
+        benchmark.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "logprobs_CPU.json").read_text())
+    flips = data["meta"]["routing_flips"]
+    assert data["meta"]["max_abs_diff"] < 1e-4
+    lengths = data["meta"]["tokens"]
+    assert flips["tokens"] == lengths  # every token of every sequence, matched in both runs
+    assert flips["tokens_with_flip"] == 0 and flips["flips_per_layer"] == [0] * 4
+    assert "routing flips" in (tmp_path / "logprobs_CPU.md").read_text()
+    assert data["meta"]["command"].startswith("python benchmarks/logprobs.py --tiny")
