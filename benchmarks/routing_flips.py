@@ -41,7 +41,9 @@ class RoutingRecorder:
         self.routers = _routers(self.chunks)
         self.index = {}
         for i, seq in enumerate(sequences):
-            self.index.setdefault(tuple(seq.tolist()), []).append(i)
+            # The model reads a sequence's tokens but its last (a label only): position j of the
+            # input is where log-prob j is computed.
+            self.index.setdefault(tuple(seq[:-1].tolist()), []).append(i)
         self.calls: list[dict] = []
         self._hooks = []
 
@@ -111,7 +113,7 @@ class RoutingRecorder:
             yield from self._named(ids[row, :length], rows)
 
     def _named(self, tokens, rows):
-        # A placeholder micro-batch (one token) or a sequence of one token predicts nothing.
+        # A placeholder micro-batch's token is no sequence's input.
         matches = self.index.get(tuple(tokens.tolist()))
         if matches:
             yield matches[0], rows

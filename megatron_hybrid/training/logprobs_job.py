@@ -70,7 +70,8 @@ def read_numbered(path) -> list[tuple[int, list[int]]]:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(
-                f"{where} is not UTF-8 text (byte {error.start} of the line); write the JSONL "
+                f"{where} is not UTF-8 text (byte {raw[error.start]:#04x} at offset {error.start} "
+                "of the line); write the JSONL "
                 "file as UTF-8"
             ) from None
         if not line.strip():

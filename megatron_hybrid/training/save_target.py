@@ -6,7 +6,8 @@ on by every resume), next to the model settings. Before training, rank 0 compare
 this run and every rank gets the verdict:
 
 * the checkpoints of this run (a resume into its own root), an empty or missing ``DIR``, or one
-  with only leftovers of interrupted saves: saved into as usual, except that an iteration
+  with only leftovers of interrupted saves and a run log (``metrics.jsonl`` of a run killed
+  before its first save, whose records a run from scratch drops): saved into as usual, except that an iteration
   folder this run would write again is refused unless ``--overwrite`` replaces it;
 * anything else, that is another run's checkpoints (another model's, or the same model's from
   another start), a converted checkpoint (``convert --from-hf``), or files that are no
@@ -35,6 +36,7 @@ import torch
 from megatron_hybrid.checkpointing.outputs import check_output, is_leftover
 from megatron_hybrid.checkpointing.store import (
     INCOMPLETE_DIR,
+    LOG_FILES,
     RELEASE,
     TRACKER_FILE,
     CheckpointDamagedError,
@@ -131,8 +133,12 @@ def _foreign(root: Path, run: str, resumed, settings: dict, lora: bool) -> tuple
     elsewhere = "save into another folder"
     known = {RELEASE, TRACKER_FILE, INCOMPLETE_DIR}
     known |= {p.name for p in iteration_folders(root).values()}
+    # The run log (metrics.jsonl, loss curve) describes the checkpoints beside it: with none, it
+    # is the log of a run killed before its first save, which a run from scratch starts anew.
     others = sorted(
-        p.name for p in root.iterdir() if p.name not in known and not is_leftover(p.name)
+        p.name
+        for p in root.iterdir()
+        if p.name not in known and not is_leftover(p.name) and not p.name.startswith(LOG_FILES)
     )
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")

@@ -25,7 +25,7 @@ LOGPROBS_OPTIONS = [
     "--moe-flex-dispatcher-backend", "--moe-grouped-gemm", "--moe-router-pre-softmax",
     "--moe-router-topk", "--moe-shared-expert-intermediate-size", "--moe-token-dispatcher-type",
     "--normalization", "--num-attention-heads", "--num-experts", "--num-query-groups",
-    "--output", "--pipeline-model-parallel-size", "--position-embedding-type", "--q-lora-rank",
+    "--output", "--overwrite", "--pipeline-model-parallel-size", "--position-embedding-type", "--q-lora-rank",
     "--qk-head-dim", "--qk-layernorm", "--qk-pos-emb-head-dim", "--sequence-parallel",
     "--swiglu", "--temperature", "--tensor-model-parallel-size", "--transformer-impl",
     "--untie-embeddings-and-output-weights", "--v-head-dim", "--verbose", "--vocab-size",

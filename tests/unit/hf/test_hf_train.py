@@ -92,11 +92,14 @@ def test_load_hf_and_load_together_are_refused(tmp_path):
 
 def _recording_train_worker(rank, world_size, argv):
     """``_train_worker`` that also records the Mamba numerics every torch mixer was built with."""
+    import functools
+
     from megatron_hybrid.modules import mamba_torch
 
     built = []
     original = mamba_torch.TorchMambaMixer.__init__
 
+    @functools.wraps(original)  # the signature stays readable (the FLOP count reads defaults)
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         built.append((self.dt_limit, self.norm_eps))

@@ -22,7 +22,8 @@ def _build(pg):
     def build(config):
         torch.manual_seed(3)
         model = Float16Module(config, build_hybrid(config, PATTERN, pg))
-        apply_lora(model, LoRAConfig(rank=4, alpha=8))
+        # MTP layers take adapters only where a target names them (all-linear leaves them out).
+        apply_lora(model, LoRAConfig(rank=4, alpha=8, targets=("decoder.*", "mtp.*")))
         generator = torch.Generator().manual_seed(5)
         with torch.no_grad():  # B != 0, the same in both runs (the base is rebuilt from seed 3)
             for param in lora_parameters(model):

@@ -152,7 +152,7 @@ def _labels_of_the_current_token(original):
     def plan(*args, **kwargs):
         batches = original(*args, **kwargs)
         for batch in batches:
-            batch.labels = batch.inputs["input_ids"].reshape(-1).clone()
+            batch.inputs["labels"] = batch.inputs["input_ids"].clone()
         return batches
 
     return plan

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hybrid.training.metrics import read_metrics
+
 TINY = [
     "--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4", "--hidden-size", "32",
     "--num-attention-heads", "2", "--ffn-hidden-size", "64", "--vocab-size", "64",
@@ -232,8 +234,13 @@ def test_same_command_restarts_after_a_kill_during_a_save(
     assert lines == {s: t for s, t in uninterrupted.items() if s > resumed_from}
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert sorted(p.name for p in root.iterdir()) == [
-        "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"
+        "iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt", "loss_curve.png",
+        "metrics.jsonl",
     ]  # fmt: skip
+    # The run log describes the run that led to the checkpoints: each step once, the killed
+    # run's unsaved steps dropped.
+    steps = [r["step"] for r in read_metrics(root / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 11))
 
 
 @pytest.mark.slow
