@@ -7,8 +7,9 @@ this run and every rank gets the verdict:
 
 * the checkpoints of this run (a resume into its own root), an empty or missing ``DIR``, or one
   with only leftovers of interrupted saves and a run log (``metrics.jsonl`` of a run killed
-  before its first save, whose records a run from scratch drops): saved into as usual, except that an iteration
-  folder this run would write again is refused unless ``--overwrite`` replaces it;
+  before its first save, whose records a run from scratch drops): saved into as usual, except
+  that an iteration folder this run would write again is refused unless ``--overwrite``
+  replaces it;
 * anything else, that is another run's checkpoints (another model's, or the same model's from
   another start), a converted checkpoint (``convert --from-hf``), or files that are no
   checkpoint: refused, naming what differs, unless ``--overwrite``; then the first save

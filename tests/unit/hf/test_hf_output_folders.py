@@ -438,7 +438,8 @@ def test_train_never_saves_into_its_source(served, tmp_path, pg, capsys):
                      r"adapter_config\.json holds a JSON list, not the object of LoraConfig fields",
                          id="config-a-list"),
         pytest.param(lambda f: (f / "adapter_config.json").write_bytes(b'{"r": 2,'),
-                     r"adapter_config\.json line 1 column 9 is not valid JSON", id="config-cut-short"),
+                     r"adapter_config\.json line 1 column 9 is not valid JSON",
+                     id="config-cut-short"),
     ],
 )  # fmt: skip
 def test_a_damaged_adapter_is_one_message_naming_its_file(
