@@ -55,6 +55,10 @@
 #                benchmarks/mfu.py --quick through train's own step (every pattern fast, [*E]
 #                reference, [*E] fast-graphs); prints the results and phase tables last
 #                ($MFU_ARGS last, e.g. --data full or --packed)
+#   train-perf   one GPU, about 3 minutes: the train command itself (torchrun, synthetic
+#                variable-length data) at benchmarks/mfu.py's issue shape, [*E]{4} and then
+#                [GE]{2}[*E]{2} on the image's own Triton; the closing lines (median step,
+#                tok/s, TFLOP/s, MFU) last ($TRAIN_PERF_ARGS last, e.g. --packed)
 #   perf-ep4     all GPUs of the machine (4), about 5 minutes: mfu.py --quick at EP = GPUs for
 #                [*E] and [GE] fast, plain and --overlap (32 sequences per step on 4 GPUs)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
@@ -276,6 +280,20 @@ for part in "$@"; do
       for f in "$OUT"/perf/mfu_*.md; do
         [ -f "$f" ] && { echo "== $f"; sed -n '/^| run |/,/^$/p;/^| target |/,/^$/p' "$f"; }
       done ;;
+    train-perf)
+      # benchmarks/mfu.py's "issue" shape (SHAPES, train_flags), one GPU.
+      shape=(--hidden-size 2048 --num-attention-heads 16 --swiglu --disable-bias-linear
+        --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 512
+        --moe-token-dispatcher-type alltoall --seq-length 4096 --micro-batch-size 1
+        --global-batch-size 8 --vocab-size 32768 --bf16 --moe-grouped-gemm --train-iters 16)
+      for pattern in '[*E]{4}' '[GE]{2}[*E]{2}'; do
+        echo "== train $pattern" | tee -a "$OUT/train_perf.log"
+        timeout "${TRAIN_PERF_TIMEOUT:-120}" torchrun --nproc_per_node 1 -m megatron_hybrid \
+          train --hybrid-layer-pattern "$pattern" "${shape[@]}" ${TRAIN_PERF_ARGS:-} 2>&1 \
+          | quiet | tee -a "$OUT/train_perf.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done
+      grep -E '^== train|^training |^done:' "$OUT/train_perf.log" ;;
     perf-ep4)
       for extra in "" "--overlap"; do
         timeout "${MFU_TIMEOUT:-140}" torchrun --nproc_per_node "$NGPU" benchmarks/mfu.py \

@@ -326,7 +326,7 @@ class PolicyTrainer:
         self.model = inner if len(inner) > 1 else inner[0]
         self.config = config
         self.pg = pg
-        self.chunks = wrap_model_chunks(inner, config, pg)
+        self.chunks = wrap_model_chunks(inner, config, pg, optimizer=self.settings.optimizer)
         self.optimizer = build_optimizer(
             self.chunks,
             config,

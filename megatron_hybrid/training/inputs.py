@@ -51,6 +51,22 @@ __all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_change_notes", "data_record"
 #: The model's vocabulary when no tokenizer gives one (the synthetic data's).
 DEFAULT_VOCAB_SIZE = 256
 
+#: Padded rows of variable length on GPUs take one of this many lengths up to the sequence
+#: length. Work specialised to a shape (kernel plans, autotuning, compiled graphs, allocator
+#: blocks) is then done for a few shapes in the first steps, not again for nearly every
+#: micro-batch; a row carries at most ``seq_length / LENGTH_BUCKETS`` padding tokens more.
+LENGTH_BUCKETS = 8
+
+
+def row_length_bucket(seq_length: int, multiple: int, buckets: int = LENGTH_BUCKETS) -> int:
+    """The step between the row lengths of padded micro-batches: a multiple of ``multiple``
+    (the padding alignment) that splits ``seq_length`` into at most ``buckets`` lengths.
+
+    >>> row_length_bucket(4096, 8), row_length_bucket(4000, 64), row_length_bucket(32, 8)
+    (512, 512, 8)
+    """
+    return max(multiple, -(-seq_length // (buckets * multiple)) * multiple)
+
 
 def resolve_data(
     args: argparse.Namespace, *, hf_folder: str | None = None, vocab_from: str | None = None
@@ -205,6 +221,12 @@ class RunInputs:
         self.seq_length = seq_length
         layout = _layout(args, config, parsed, on_gpu)
         self.packed, self.layout_note = layout.packed, layout.note
+        # Variable row lengths (the synthetic data's; Megatron-LM's samples are all seq_length)
+        # take few shapes on GPUs; on the CPU nothing is specialised to a shape.
+        self.row_bucket: int | None = None
+        if on_gpu and not self.packed and not self.padding.fixed_length_required:
+            multiple = self.padding.divisible_by(args.micro_batch_size)
+            self.row_bucket = row_length_bucket(seq_length, multiple)
         self.train = self.valid = None
         self.token_budget: int | None = None
         self._check_token_ids()
@@ -298,9 +320,20 @@ class RunInputs:
                 equalize_group=self.pg.tp_ep,
             )
         fixed = self.seq_length if self.padding.fixed_length_required else None
+        if self.row_bucket:
+            fixed = self._bucketed(max(s.length for s in samples))
         return build_micro_batch(
             samples, self.padding, packed=False, fixed_length=fixed, equalize_group=self.pg.tp_ep
         )
+
+    def _bucketed(self, longest: int) -> int | None:
+        """The row length of a micro-batch whose longest sample is ``longest`` (None: the
+        longest aligned, where the top bucket would pass the model's positions)."""
+        bucket = self.row_bucket
+        length = -(-longest // bucket) * bucket
+        top = -(-self.seq_length // bucket) * bucket
+        most = self.args.max_position_embeddings or top
+        return length if length <= most else None
 
     @property
     def step_shape(self) -> tuple[int, int]:
@@ -324,6 +357,8 @@ class RunInputs:
                 layout += " (documents share a row, as in Megatron-LM)"
             else:
                 layout += " at most (each sequence one row)"
+            if self.row_bucket:
+                layout += f", lengths a multiple of {self.row_bucket}"
         lines = [f"data: {self.train.describe()} | {layout}"]
         if self.layout_note:
             lines.append(f"--packed: {self.layout_note}")

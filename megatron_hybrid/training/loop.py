@@ -103,28 +103,29 @@ def build_model_chunks(
     return wrap_model_chunks(models, config, pg_collection)
 
 
-def wrap_model_chunks(models: list, config, pg_collection) -> list:
+def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "adam") -> list:
     """Model chunks (one per virtual stage) wrapped in megatron's ``DistributedDataParallel``.
 
     The one wrapping ``train`` and :class:`~megatron_hybrid.rl.PolicyTrainer` use: gradient
     buffers in float32 for the parameters that require gradients (LoRA runs: the adapters),
-    the distributed optimizer's layout on GPUs, and gradients summed over data-parallel ranks
-    (the step's loss is a sum over tokens that ``finalize_model_grads`` divides by the global
-    count; ``train_step``).
+    the distributed optimizer's layout on GPUs for Adam (megatron-core 0.19's distributed
+    optimizer refuses SGD, ``distrib_optimizer.py``: SGD keeps whole gradients, all-reduced),
+    and gradients summed over data-parallel ranks (the step's loss is a sum over tokens that
+    ``finalize_model_grads`` divides by the global count; ``train_step``). ``optimizer`` is the
+    one :func:`build_optimizer` will get.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # train_step's loss is a per-token sum. DDP reads this flag at construction to pick its
     # gradient scaling (1.0 here, 1/DP otherwise): set later, gradients shrink by 1/DP.
     config.calculate_per_token_loss = True
-    on_gpu = torch.cuda.is_available()
     chunks = []
     for index, model in enumerate(models):
         # delay_wgrad_compute: TE's backward_dw assigns each micro-batch's weight gradient to
         # .grad; only DDP's wgrad hooks, registered with this flag, add it to main_grad.
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            use_distributed_optimizer=on_gpu,
+            use_distributed_optimizer=distributed_optimizer(optimizer),
             delay_wgrad_compute=config.delay_wgrad_compute,
         )
         chunks.append(
@@ -260,7 +261,7 @@ def build_optimizer(
     min_lr: float = 0.0,
     optimizer: str = "adam",
 ):
-    """megatron-core's distributed optimizer on GPU, :class:`CPUOptimizer` on CPU (a
+    """megatron-core's optimizer on GPU (distributed for Adam), :class:`CPUOptimizer` on CPU (a
     learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
     kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``).
 
@@ -308,9 +309,16 @@ def _build_optimizer(
         clip_grad=clip_grad,
         bf16=config.bf16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed_optimizer(optimizer),
     )
     return get_megatron_optimizer(optimizer_config, chunks)
+
+
+def distributed_optimizer(optimizer: str) -> bool:
+    """Whether ``optimizer`` runs as megatron-core's distributed optimizer: Adam on GPUs (its
+    sharded states); SGD never (0.19's distributed optimizer asserts on it), nor anything on
+    the CPU (:class:`CPUOptimizer`)."""
+    return torch.cuda.is_available() and optimizer == "adam"
 
 
 @dataclass(frozen=True)

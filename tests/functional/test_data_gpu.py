@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from megatron_hybrid.process_groups import free_port
+
 pytestmark = pytest.mark.launcher
 
 MODEL = [
@@ -25,7 +27,9 @@ MODEL = [
 
 def _run(*argv: str, torchrun: bool = False) -> str:
     command = [sys.executable, "-m"]
-    command += ["torch.distributed.run", "--nproc_per_node", "1", "-m"] if torchrun else []
+    if torchrun:  # a port of its own: other lanes of the suite run torchrun at the same time
+        command += ["torch.distributed.run", "--nproc_per_node", "1", "--master-port",
+                    str(free_port()), "-m"]  # fmt: skip
     result = subprocess.run(
         [*command, "megatron_hybrid", *argv], capture_output=True, text=True, timeout=900,
         env={**os.environ}, check=False,

@@ -307,6 +307,7 @@ def _gate_control(gates) -> bool:
     return "dt_bias head" in r.verdict
 
 
+@pytest.mark.time_limit(240)  # six model runs; fla compiles and autotunes on first use
 def test_gated_delta_net_group_forward_backward(world):
     """See the module doc: six model runs, the rule replays, the decision."""
     pytest.importorskip("fla", reason="fla-core is not installed (GatedDeltaNet's kernels)")

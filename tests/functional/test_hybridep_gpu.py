@@ -6,9 +6,11 @@ by ``megatron_hybrid.padding``, against the ``alltoall`` dispatcher (1, 2 and 4 
 
 Needs ``deep_ep`` with ``HybridEPBuffer`` and ``CUDA_HOME`` (HybridEP compiles its kernels at
 first use with ``$CUDA_HOME/bin/nvcc``, about 5-10 s per kernel and 5 kernels per process); every
-test skips with the reason otherwise (``capabilities.flex_backend_unavailable``). Buffers are
-made with DeepEP's ``load_cached_kernels`` so each process compiles once: every case keeps the
-kernels' template (hidden 128, EP = the world, 4 experts, at most 512 tokens per rank).
+test skips with the reason otherwise (``capabilities.flex_backend_unavailable``), and also
+where DeepEP cannot make its buffer at all (``hybridep_probe.py`` asks a job of its own first:
+the constructor has crashed with SIGSEGV on H100 and H200, taking the test process with it).
+Buffers are made with DeepEP's ``load_cached_kernels`` so each process compiles once: every case
+keeps the kernels' template (hidden 128, EP = the world, 4 experts, at most 512 tokens per rank).
 
 **Bounds.** HybridEP moves only bf16 tokens (its combine asserts 2-byte elements), so both
 dispatchers run in bf16 and the yardstick is the ``alltoall`` model's own bf16 error: the same
@@ -46,6 +48,8 @@ import time
 import pytest
 import torch
 from conftest import NUM_EXPERTS, exact_float32, report
+
+from megatron_hybrid.process_groups import free_port
 
 HIDDEN, HEADS, FFN, VOCAB = 128, 8, 256, 128
 BF16_ROUNDING = 2.0**-8  # norm-relative floor: one bf16 rounding of every element
@@ -87,12 +91,54 @@ def _unavailable() -> str | None:
     return f"HybridEP {problem}" if problem else None
 
 
+@functools.cache
+def _buffer_crashes(ranks: int) -> str | None:
+    """What ends a job that only makes DeepEP's buffer on ``ranks`` GPUs (None: it is made), from
+    ``hybridep_probe.py`` in a torchrun job of its own (about 15 s)."""
+    import suite_guard
+    from conftest import _TORCHRUN_VARIABLES
+
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridep_probe.py")
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master-port", str(free_port()), probe, str(HIDDEN), "512",
+               str(NUM_EXPERTS)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    suite_guard.track_child(proc)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        suite_guard.kill_tree(proc.pid)
+        return f"making DeepEP's HybridEPBuffer on {ranks} GPU(s) did not end within 180 s"
+    finally:
+        suite_guard.untrack_child(proc)
+    if proc.returncode == 0:
+        return None
+    signals = re.findall(r"Signal (\d+) \((SIG[A-Z]+)\)", output)
+    how = f"{signals[0][1]}" if signals else f"exit code {proc.returncode}"
+    return (
+        f"DeepEP's HybridEPBuffer constructor dies ({how}) on {ranks} GPU(s) of this machine, "
+        "outside any test (tests/functional/hybridep_probe.py; issue 37)"
+    )
+
+
+def _require_buffer(world_size: int) -> None:
+    """Skip, on every rank alike, where DeepEP cannot make its buffer (rank 0 asks the probe)."""
+    verdict = [_buffer_crashes(world_size) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        pytest.skip(verdict[0])
+
+
 @pytest.fixture
 def hybridep(world):
-    """Skip without HybridEP; a fresh HybridEP buffer per test that reuses compiled kernels."""
+    """Skip without HybridEP, or where its buffer cannot be made; a fresh HybridEP buffer per
+    test that reuses compiled kernels."""
     reason = _unavailable()
     if reason:
         pytest.skip(reason)
+    _require_buffer(world[1])
     from megatron.core.transformer.moe import fused_a2a
 
     made = fused_a2a.HybridEPBuffer
@@ -260,11 +306,6 @@ def test_dispatch_combine_roundtrip(hybridep):
     from megatron.core.transformer.moe import fused_a2a
 
     rank, world_size, device = hybridep
-    if world_size < 2:
-        # Seen on one H100 (DeepEP hybrid-ep 94a9f8f): the process dies with SIGSEGV inside
-        # hybrid_ep_cpp.HybridEPBuffer's constructor for a one-rank group. EP = 1 needs no
-        # dispatcher, so nothing a user runs meets this.
-        pytest.skip("HybridEPBuffer crashes (SIGSEGV) for a group of one rank; needs >= 2 GPUs")
     if NUM_EXPERTS % world_size:
         pytest.skip(f"{NUM_EXPERTS} experts do not divide over {world_size} ranks")
     group, local = torch.distributed.group.WORLD, NUM_EXPERTS // world_size
@@ -562,6 +603,8 @@ def _train(*extra: str) -> list[float]:
         "torch.distributed.run",
         "--nproc_per_node",
         str(gpus),
+        "--master-port",  # a port of its own: other lanes of the suite run torchrun meanwhile
+        str(free_port()),
         "-m",
         "megatron_hybrid",
         *TRAIN,
@@ -589,6 +632,9 @@ def test_train_command_hybridep():
         pytest.skip(reason)
     if torch.cuda.device_count() < 2:
         pytest.skip("HybridEP needs a TP x EP group of >= 2 GPUs")
+    crash = _buffer_crashes(torch.cuda.device_count())
+    if crash:
+        pytest.skip(crash)
     alltoall, fp32 = _train("--bf16"), _train()
     flex = _train("--bf16", "--moe-token-dispatcher-type", "flex",
                   "--moe-flex-dispatcher-backend", "hybridep")  # fmt: skip
