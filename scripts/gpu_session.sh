@@ -70,6 +70,10 @@
 #                docs/padding.md §9), then tests/functional/test_hybridep_gpu.py on all GPUs and
 #                its `train` launcher test; HybridEP compiles its kernels at first use with
 #                $CUDA_HOME/bin/nvcc (exported here)
+#   hybridep-probe  where DeepEP's HybridEPBuffer constructor dies: tests/functional/
+#                hybridep_probe.py on all GPUs as is and with USE_MNNVL=0 (no fabric handles),
+#                a cache dir of its own, the NVLink domain size given; then one rank under gdb
+#                (native backtrace) where gdb is installed
 #   bench-hybridep  benchmarks/hybridep.py (hybridep vs alltoall, padded vs real tokens) with
 #                NVLink and with NCCL_P2P_DISABLE=1 ($HYBRIDEP_BENCH_ARGS; the DeepEP wheel as above)
 #   mamba        build megatron-core's Mamba kernels from the carried .mamba/ sources
@@ -343,6 +347,24 @@ for part in "$@"; do
         -m launcher tests/functional/test_hybridep_gpu.py 2>&1 | quiet \
         | tee "$OUT/hybridep_launcher.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    hybridep-probe)
+      have_deepep || { status=1; continue; }
+      probe=(tests/functional/hybridep_probe.py 128 512 4)
+      for variant in "" "USE_MNNVL=0" "HYBRID_EP_CACHE_DIR=/tmp/hep-cache" \
+          "USE_MNNVL=0 NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=$NGPU"; do
+        echo "== probe on $NGPU GPU(s): ${variant:-as is}" | tee -a "$OUT/hybridep_probe.log"
+        env $variant timeout 120 torchrun --nproc_per_node "$NGPU" "${probe[@]}" 2>&1 | quiet \
+          | grep -v '^\[default[1-9]' | tail -25 | tee -a "$OUT/hybridep_probe.log"
+      done
+      if command -v gdb >/dev/null; then
+        echo "== one rank under gdb" | tee -a "$OUT/hybridep_probe.log"
+        RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+          MASTER_PORT=29531 timeout 180 gdb -batch -ex run -ex bt -ex 'info sharedlibrary' \
+          --args python3 "${probe[@]}" 2>&1 | grep -v '^\[New Thread\|^\[Thread' | tail -80 \
+          | tee -a "$OUT/hybridep_probe.log"
+      else
+        echo "(no gdb on this machine: Python frames only, above)" | tee -a "$OUT/hybridep_probe.log"
+      fi ;;
     bench-hybridep)
       have_deepep || { status=1; continue; }
       for p2p in 0 1; do
