@@ -37,6 +37,17 @@ TP2_EP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
 GLOBAL_BATCH = 8
 
 
+def _model_flags() -> list[str]:
+    """:data:`MODEL` without the flags of training alone (``logprobs`` takes only its own)."""
+    flags, training, skip = [], {"--seq-length", "--micro-batch-size", "--seed"}, False
+    for token in MODEL:
+        if token.startswith("--"):
+            skip = token in training
+        if not skip:
+            flags.append(token)
+    return flags
+
+
 def _require_megatron_training() -> None:
     if sys.version_info < (3, 12):
         pytest.skip("megatron.training 0.19.2 imports typing.override: needs Python >= 3.12")
@@ -150,7 +161,7 @@ def test_train_save_resume_and_reshard(tmp_path):
     batch = tmp_path / "step4.jsonl"
     batch.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in _step_batch(4)))
     if gpus >= 2:
-        jobs.append(Job(["-m", "megatron_hybrid", "logprobs", *MODEL, "--load", step3,
+        jobs.append(Job(["-m", "megatron_hybrid", "logprobs", *_model_flags(), "--load", step3,
                          "--input", str(batch), "--output", str(tmp_path / "tp1.jsonl")], 1,
                         name="step-3 weights at TP1 EP1 on one GPU"))  # fmt: skip
     outputs = launch_all(jobs)
