@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ON_CPU
 
 from megatron_hybrid.process_groups import free_port
 
@@ -41,6 +42,8 @@ def _run(*argv: str, torchrun: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
+    if ON_CPU:  # the data path's logic is the CPU suite's (tests/unit/data); this is GPU speed
+        pytest.skip("tokens/s of a GPU-sized model: GPUs only")
     from megatron_hybrid.testing.tokenizers import build_tokenizer, text_rows, write_jsonl
 
     folder = tmp_path_factory.mktemp("data")
@@ -59,6 +62,7 @@ def _tokens_per_second(output: str) -> float:
     )
 
 
+@pytest.mark.time_limit(300)  # prepare-data of 4,000 documents, then two train jobs
 def test_data_path_trains_packed_at_a_fixed_budget(dataset, tmp_path):
     tokenizer = str(dataset / "tokenizer")
     data = _run("train", *MODEL, "--data-path", str(dataset / "corpus_text_document"),
