@@ -55,10 +55,12 @@
 #                benchmarks/mfu.py --quick through train's own step (every pattern fast, [*E]
 #                reference, [*E] fast-graphs); prints the results and phase tables last
 #                ($MFU_ARGS last, e.g. --data full or --packed)
-#   train-perf   one GPU, about 3 minutes: the train command itself (torchrun, synthetic
+#   train-perf   one GPU, about 6 minutes: the train command itself (torchrun, synthetic
 #                variable-length data) at benchmarks/mfu.py's issue shape, [*E]{4} and then
-#                [GE]{2}[*E]{2} on the image's own Triton; the closing lines (median step,
-#                tok/s, TFLOP/s, MFU) last ($TRAIN_PERF_ARGS last, e.g. --packed)
+#                [GE]{2}[*E]{2} on the image's own Triton (its first step autotunes fla: it
+#                did not end within 110 s on one H200); the closing lines (median step,
+#                tok/s, TFLOP/s, MFU) last ($TRAIN_PERF_ARGS last, e.g. --packed;
+#                $TRAIN_PERF_TIMEOUT per run, default 240 s)
 #   perf-ep4     all GPUs of the machine (4), about 5 minutes: mfu.py --quick at EP = GPUs for
 #                [*E] and [GE] fast, plain and --overlap (32 sequences per step on 4 GPUs)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
@@ -292,7 +294,7 @@ for part in "$@"; do
         --global-batch-size 8 --vocab-size 32768 --bf16 --moe-grouped-gemm --train-iters 16)
       for pattern in '[*E]{4}' '[GE]{2}[*E]{2}'; do
         echo "== train $pattern" | tee -a "$OUT/train_perf.log"
-        timeout "${TRAIN_PERF_TIMEOUT:-120}" torchrun --nproc_per_node 1 -m megatron_hybrid \
+        timeout "${TRAIN_PERF_TIMEOUT:-240}" torchrun --nproc_per_node 1 -m megatron_hybrid \
           train --hybrid-layer-pattern "$pattern" "${shape[@]}" ${TRAIN_PERF_ARGS:-} 2>&1 \
           | quiet | tee -a "$OUT/train_perf.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
