@@ -1,5 +1,5 @@
-"""Pieces the benchmarks share: the recorded command, device syncs, synthetic batches, and the
-Qwen3.5-MoE text config their model presets fill in."""
+"""Pieces the benchmarks share: the recorded command, device syncs, synthetic batches, the MoE
+models' ``TransformerConfig``, and the Qwen3.5-MoE text config their model presets fill in."""
 
 from __future__ import annotations
 
@@ -30,6 +30,30 @@ def sync(device=None) -> None:
     """Wait for the GPU (``device`` None: whenever CUDA is there), so a timer sees its work."""
     if torch.cuda.is_available() if device is None else torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def moe_bench_config(args, *, num_layers: int, ep: int, **changes):
+    """The bf16 MoE ``TransformerConfig`` of the EP benchmarks (``ep_overlap.py``,
+    ``hybridep.py``): ``args`` gives ``hidden``, ``heads``, ``experts``, ``topk`` and
+    ``expert_hidden``; alltoall dispatcher, no biases, dropout or auxiliary loss; ``changes``
+    override or add fields. On a CPU (smoke runs) the CPU emulation's overrides apply too."""
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=num_layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts,
+        moe_router_topk=args.topk, moe_ffn_hidden_size=args.expert_hidden,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+    )  # fmt: skip
+    fields.update(changes)
+    if not torch.cuda.is_available():
+        from megatron_hybrid.runtime.cpu import cpu_config_overrides
+
+        fields.update(cpu_config_overrides())
+    return TransformerConfig(**fields)
 
 
 def synthetic_batches(shape, count: int, device=None) -> list[dict]:

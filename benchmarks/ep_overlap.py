@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import sync, synthetic_batches
+from common import moe_bench_config, sync, synthetic_batches
 from trace_summary import summarize_trace
 
 CUDA = torch.cuda.is_available()
@@ -51,14 +51,11 @@ VARIANTS = (
 
 
 def bench_config(args, pattern: str, overlap: bool, ep: int):
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_hybrid.pattern import parse_pattern
 
     parsed = parse_pattern(pattern)
-    gdn = parsed.layer_counts["G"] > 0
     extra = {}
-    if gdn:
+    if parsed.layer_counts["G"] > 0:
         # GatedDeltaNet takes the model's activation, which must be SiLU. deterministic_mode
         # selects megatron's torch GDN path; fla's kernels need Triton >= 3.7.1 on Hopper for
         # their gated backward (fla 0.6.0 refuses older Triton there: wrong results, fla #640).
@@ -66,31 +63,10 @@ def bench_config(args, pattern: str, overlap: bool, ep: int):
                      linear_num_key_heads=16, linear_num_value_heads=16,
                      linear_key_head_dim=128, linear_value_head_dim=128,
                      deterministic_mode=args.gdn_kernel == "torch")  # fmt: skip
-    if not torch.cuda.is_available():  # CPU smoke runs of this script
-        from megatron_hybrid.runtime.cpu import cpu_config_overrides
-
-        extra.update(cpu_config_overrides())
-    return TransformerConfig(
-        num_layers=parsed.physical_layer_count,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden,
-        num_moe_experts=args.experts,
-        moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.expert_hidden,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        overlap_moe_expert_parallel_comm=overlap,
-        **extra,
-    )
+    return moe_bench_config(
+        args, num_layers=parsed.physical_layer_count, ep=ep, moe_grouped_gemm=False,
+        overlap_moe_expert_parallel_comm=overlap, **extra,
+    )  # fmt: skip
 
 
 def _build(variant: str, args, pg, ep: int):

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import recorded_command, sync
+from common import moe_bench_config, recorded_command, sync
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -51,8 +51,6 @@ VARIANTS = ("alltoall", "hybridep", "hybridep_mcore_pad")
 
 
 def bench_config(args, ep: int, variant: str):
-    from megatron.core.transformer import TransformerConfig
-
     extra = {}
     if variant.startswith("hybridep"):
         extra = dict(
@@ -60,29 +58,8 @@ def bench_config(args, ep: int, variant: str):
             moe_flex_dispatcher_backend="hybridep",
             moe_hybridep_pad_uneven_dispatch_inputs=variant == "hybridep_mcore_pad",
         )
-    if not CUDA:  # CPU smoke runs of this script (alltoall only)
-        from megatron_hybrid.runtime.cpu import cpu_config_overrides
-
-        extra.update(cpu_config_overrides())
-    return TransformerConfig(
-        num_layers=2 * args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden,
-        num_moe_experts=args.experts,
-        moe_router_topk=args.topk,
-        moe_ffn_hidden_size=args.expert_hidden,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_dtype="fp32",
-        moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        **extra,
+    return moe_bench_config(
+        args, num_layers=2 * args.layers, ep=ep, moe_router_dtype="fp32", **extra
     )
 
 

@@ -57,3 +57,23 @@ def test_written_record_names_machine_date_and_command(modules, tmp_path):
     assert "hybridep 0.800" in text
     saved = json.loads((tmp_path / "hybridep_no-p2p_4gpu.json").read_text())
     assert saved["meta"] == meta and saved["results"]["hybridep"]["median_s"] == 0.4
+
+
+@pytest.mark.parametrize(
+    ("variant", "dispatcher", "pads"),
+    [("alltoall", "alltoall", False), ("hybridep", "flex", False),
+     ("hybridep_mcore_pad", "flex", True)],
+    ids=["alltoall", "hybridep", "hybridep-mcore-pad"],
+)  # fmt: skip
+def test_each_variant_builds_its_dispatcher(modules, variant, dispatcher, pads):
+    """The variants' configs (the HybridEP ones once passed the dispatcher type twice)."""
+    import argparse
+
+    _, hybridep = modules
+    args = argparse.Namespace(hidden=64, heads=4, experts=4, topk=2, expert_hidden=32, layers=1)
+    config = hybridep.bench_config(args, 1, variant)
+    assert config.moe_token_dispatcher_type == dispatcher and config.num_layers == 2
+    assert config.moe_router_dtype == "fp32" and config.moe_aux_loss_coeff == 0.0
+    if dispatcher == "flex":
+        assert config.moe_flex_dispatcher_backend == "hybridep"
+        assert config.moe_hybridep_pad_uneven_dispatch_inputs == pads
