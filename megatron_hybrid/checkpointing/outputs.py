@@ -448,7 +448,7 @@ class Output:
             self._discard()
             raise
         self.path = Path(paths[0])
-        self.target = self.target or Path(os.path.realpath(self.given))
+        self.target = self.target or _real(self.given)
         return self
 
     def _discard(self) -> None:

@@ -111,6 +111,7 @@ __all__ = [
     "is_complete",
     "iteration_folder_name",
     "iteration_folders",
+    "on_first_rank",
     "read",
     "read_common",
     "read_model_state",
@@ -204,7 +205,7 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _on_first_rank(work: Callable[[], Any], group) -> Any:
+def on_first_rank(work: Callable[[], Any], group=None) -> Any:
     """``work()`` on the group's first rank; every rank returns its result or raises its error."""
     payload: list = [None]
     if torch.distributed.get_rank(group) == 0:
@@ -402,7 +403,7 @@ def verify(path: str | Path, *, group=None) -> tuple[Path, bool]:
         folder = resolve_checkpoint_dir(path)
         return folder, verify_checkpoint_files(folder)
 
-    return _on_first_rank(check, group)
+    return on_first_rank(check, group)
 
 
 def _files_of(folder: Path, key: str) -> list[str]:

@@ -617,7 +617,11 @@ def generation_config(config: dict) -> dict:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     values = {"_from_model_config": True}
     for field in _GENERATION_FIELDS:
-        value = config.get(field, text.get(field))
+        # transformers writes absent ids as explicit nulls (a multimodal config's top level):
+        # null counts as absent, as GenerationConfig.from_model_config reads it.
+        value = config.get(field)
+        if value is None:
+            value = text.get(field)
         if value is not None:
             values[field] = value
     return values

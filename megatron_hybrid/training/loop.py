@@ -286,8 +286,8 @@ def _build_optimizer(
     weight_decay: float,
     clip_grad: float,
     pg,
-    min_lr: float,
-    optimizer: str,
+    min_lr: float = 0.0,
+    optimizer: str = "adam",
 ):
     if not torch.cuda.is_available():
         return CPUOptimizer(
@@ -450,11 +450,6 @@ def train_step(
             forward_only=False,
         )
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    # The language model reports its loss alone (in the statistics below, with no host read);
-    # other forward steps' reports (the policy loss's terms) are summed for the caller.
-    summed = (
-        {} if forward_step is lm_forward_step else _summed_reports(reports, pg_collection, device)
-    )
     fused = fused_step_enabled()
     with phase(timer, "guard"):
         stats = _step_statistics(reports, per_chunk[0], pg_collection, device, loss_key)
@@ -479,6 +474,12 @@ def train_step(
                 step = optimizer.step()
             grad_norm = step if isinstance(step, float) else float(step[1])
         loss_sum, loss_tokens, tokens, flops = stats.tolist()
+    # The language model reports its loss alone (in the statistics above, with no host read);
+    # other forward steps' reports (the policy loss's terms) are summed for the caller, after
+    # the update is queued: summing reads them on the host.
+    summed = (
+        {} if forward_step is lm_forward_step else _summed_reports(reports, pg_collection, device)
+    )
     loss = loss_sum / max(loss_tokens, 1.0)
     nonfinite = None
     if not (finite and math.isfinite(grad_norm)):

@@ -32,8 +32,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from megatron_hybrid.checkpointing.outputs import check_output, is_leftover
 from megatron_hybrid.checkpointing.store import (
     INCOMPLETE_DIR,
@@ -43,6 +41,7 @@ from megatron_hybrid.checkpointing.store import (
     CheckpointDamagedError,
     common_record,
     iteration_folders,
+    on_first_rank,
     read_common,
     read_record,
     read_tracker,
@@ -230,13 +229,5 @@ def decide_save_target(
             other files, and ``--overwrite`` is not given; or iteration folders this run would
             write again.
     """
-    payload: list = [None]
-    if torch.distributed.get_rank() == 0:
-        try:
-            payload = [_decide(args, start, resumed, settings, lora)]
-        except (SaveTargetError, OSError) as error:
-            payload = [error]
-    torch.distributed.broadcast_object_list(payload, src=0)
-    if isinstance(payload[0], BaseException):
-        raise payload[0]
-    return payload[0]
+    # A damaged checkpoint (CheckpointDamagedError) is rank 0's error too: every rank raises it.
+    return on_first_rank(lambda: _decide(args, start, resumed, settings, lora))

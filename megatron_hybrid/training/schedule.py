@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_hybrid.training.arguments import dest_of
 from megatron_hybrid.training.train_flags import RUN_DEFAULTS
 
 __all__ = [
@@ -50,7 +51,7 @@ def resolve_schedule(
     schedule flags the command line set (they override a resumed checkpoint's values)."""
     column = 2 if lora else 1 if fine_tuning else 0
     values = vars(args)
-    given = {flag for flag in _FIELDS.values() if values.get(_dest(flag)) is not None}
+    given = {flag for flag in _FIELDS.values() if values.get(dest_of(flag)) is not None}
     lr = args.lr if args.lr is not None else RUN_DEFAULTS["--lr"][column]
     warmup = args.lr_warmup_iters
     if warmup is None:
@@ -67,10 +68,6 @@ def resolve_schedule(
             "schedule_given": frozenset(given),
         }
     )
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 def build_scheduler(optimizer, args: argparse.Namespace, global_batch: int):
