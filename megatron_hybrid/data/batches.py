@@ -82,9 +82,12 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.inputs["packed_seq_params"] is not None
 
-    def to(self, device) -> MicroBatch:
+    def to(self, device, *, non_blocking: bool = False) -> MicroBatch:
         """The same micro-batch with its tensors on ``device``."""
-        moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in self.inputs.items()}
+        moved = {
+            k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+            for k, v in self.inputs.items()
+        }
         if moved["packed_seq_params"] is not None:
             moved["packed_seq_params"] = packed_seq_params_to(moved["packed_seq_params"], device)
         return MicroBatch(moved, self.spans, self.seq_length, self.rows, self.num_tokens)

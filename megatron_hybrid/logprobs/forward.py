@@ -35,7 +35,6 @@ from megatron_hybrid.logprobs.vocab import (
     token_logprobs_and_entropy,
 )
 from megatron_hybrid.padding import (
-    packed_seq_params_to,
     padding_config_from,
     thd_unsupported_reason_for,
 )
@@ -98,15 +97,12 @@ def _collect(batch: MicroBatch, reduce, output: torch.Tensor):
 
 def _forward_step(data_iterator, model, *, reduce, device):
     batch: MicroBatch = next(data_iterator)
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.inputs.items()}
-    params = inputs["packed_seq_params"]
-    if params is not None:
-        params = packed_seq_params_to(params, device)
+    inputs = batch.to(device).inputs
     output = model(
         input_ids=inputs["input_ids"],
         position_ids=inputs["position_ids"],
         attention_mask=None,
-        packed_seq_params=params,
+        packed_seq_params=inputs["packed_seq_params"],
         padding_mask=inputs["padding_mask"],
         runtime_gather_output=False,  # vocab-parallel logits: reduced without gathering them
     )

@@ -26,7 +26,7 @@ from megatron_hybrid.logprobs.batches import (
     world_max,
 )
 from megatron_hybrid.logprobs.forward import choose_packed, model_device
-from megatron_hybrid.padding import packed_seq_params_to, padding_config_from
+from megatron_hybrid.padding import padding_config_from
 
 __all__ = ["choose_tokens", "sample"]
 
@@ -81,14 +81,13 @@ def _last_logits(chunk, tokens, padding, packed: bool, pg, vocab: int, device) -
     batch = sequences_batch(
         extended, range(len(extended)), padding, packed=packed, equalize_group=pg.tp_ep
     )
-    inputs = batch.inputs
-    params = inputs["packed_seq_params"]
+    inputs = batch.to(device).inputs
     output = chunk(
-        input_ids=inputs["input_ids"].to(device),
-        position_ids=inputs["position_ids"].to(device),
+        input_ids=inputs["input_ids"],
+        position_ids=inputs["position_ids"],
         attention_mask=None,
-        packed_seq_params=None if params is None else packed_seq_params_to(params, device),
-        padding_mask=inputs["padding_mask"].to(device),
+        packed_seq_params=inputs["packed_seq_params"],
+        padding_mask=inputs["padding_mask"],
         runtime_gather_output=True,  # the whole vocabulary on every rank
     )
     last = torch.tensor([first + n - 1 for _, first, n in batch.spans], device=device)

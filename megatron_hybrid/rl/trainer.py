@@ -42,7 +42,7 @@ from megatron_hybrid.logprobs.batches import (
 )
 from megatron_hybrid.logprobs.forward import choose_packed, forward_logprobs, model_device
 from megatron_hybrid.logprobs.vocab import check_temperature, token_logprobs_and_entropy
-from megatron_hybrid.padding import packed_seq_params_to, padding_config_from
+from megatron_hybrid.padding import padding_config_from
 from megatron_hybrid.rl.losses import PolicyLoss, sequence_weights, token_terms
 from megatron_hybrid.training.loop import (
     build_optimizer,
@@ -508,14 +508,8 @@ class PolicyTrainer:
     def _micro_batch(self, batch: MicroBatch, tokens, inputs: dict) -> dict:
         """The dict ``policy_forward_step`` reads, on the model's device."""
         device = self.device
-        params = batch.inputs["packed_seq_params"]
-        item = {
-            key: value.to(device, non_blocking=True)
-            for key, value in batch.inputs.items()
-            if torch.is_tensor(value)
-        }
-        item["packed_seq_params"] = None if params is None else packed_seq_params_to(params, device)
-        item["labels"] = batch.labels.to(device, non_blocking=True)
+        item = dict(batch.to(device, non_blocking=True).inputs)
+        item["labels"] = item["labels"].reshape(-1)  # MicroBatch.labels' shape
         for name in ("mask", "weights", "advantages", "old", "ref"):
             values = inputs[name]
             item[name] = None if values is None else _rows(values, batch).to(device)
