@@ -16,7 +16,8 @@ raise before the forward pass, so no rank is left waiting in a collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
@@ -39,7 +40,7 @@ from megatron_hybrid.padding import (
     thd_unsupported_reason_for,
 )
 
-__all__ = ["choose_packed", "forward_logprobs", "model_device", "real_vocab_size"]
+__all__ = ["choose_packed", "evaluating", "forward_logprobs", "model_device", "real_vocab_size"]
 
 
 def _chunks(model) -> list:
@@ -63,6 +64,22 @@ def model_device(inner: list) -> torch.device:
         for param in chunk.parameters():
             return param.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def evaluating(chunks: list) -> Iterator[None]:
+    """Forward passes without gradients in eval mode (no dropout); every module's training
+    flag as it was afterwards."""
+    modules = [module for chunk in chunks for module in chunk.modules()]
+    modes = [module.training for module in modules]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in zip(modules, modes, strict=True):
+            module.training = mode
 
 
 def _symbols(inner, config) -> set[str] | None:
@@ -210,25 +227,17 @@ def _run(chunks, config, pg, batches, reduce, device) -> None:
 
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
     iterators = [iter(batches) for _ in chunks]
-    modes = [module.training for chunk in chunks for module in chunk.modules()]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        with torch.no_grad():
-            get_forward_backward_func(pp_size=pp, vp_size=vpp)(
-                forward_step_func=partial(_forward_step, reduce=reduce, device=device),
-                data_iterator=iterators if vpp else iterators[0],
-                model=chunks if vpp else chunks[0],
-                num_microbatches=len(batches),
-                seq_length=batches[0].seq_length,
-                micro_batch_size=batches[0].rows,
-                forward_only=True,
-                **kwargs,
-            )
-    finally:
-        modules = [module for chunk in chunks for module in chunk.modules()]
-        for module, mode in zip(modules, modes, strict=True):
-            module.training = mode
+    with evaluating(chunks):
+        get_forward_backward_func(pp_size=pp, vp_size=vpp)(
+            forward_step_func=partial(_forward_step, reduce=reduce, device=device),
+            data_iterator=iterators if vpp else iterators[0],
+            model=chunks if vpp else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=batches[0].seq_length,
+            micro_batch_size=batches[0].rows,
+            forward_only=True,
+            **kwargs,
+        )
 
 
 def _gather(tokens, batches, pg, device, with_entropy):

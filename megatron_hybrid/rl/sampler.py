@@ -25,7 +25,7 @@ from megatron_hybrid.logprobs.batches import (
     sequences_batch,
     world_max,
 )
-from megatron_hybrid.logprobs.forward import choose_packed, model_device
+from megatron_hybrid.logprobs.forward import choose_packed, evaluating, model_device
 from megatron_hybrid.padding import padding_config_from
 
 __all__ = ["choose_tokens", "sample"]
@@ -150,18 +150,12 @@ def sample(
     packed = choose_packed(chunk, config, None)
     generator = torch.Generator().manual_seed(seed)
     generated = [torch.zeros(0, dtype=torch.long) for _ in tokens]
-    modes = [module.training for module in chunk.modules()]
-    chunk.eval()
-    try:
-        with torch.no_grad():
-            for _ in range(max_new_tokens):
-                current = [torch.cat([t, g]) for t, g in zip(tokens, generated, strict=True)]
-                logits = _last_logits(chunk, current, padding, packed, pg, chunk.vocab_size, device)
-                chosen = choose_tokens(
-                    logits, temperature=temperature, top_p=top_p, generator=generator
-                ).cpu()
-                generated = [torch.cat([g, chosen[i : i + 1]]) for i, g in enumerate(generated)]
-    finally:
-        for module, mode in zip(chunk.modules(), modes, strict=True):
-            module.training = mode
+    with evaluating([chunk]):
+        for _ in range(max_new_tokens):
+            current = [torch.cat([t, g]) for t, g in zip(tokens, generated, strict=True)]
+            logits = _last_logits(chunk, current, padding, packed, pg, chunk.vocab_size, device)
+            chosen = choose_tokens(
+                logits, temperature=temperature, top_p=top_p, generator=generator
+            ).cpu()
+            generated = [torch.cat([g, chosen[i : i + 1]]) for i, g in enumerate(generated)]
     return generated

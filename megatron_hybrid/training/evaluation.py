@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_hybrid.logprobs.forward import evaluating
 from megatron_hybrid.schedule.steps import lm_forward_step
 
 __all__ = ["evaluate"]
@@ -24,28 +25,20 @@ def evaluate(chunks, batches: list, config, *, seq_length: int, micro_batch_size
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     totals = torch.zeros(2, dtype=torch.float64)
-    modes = [module.training for chunk in chunks for module in chunk.modules()]
-    for chunk in chunks:
-        chunk.eval()
-    try:
-        with torch.no_grad():
-            for global_batch in batches:
-                iterators = [iter(list(global_batch)) for _ in chunks]
-                reports = get_forward_backward_func()(
-                    forward_step_func=lm_forward_step,
-                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                    model=chunks if len(chunks) > 1 else chunks[0],
-                    num_microbatches=len(global_batch),
-                    seq_length=seq_length,
-                    micro_batch_size=micro_batch_size,
-                    forward_only=True,
-                )
-                for report in reports:  # the last pipeline stage's
-                    totals += report["lm loss"].double().cpu()
-    finally:
-        modules = [module for chunk in chunks for module in chunk.modules()]
-        for module, mode in zip(modules, modes, strict=True):
-            module.training = mode
+    with evaluating(chunks):
+        for global_batch in batches:
+            iterators = [iter(list(global_batch)) for _ in chunks]
+            reports = get_forward_backward_func()(
+                forward_step_func=lm_forward_step,
+                data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(global_batch),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+            for report in reports:  # the last pipeline stage's
+                totals += report["lm loss"].double().cpu()
     totals = totals.to(device)
     torch.distributed.all_reduce(totals, group=pg.dp_cp)
     torch.distributed.all_reduce(totals, group=pg.pp)  # only the last stage adds
