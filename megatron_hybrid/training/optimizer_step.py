@@ -232,12 +232,18 @@ def _steps_to_device(inner: torch.optim.Optimizer) -> None:
     for group in inner.param_groups:
         if not group.get("fused"):
             continue
-        states = [(p, inner.state.get(p, {}).get("step")) for p in group["params"]]
-        states = [(p, step) for p, step in states if torch.is_tensor(step)]
-        if not states or states[0][1].device == states[0][0].device:
+        # Every step: look at the first counter only, the whole group only after a load.
+        first = next((p for p in group["params"] if torch.is_tensor(_step_of(inner, p))), None)
+        if first is None or _step_of(inner, first).device == first.device:
             continue
-        for param, step in states:
-            inner.state[param]["step"] = step.to(param.device, torch.float32)
+        for param in group["params"]:
+            step = _step_of(inner, param)
+            if torch.is_tensor(step):
+                inner.state[param]["step"] = step.to(param.device, torch.float32)
+
+
+def _step_of(inner: torch.optim.Optimizer, param):
+    return inner.state.get(param, {}).get("step")
 
 
 def apply_step(optimizer, stats: GuardStatistics, clip_grad: float) -> None:
