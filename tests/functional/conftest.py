@@ -116,7 +116,7 @@ def world():
         # (the suite runner's in-process lanes run side by side).
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         lanes = suite_plan.parse_lane(os.environ["MH_LANE"])[1] if "MH_LANE" in os.environ else 1
-        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // (ranks_here * lanes))))
+        torch.set_num_threads(max(1, min(8, suite_guard.usable_cores() // (ranks_here * lanes))))
     yield dist.get_rank(), dist.get_world_size(), device
     from megatron_hybrid.process_groups import reset_megatron_state
 

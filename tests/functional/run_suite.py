@@ -306,7 +306,7 @@ def _start_fixtures(env: dict, work: Path) -> tuple[subprocess.Popen | None, str
         return None, f"not made: {problem}"
     folder = Path(tempfile.mkdtemp(prefix="mh-hf-fixtures-"))
     (folder / hf_fixtures.MAKING).touch()
-    threads = str(max(2, min(8, (os.cpu_count() or 1) // 4)))
+    threads = str(max(2, min(8, suite_guard.usable_cores() // 4)))
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     maker = subprocess.Popen(
         [*nice, sys.executable, str(HERE / "hf_fixtures.py"), str(folder)],
@@ -351,6 +351,7 @@ def main(argv=None) -> int:
     console = Console(out / "suite.log")
     gpus, device = (args.cpu, "CPU rank (gloo, emulated)") if args.cpu else _gpus()
     gpus = gpus if args.gpus is None else min(args.gpus, gpus)
+    device = f"{device}, {suite_guard.usable_cores()} CPU cores"  # a slice of a host says so
     console.write(f"== GPU suite: {gpus} x {device}, Python {platform.python_version()}, "
                   f"budget {args.budget:.0f} s, {args.in_process_lanes} in-process and "
                   f"{args.lanes} launcher lane(s)\n")  # fmt: skip
@@ -361,13 +362,16 @@ def main(argv=None) -> int:
     # Inductor gives every process that compiles a pool of min(32, cores) workers; with the
     # lanes' ranks and the launcher jobs' side by side, a share each keeps them within the cores.
     processes = max(1, gpus) * (args.in_process_lanes + args.lanes)
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    cores = suite_guard.usable_cores()
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, cores // processes)))
     if args.cpu:
         env.update(MH_FUNCTIONAL_ON_CPU="1", MH_CPU_RANKS=str(args.cpu))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
 
     maker, fixtures_note = _start_fixtures(env, work)
     notes = [f"Hugging Face fixtures: {fixtures_note}"]
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):  # e.g. one slice of scripts/gpu_split.sh
+        notes.append(f"GPUs {os.environ['CUDA_VISIBLE_DEVICES']} of the host")
     if os.environ.get("MH_COMPILE_CACHE"):
         notes.append(f"compile caches: {os.environ['MH_COMPILE_CACHE']}")
     phases: list[dict] = []

@@ -50,6 +50,15 @@ ABORT_CODE = 3
 _POLL = 0.05
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity, not the host's count (a runner bound
+    to part of a host, e.g. ``scripts/gpu_split.sh``'s slices, shares the rest with others)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 class TestTimeout(Exception):  # noqa: N818 - reads as what happened, like TimeoutError
     """Raised in the main thread when a test runs past its limit (single process only)."""
 
