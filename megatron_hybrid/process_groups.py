@@ -37,10 +37,7 @@ def init_single_process_world(backend: str = "gloo") -> None:
 
     if dist.is_initialized():
         return
-    # A fresh port, as init_world picks one: a rendezvous address inherited from a parent process
-    # (a test runner, a launcher) may be held by that parent.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group(backend, rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def init_world() -> tuple[int, int]:
@@ -55,19 +52,17 @@ def init_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # One process without a launcher: an in-memory store, no port. A port picked free first
+        # can be taken by another job before the store listens on it (EADDRINUSE), and a
+        # rendezvous address inherited from a parent (a test runner) may be the parent's own.
+        alone = {}
         if "WORLD_SIZE" not in os.environ:
-            os.environ.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-            )
+            alone = dict(store=dist.HashStore(), rank=0, world_size=1)
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
-        else:
-            dist.init_process_group("gloo")
+        dist.init_process_group(backend, **alone)
     return dist.get_rank(), dist.get_world_size()
 
 

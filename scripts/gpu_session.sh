@@ -94,8 +94,8 @@ if [ "${MH_WHEELS_INSTALLED:-0}" != 1 ]; then
     .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# A port of its own for each torchrun job: other sessions of the host may run torchrun too.
-port() { python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+# Every torchrun job runs --standalone: its rendezvous store listens on a port the OS gives it,
+# so jobs side by side (gpu_split.sh's slices, the suite's lanes) never take each other's port.
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $NGPU ($(python3 -c 'import torch; print(torch.cuda.get_device_name())'))"
 TSITE=/tmp/tsite
@@ -148,7 +148,7 @@ for part in "$@"; do
         fi
       fi ;;
     functional)
-      MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | quiet | tee "$OUT/functional.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     launcher)
@@ -156,12 +156,12 @@ for part in "$@"; do
         | quiet | tee "$OUT/launcher.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench)
-      torchrun --master-port "$(port)" --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \
+      torchrun --standalone --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label nvlink --out "$OUT" \
         ${BENCH_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/bench_nvlink.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-nop2p)
-      NCCL_P2P_DISABLE=1 torchrun --master-port "$(port)" --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
+      NCCL_P2P_DISABLE=1 torchrun --standalone --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label no-p2p --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | quiet | tee "$OUT/bench_nop2p.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
@@ -180,18 +180,18 @@ for part in "$@"; do
       have_tsite || { status=1; continue; }
       # One process for the kernel tests: fla compiles and autotunes each kernel on first use
       # (minutes). A test still running after 300 s dumps every thread's stack into the log.
-      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-480}" torchrun --master-port "$(port)" --nproc_per_node 1 \
+      PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GDN_TIMEOUT:-480}" torchrun --standalone --nproc_per_node 1 \
         -m pytest -q -s -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_kernels_gpu.py 2>&1 | tee "$OUT/gdn_kernels.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
-      TRITON_F32_DEFAULT=ieee with_tsite torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s \
+      TRITON_F32_DEFAULT=ieee with_tsite torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s \
         -p no:cacheprovider -W ignore \
         tests/functional/test_gdn_gates_gpu.py \
         2>&1 | tee "$OUT/gdn_fla.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     bench-ge|bench-ge-nop2p)
       label=nvlink; p2p=0; [ $part = bench-ge-nop2p ] && { label=no-p2p; p2p=1; }
-      NCCL_P2P_DISABLE=$p2p with_tsite torchrun --master-port "$(port)" --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
+      NCCL_P2P_DISABLE=$p2p with_tsite torchrun --standalone --nproc_per_node "$NGPU" benchmarks/ep_overlap.py \
         --label $label --out "$OUT" --variants ge_plain ge_overlap --gdn-kernel fla --append \
         ${BENCH_ARGS:-} 2>&1 | quiet | tee "$OUT/$part.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
@@ -199,7 +199,7 @@ for part in "$@"; do
       p2ps=0; [ "${PROFILE_NOP2P:-0}" = 1 ] && p2ps="0 1"
       for p2p in $p2ps; do
         label=nvlink-profile; [ $p2p = 1 ] && label=no-p2p-profile
-        NCCL_P2P_DISABLE=$p2p with_tsite torchrun --master-port "$(port)" --nproc_per_node "$NGPU" \
+        NCCL_P2P_DISABLE=$p2p with_tsite torchrun --standalone --nproc_per_node "$NGPU" \
           benchmarks/ep_overlap.py --label $label --out "$OUT" --gdn-kernel fla --profile \
           --variants grouped_plain grouped_overlap ge_plain ge_overlap ${BENCH_ARGS:-} 2>&1 \
           | quiet | tee "$OUT/$label.log"
@@ -223,33 +223,33 @@ for part in "$@"; do
       for exp in "${exps[@]}"; do
         [[ $exp == *"|"* ]] || { echo "GE_EXPS: '$exp' is not 'label|args'"; status=2; continue; }
         label=${exp%%|*}; extra=${exp#*|}
-        PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GE_TIMEOUT:-240}" torchrun --master-port "$(port)" \
+        PYTHONPATH=$TSITE:$PYTHONPATH timeout "${GE_TIMEOUT:-240}" torchrun --standalone \
           --nproc_per_node "$NGPU" benchmarks/ep_overlap.py --label "$label" --out "$OUT" \
           --variants ge_plain ge_overlap --gdn-kernel fla $extra ${BENCH_ARGS:-} 2>&1 \
           | quiet | tee "$OUT/$label.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done ;;
     te)
-      torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+      torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_te_backend_gpu.py 2>&1 | quiet \
         | tee "$OUT/te.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     hf)
       NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
-        torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_hf_gpu.py 2>&1 | quiet | tee "$OUT/hf.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --out "$OUT" 2>&1 | quiet | tee "$OUT/hf_export.log" ;;
     hf-fp8)
       NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
-        torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_hf_fp8_gpu.py 2>&1 | quiet | tee "$OUT/hf_fp8.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/hf_export.py --quantize fp8 --out "$OUT" 2>&1 | quiet \
         | tee "$OUT/hf_export_fp8.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     lora)
-      NVIDIA_TF32_OVERRIDE=0 torchrun --master-port "$(port)" --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
+      NVIDIA_TF32_OVERRIDE=0 torchrun --standalone --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider \
         -W ignore tests/functional/test_lora_gpu.py 2>&1 | quiet | tee "$OUT/lora.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       python3 benchmarks/lora.py --out "$OUT" ${LORA_BENCH_ARGS:-} 2>&1 | quiet \
@@ -257,13 +257,13 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     packing)
       TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 timeout "${PACKING_TIMEOUT:-420}" \
-        torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
+        torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_packing_gpu.py 2>&1 | quiet | tee "$OUT/packing.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     gdn-gates)
       have_tsite || { status=1; continue; }
       TRITON_F32_DEFAULT=ieee MH_TRITON_ONE_CONFIG=1 PYTHONPATH=$TSITE:$PYTHONPATH \
-        timeout "${GDN_TIMEOUT:-480}" torchrun --master-port "$(port)" --nproc_per_node 1 -m pytest -q -s \
+        timeout "${GDN_TIMEOUT:-480}" torchrun --standalone --nproc_per_node 1 -m pytest -q -s \
         -p no:cacheprovider -W ignore -o faulthandler_timeout=300 \
         tests/functional/test_gdn_gates_gpu.py \
         2>&1 | quiet | tee "$OUT/gdn_gates.log"
@@ -277,7 +277,7 @@ for part in "$@"; do
         ${GRPO_ARGS:-} 2>&1 | quiet | tee "$OUT/grpo.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     mfu)
-      timeout "${FAST_TEST_TIMEOUT:-180}" torchrun --master-port "$(port)" --nproc_per_node 1 -m pytest -q -s \
+      timeout "${FAST_TEST_TIMEOUT:-180}" torchrun --standalone --nproc_per_node 1 -m pytest -q -s \
         -p no:cacheprovider -W ignore tests/functional/test_fast_path_gpu.py 2>&1 | quiet \
         | tee "$OUT/fast_path.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -285,7 +285,7 @@ for part in "$@"; do
         ${MFU_ARGS:-} 2>&1 | quiet | tee "$OUT/mfu.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     perf)
-      MH_TRITON_ONE_CONFIG=1 timeout "${PERF_TEST_TIMEOUT:-240}" torchrun --master-port "$(port)" --nproc_per_node 1 \
+      MH_TRITON_ONE_CONFIG=1 timeout "${PERF_TEST_TIMEOUT:-240}" torchrun --standalone --nproc_per_node 1 \
         -m pytest -q -s -p no:cacheprovider -W ignore tests/functional/test_fused_step_gpu.py \
         tests/functional/test_fla_dqkwg_gpu.py \
         tests/functional/test_cuda_graphs_gpu.py::test_failed_capture_leaves_the_process_usable \
@@ -306,7 +306,7 @@ for part in "$@"; do
         --global-batch-size 8 --vocab-size 32768 --bf16 --moe-grouped-gemm --train-iters 16)
       for pattern in '[*E]{4}' '[GE]{2}[*E]{2}'; do
         echo "== train $pattern" | tee -a "$OUT/train_perf.log"
-        timeout "${TRAIN_PERF_TIMEOUT:-240}" torchrun --master-port "$(port)" --nproc_per_node 1 -m megatron_hybrid \
+        timeout "${TRAIN_PERF_TIMEOUT:-240}" torchrun --standalone --nproc_per_node 1 -m megatron_hybrid \
           train --hybrid-layer-pattern "$pattern" "${shape[@]}" ${TRAIN_PERF_ARGS:-} 2>&1 \
           | quiet | tee -a "$OUT/train_perf.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -314,7 +314,7 @@ for part in "$@"; do
       grep -E '^== train|^training |^done:' "$OUT/train_perf.log" ;;
     perf-ep4)
       for extra in "" "--overlap"; do
-        timeout "${MFU_TIMEOUT:-140}" torchrun --master-port "$(port)" --nproc_per_node "$NGPU" benchmarks/mfu.py \
+        timeout "${MFU_TIMEOUT:-140}" torchrun --standalone --nproc_per_node "$NGPU" benchmarks/mfu.py \
           --out "$OUT/ep$NGPU" --quick --ep "$NGPU" --runs star_e/fast ge/fast $extra \
           ${MFU_ARGS:-} 2>&1 | quiet | tee -a "$OUT/perf_ep.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -343,7 +343,7 @@ for part in "$@"; do
       python3 -c 'from megatron.core.ssm import mamba_mixer as m; assert m.HAVE_MAMBA_SSM' \
         2>/dev/null || bash scripts/stage_mamba.sh --device 2>&1 | tail -20 | tee "$OUT/mamba_build.log"
       NVIDIA_TF32_OVERRIDE=0 MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} \
-        torchrun --master-port "$(port)" --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider -W ignore \
+        torchrun --standalone --nproc_per_node 1 -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional/test_mamba_torch_gpu.py \
         tests/functional/test_hf_gpu.py::test_nemotron_h_mamba_kernels_torch_and_transformers \
         2>&1 | quiet | tee "$OUT/mamba.log"
@@ -353,7 +353,7 @@ for part in "$@"; do
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     hybridep)
       have_deepep || { status=1; continue; }
-      timeout "${HYBRIDEP_TIMEOUT:-290}" torchrun --master-port "$(port)" --nproc_per_node "$NGPU" -m pytest -q -s \
+      timeout "${HYBRIDEP_TIMEOUT:-290}" torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s \
         -p no:cacheprovider -W ignore tests/functional/test_hybridep_gpu.py 2>&1 | quiet \
         | tee "$OUT/hybridep.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -367,7 +367,7 @@ for part in "$@"; do
       for variant in "" "USE_MNNVL=0" "HYBRID_EP_CACHE_DIR=/tmp/hep-cache" \
           "USE_MNNVL=0 NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=$NGPU"; do
         echo "== probe on $NGPU GPU(s): ${variant:-as is}" | tee -a "$OUT/hybridep_probe.log"
-        env $variant timeout 120 torchrun --master-port "$(port)" --nproc_per_node "$NGPU" "${probe[@]}" 2>&1 | quiet \
+        env $variant timeout 120 torchrun --standalone --nproc_per_node "$NGPU" "${probe[@]}" 2>&1 | quiet \
           | grep -v '^\[default[1-9]' | tail -25 | tee -a "$OUT/hybridep_probe.log"
       done
       if command -v gdb >/dev/null; then
@@ -383,7 +383,7 @@ for part in "$@"; do
       have_deepep || { status=1; continue; }
       for p2p in 0 1; do
         label=nvlink; [ $p2p = 1 ] && label=no-p2p
-        NCCL_P2P_DISABLE=$p2p timeout "${HYBRIDEP_BENCH_TIMEOUT:-300}" torchrun --master-port "$(port)" \
+        NCCL_P2P_DISABLE=$p2p timeout "${HYBRIDEP_BENCH_TIMEOUT:-300}" torchrun --standalone \
           --nproc_per_node "$NGPU" benchmarks/hybridep.py --label $label --out "$OUT" \
           ${HYBRIDEP_BENCH_ARGS:-} 2>&1 | quiet | tee -a "$OUT/bench_hybridep.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1

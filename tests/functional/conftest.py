@@ -295,8 +295,6 @@ def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
     ends (torchrun puts each worker in a session of its own, so killing torchrun alone would
     leave them holding GPUs and ports).
     """
-    from megatron_hybrid.process_groups import free_port
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(gpu_count())]
     too_big = [job.nproc for job in jobs if job.nproc > len(devices)]
@@ -315,9 +313,10 @@ def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
                 use, free = free[: job.nproc], free[job.nproc :]
                 env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(use),
                        "PYTHONUNBUFFERED": "1", **job.env}  # fmt: skip
-                port = str(free_port())
+                # --standalone: the rendezvous store listens on a port the OS gives it (port 0);
+                # a port picked free beforehand can be taken by a job beside it before it binds.
                 command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           str(job.nproc), "--master-port", port, *job.args]  # fmt: skip
+                           str(job.nproc), "--standalone", *job.args]  # fmt: skip
                 sink = tempfile.TemporaryFile(mode="w+")
                 proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)  # fmt: skip

@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,10 @@ import suite_guard  # noqa: E402
 DEFAULT_BUDGET = 450.0
 #: Launcher lanes run side by side (see the module doc).
 DEFAULT_LANES = 2
+#: In-process jobs side by side: on 1, 2 and 4 x H200 (2026-11-27) two jobs' files took 280-370 s
+#: in one and 430-470 s in the other (about 830 s of files in all, most of it compiling on the
+#: CPU); three share it at about 280 s each.
+DEFAULT_IN_PROCESS_LANES = 3
 PYTEST_FLAGS = ["-q", "-s", "-p", "no:cacheprovider", "-W", "ignore"]
 
 
@@ -85,13 +88,6 @@ class Console:
 
     def close(self) -> None:
         self.log.close()
-
-
-def _free_port() -> int:
-    """A TCP port free now, for a torchrun job's rendezvous (jobs side by side need their own)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _gpus() -> tuple[int, str]:
@@ -333,9 +329,9 @@ def main(argv=None) -> int:
         default=DEFAULT_LANES,
         help=f"launcher processes side by side (default {DEFAULT_LANES})",
     )
-    parser.add_argument("--in-process-lanes", type=int, default=DEFAULT_LANES,
-                        help="in-process torchrun jobs side by side, each on all GPUs, the "
-                        f"files split between them (default {DEFAULT_LANES})")  # fmt: skip
+    parser.add_argument("--in-process-lanes", type=int, default=DEFAULT_IN_PROCESS_LANES,
+                        help="in-process torchrun jobs side by side, each on all GPUs, the files "
+                        f"split between them (default {DEFAULT_IN_PROCESS_LANES})")  # fmt: skip
     parser.add_argument("--cpu", type=int, default=0, metavar="RANKS",
                         help="check the runner on a CPU: RANKS gloo processes stand for GPUs, "
                         "megatron-core's CUDA calls emulated (MH_FUNCTIONAL_ON_CPU=1)")  # fmt: skip
@@ -385,7 +381,7 @@ def main(argv=None) -> int:
         def in_process_job(name: str):
             def command(round_: int) -> list[str]:
                 return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                        str(gpus), "--master-port", str(_free_port()), "--log-dir",
+                        str(gpus), "--standalone", "--log-dir",
                         str(ranks / name / f"round{round_}"), "--redirects", "3", "--tee", "3",
                         "--local-ranks-filter", "0", "-m", "pytest", "tests/functional", "-m",
                         "not launcher and not own_job", *PYTEST_FLAGS,

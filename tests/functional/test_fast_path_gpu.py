@@ -93,6 +93,18 @@ def _step(model, inner, device):
     return loss.item(), {n: p.grad.float() for n, p in inner.named_parameters()}
 
 
+def _judged_elsewhere(pattern: str, deterministic: bool) -> tuple[str, ...]:
+    """Parameters whose own bound this test cannot set: with fla's kernels (``[GE]``, not
+    deterministic) every path here, the float32 yardstick too, takes the gates' gradients
+    (``A_log``, ``dt_bias``: sums over every token of a ``dg`` that cancels) from fla's
+    backward, whose atomic adds change them from run to run. On one H200 the yardstick's
+    ``dg`` was 0.16 and 0.32 off float64 in two runs on the same inputs, and the bf16 paths'
+    gate errors against it ranged from 0.02 to 1.2. ``test_gdn_gates_gpu.py`` judges these
+    against float64 with bounds from each run's own ``dg``; here they count in the loss and in
+    all gradients together."""
+    return ("A_log", "dt_bias") if pattern.startswith("[GE]") and not deterministic else ()
+
+
 def _gdn_modes() -> list:
     from megatron_hybrid.training.capabilities import fla_gated_backward_refused, fla_installed
 
@@ -145,7 +157,8 @@ def test_fast_path_matches_reference_in_bf16(world, pg, pattern, deterministic):
     assert fast["loss"] <= FACTOR * ref["loss"] + 1e-3
     assert fast["grads"] <= FACTOR * ref["grads"] + FLOOR
     bad = {n: (e, ref["per_param"][n]) for n, e in fast["per_param"].items()
-           if e > PARAM_FACTOR * ref["per_param"][n] + PARAM_FLOOR}  # fmt: skip
+           if e > PARAM_FACTOR * ref["per_param"][n] + PARAM_FLOOR
+           and not n.endswith(_judged_elsewhere(pattern, deterministic))}  # fmt: skip
     assert not bad, bad
 
 

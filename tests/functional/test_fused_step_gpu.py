@@ -99,7 +99,7 @@ def test_fused_step_and_megatrons_step_stay_within_the_float64_bound(pg):
     grads_by_step, fused_norms, megatron_norms = [], [], []
     for step in range(STEPS):
         _backward(chunks[0], config, pg, seed=step)
-        for a, b in zip(chunks[0].parameters(), chunks[1].parameters(), strict=True):
+        for a, b in zip(chunks[0][0].parameters(), chunks[1][0].parameters(), strict=True):
             b.main_grad.copy_(a.main_grad)
         for optimizer in (fused, megatron):
             optimizer.zero_grad()
@@ -125,7 +125,7 @@ def test_fused_step_and_megatrons_step_stay_within_the_float64_bound(pg):
 
     # A NaN gradient: the fused kernel skips on the device; nothing the optimizer keeps changes.
     _backward(chunks[0], config, pg, seed=STEPS)
-    next(iter(chunks[0].parameters())).main_grad.view(-1)[0] = float("nan")
+    next(iter(chunks[0][0].parameters())).main_grad.view(-1)[0] = float("nan")
     fused.zero_grad()
     before = [p.detach().clone() for p in _main_params(fused)]
     from megatron_hybrid.training.optimizer_step import _torch_optimizers

@@ -297,9 +297,16 @@ def _gate_rows(reports, failures, tf32, kernel_ok) -> list[tuple]:
 
 
 def _gate_control(gates) -> bool:
-    """Whether a ``dt_bias`` gradient taken with softplus' derivative as 1 is reported."""
-    source = "fla float32 ieee" if "fla float32 ieee" in gates else "float32"
-    run, ref = gates[source][0], gates["float32"][0]
+    """Whether a ``dt_bias`` gradient taken with softplus' derivative as 1 is reported.
+
+    The wrong gradient is made from the float32 reference's own ``dg`` (megatron's torch path in
+    deterministic mode): so the only difference the report can see is the derivative. Made from
+    an fla run's ``dg`` it carried that run's ``dg`` error too, which fla's backward (atomic
+    adds) changes from run to run: on the same inputs its float32 layer-1 ``dg`` was 0.16 off
+    in one run and 0.32 in another (4 x and 1 x H200), and in the first the wrong derivative
+    hid within the bound that error allows.
+    """
+    run = ref = gates["float32"][0]
     heads = run["dg"].shape[-1]
     wrong = (run["dg"] * -run["A_log"].double().exp()).reshape(-1, heads).sum(0)
     r = gate_report({**run, "ddt_bias": wrong}, ref, gate_weights(run["g"], run["A_log"]),

@@ -49,8 +49,6 @@ import pytest
 import torch
 from conftest import NUM_EXPERTS, exact_float32, report
 
-from megatron_hybrid.process_groups import free_port
-
 HIDDEN, HEADS, FFN, VOCAB = 128, 8, 256, 128
 BF16_ROUNDING = 2.0**-8  # norm-relative floor: one bf16 rounding of every element
 MARGIN = 3.0  # x the alltoall run's own bf16-vs-float32 difference (see the module docstring)
@@ -101,7 +99,7 @@ def _buffer_crashes(ranks: int) -> str | None:
     probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybridep_probe.py")
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARIABLES}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master-port", str(free_port()), probe, str(HIDDEN), "512",
+               "--standalone", probe, str(HIDDEN), "512",
                str(NUM_EXPERTS)]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)  # fmt: skip
@@ -603,8 +601,7 @@ def _train(*extra: str) -> list[float]:
         "torch.distributed.run",
         "--nproc_per_node",
         str(gpus),
-        "--master-port",  # a port of its own: other lanes of the suite run torchrun meanwhile
-        str(free_port()),
+        "--standalone",  # a port of its own: other lanes of the suite run torchrun meanwhile
         "-m",
         "megatron_hybrid",
         *TRAIN,
