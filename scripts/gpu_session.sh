@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see ../shared/gpu/README.md): install the carried wheels, then run
 # the requested parts, logging under $OUT. Usage: bash scripts/gpu_session.sh PART [PART ...]
+#   data         tests/functional/test_data_gpu.py alone (prepare-data, then train --data-path
+#                --packed and on synthetic data, one GPU): the tokens/s of each with nothing beside
 #   suite        the whole GPU suite as a runner runs it (tests/functional/run_suite.py): HF
 #                fixtures made here, in-process tests on all GPUs (a hung test ends the job and
 #                the rest runs again) and beside them the launcher tests; per-test time limits,
@@ -134,6 +136,8 @@ for part in "$@"; do
         mkdir -p $cache && cat .compile_cache/compile_cache.tar.xz.* | xz -dc | tar xf - -C $cache \
           && MH_COMPILE_CACHE=warm
       fi
+      # The HybridEP tests run where the DeepEP wheel is carried (.deepep/dist/), else they skip.
+      have_deepep >/dev/null 2>&1 || echo "no DeepEP: the HybridEP tests skip"
       python3 tests/functional/run_suite.py --out "$OUT" --budget "${SUITE_BUDGET:-450}" \
         ${SUITE_ARGS:-} 2>&1 | quiet
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -150,6 +154,10 @@ for part in "$@"; do
     functional)
       MH_HF_FIXTURES=${MH_HF_FIXTURES:-$PWD/.hf_fixtures} torchrun --standalone --nproc_per_node "$NGPU" -m pytest -q -s -p no:cacheprovider -W ignore \
         tests/functional 2>&1 | quiet | tee "$OUT/functional.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    data)
+      timeout "${DATA_TIMEOUT:-330}" python3 -m pytest -q -s -p no:cacheprovider -W ignore \
+        -m launcher tests/functional/test_data_gpu.py 2>&1 | quiet | tee "$OUT/data.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     launcher)
       python3 -m pytest -q -s -p no:cacheprovider -W ignore -m launcher tests/functional 2>&1 \

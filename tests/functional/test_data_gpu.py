@@ -53,10 +53,11 @@ def dataset(tmp_path_factory):
     return folder
 
 
-def _tokens_per_second(output: str) -> float:
-    return float(
-        re.findall(r"median step [0-9.]+ m?s, ([0-9,]+) tok/s", output)[-1].replace(",", "")
-    )
+def _rate(output: str) -> tuple[float, float]:
+    """The closing line's tokens/s and (their product with its median step) tokens per step."""
+    seconds, unit, rate = re.findall(r"median step ([0-9.]+) (m?s), ([0-9,]+) tok/s", output)[-1]
+    rate = float(rate.replace(",", ""))
+    return rate, rate * float(seconds) / (1000.0 if unit == "ms" else 1.0)
 
 
 @pytest.mark.time_limit(300)  # prepare-data of 4,000 documents, then two train jobs
@@ -75,7 +76,13 @@ def test_data_path_trains_packed_at_a_fixed_budget(dataset, tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses
     assert len(re.findall(r"validation loss [0-9.]+", data)) >= 2
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "loss_curve.png").exists()
-    ours, theirs = _tokens_per_second(data), _tokens_per_second(synthetic)
-    print(f"\ntokens/s on one GPU: --data-path {ours:,.0f}, synthetic {theirs:,.0f}")
-    # A real sample fills the budget; a synthetic sequence about half of it (same shapes).
-    assert ours > theirs
+    (ours, ours_step), (theirs, theirs_step) = _rate(data), _rate(synthetic)
+    print(f"\ntokens/s on one GPU: --data-path {ours:,.0f} ({ours_step:,.0f} a step), "
+          f"synthetic {theirs:,.0f} ({theirs_step:,.0f} a step)")  # fmt: skip
+    # A real sample fills the budget (every step 4 micro-batches of 4,096 tokens); a synthetic
+    # sequence (8 to 2,048 tokens) about half of it. The claim is the tokens a step carries:
+    # their rates are the note's, not this test's, since in the suite the other lanes load the
+    # GPU and the cores differently while each run runs (one H200, 2026-11-27: 6,217 and 8,932
+    # tokens/s, the data run beside three in-process jobs compiling, the synthetic one after).
+    assert ours_step == pytest.approx(4 * 4096, rel=0.02)
+    assert theirs_step < 0.75 * ours_step
