@@ -32,7 +32,6 @@ __all__ = [
     "Flag",
     "add_hybrid_args",
     "dest_of",
-    "flag_default",
     "given_flags",
     "model_setting_dests",
     "required_pattern",
@@ -401,11 +400,6 @@ RUNTIME_CHOICES = frozenset(
 def dest_of(option: str) -> str:
     """argparse's ``dest`` of an option (``--hidden-size`` -> ``hidden_size``)."""
     return option.lstrip("-").replace("-", "_")
-
-
-def flag_default(flag: Flag) -> Any:
-    """What a parser gives for ``flag`` when it is not given (``False`` for a switch)."""
-    return flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
 
 
 def model_setting_dests() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_hybrid.training.arguments import FLAGS, dest_of, flag_default, given_flags
+from megatron_hybrid.training.arguments import FLAGS, Flag, dest_of, given_flags
 from megatron_hybrid.training.train_flags import TRAIN_FLAGS
 
 __all__ = [
@@ -179,9 +179,14 @@ class TrainSettings:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSettings)) - set(NOT_FLAGS)
 
 
+def _flag_default(flag: Flag) -> Any:
+    """What a parser gives for ``flag`` when it is not given (``False`` for a switch)."""
+    return flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
+
+
 def flag_defaults() -> dict[str, Any]:
     """Every flag's default, as ``train``'s parser would give it without the flag."""
-    values = {dest_of(flag.option): flag_default(flag) for flag in (*FLAGS, *TRAIN_FLAGS)}
+    values = {dest_of(flag.option): _flag_default(flag) for flag in (*FLAGS, *TRAIN_FLAGS)}
     values.update(COMMAND_DEFAULTS)
     return values
 
