@@ -33,6 +33,7 @@ def _worker(rank: int, world_size: int, argv: list[str], threads: int) -> dict:
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training import loop
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     seconds: list[float] = []
     step = loop.train_step
@@ -44,7 +45,9 @@ def _worker(rank: int, world_size: int, argv: list[str], threads: int) -> dict:
         return result
 
     loop.train_step = timed_step  # run_training imports it from the module when it starts
-    summary = run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+    summary = run_training(
+        settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+    )
     return dict(seconds=seconds, losses=summary.losses)
 
 

@@ -123,16 +123,18 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
     return [str(flag) for flag in flags]
 
 
-def train_args(flags: list[str]) -> argparse.Namespace:
-    """``flags`` parsed by ``train``'s own parser, with the run-dependent defaults filled in as
-    ``train`` fills them (a run from scratch on the synthetic data)."""
+def train_args(flags: list[str]):
+    """``flags`` parsed by ``train``'s own parser, as ``train``'s typed settings with the
+    run-dependent defaults filled in as ``train`` fills them (a run from scratch on the synthetic
+    data)."""
     from megatron_hybrid.cli.train import COMMAND
     from megatron_hybrid.training.inputs import resolve_data
     from megatron_hybrid.training.schedule import resolve_schedule
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     parser = argparse.ArgumentParser()
     COMMAND.configure(parser)
-    args = resolve_data(parser.parse_args(flags))
+    args = resolve_data(settings_from_args(parser.parse_args(flags)))
     return resolve_schedule(args, fine_tuning=False, lora=False)
 
 

@@ -12,6 +12,7 @@ checkpoint or a model that cannot be built.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from functools import partial
 
 from megatron_hybrid.checkpointing.integrity import verify_checkpoint_files
@@ -25,6 +26,7 @@ from megatron_hybrid.training.arguments import (
     model_setting_dests,
     spec_backend,
 )
+from megatron_hybrid.training.train_settings import TrainSettings, settings_from_args
 
 __all__ = ["COMMAND"]
 
@@ -69,11 +71,12 @@ def _listing(title: str, entries: list[str]) -> list[str]:
     return lines
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(namespace: argparse.Namespace) -> int:
     # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing.inspect import compare_with_checkpoint
     from megatron_hybrid.checkpointing.store import resolve_checkpoint_dir
 
+    args = settings_from_args(namespace)  # the model flags not given stay None (see above)
     try:
         # Files first: what is read from the checkpoint below must come from intact files.
         folder = resolve_checkpoint_dir(args.load)
@@ -137,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _lora_run(args: argparse.Namespace, folder, record: dict, verified: bool) -> int:
+def _lora_run(args: TrainSettings, folder, record: dict, verified: bool) -> int:
     """A LoRA run's adapter checkpoint: its adapters, the base they need (found, and the one
     they were trained on?), and how to export them. Exit 0 if the base is there and matches."""
     # lazy: loads torch and megatron, and --help imports every command module
@@ -186,7 +189,7 @@ def _lora_run(args: argparse.Namespace, folder, record: dict, verified: bool) ->
     return 1
 
 
-def _flag_model(args: argparse.Namespace, folder):
+def _flag_model(args: TrainSettings, folder):
     """The model of the flags, completed from the checkpoint: ``(build, args, read, differ,
     agreed)``."""
     # lazy: loads torch and megatron, and --help imports every command module
@@ -205,14 +208,12 @@ def _flag_model(args: argparse.Namespace, folder):
     validate_settings(args, scopes=("model",))
     # Keys do not depend on the pipeline split, so '|' needs no pipeline flags here.
     unsplit = parse_pattern(args.hybrid_layer_pattern).unsplit
-    config = hybrid_config_from_args(
-        argparse.Namespace(**{**vars(args), "hybrid_layer_pattern": unsplit})
-    )
+    config = hybrid_config_from_args(dataclasses.replace(args, hybrid_layer_pattern=unsplit))
     build = partial(_expected, expected_keys.expected_checkpoint_tensors, config, args)
     return build, args, read, differ, agreed
 
 
-def _hf_model(args: argparse.Namespace, folder):
+def _hf_model(args: TrainSettings, folder):
     """The model of the Hugging Face config the checkpoint records (train --load-hf,
     convert --from-hf): ``(build, args, read, differ, agreed)``; model flags are refused."""
     # lazy: loads torch and megatron, and --help imports every command module
@@ -232,14 +233,15 @@ def _hf_model(args: argparse.Namespace, folder):
         )
     recorded = common_record(read_common(folder)).get("model") or {}
     impl = args.transformer_impl or recorded.get("transformer_impl") or "local"
-    args = argparse.Namespace(**{**vars(args), "transformer_impl": impl,
-                                 "hybrid_layer_pattern": conversion.pattern.pattern})  # fmt: skip
+    args = dataclasses.replace(
+        args, transformer_impl=impl, hybrid_layer_pattern=conversion.pattern.pattern
+    )
     build = partial(expected_key_shapes, conversion, spec_backend(args))
     read = [f"the Hugging Face config ({conversion.family})"]
     return (lambda metadata: build(metadata=metadata)), args, read, [], set()
 
 
-def _expected(build, config, args, metadata):
+def _expected(build, config, args: TrainSettings, metadata):
     return build(
         config,
         args.hybrid_layer_pattern,

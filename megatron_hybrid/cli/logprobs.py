@@ -24,6 +24,7 @@ from megatron_hybrid.training.arguments import (
     MODEL_SHAPE_GROUPS,
     add_hybrid_args,
 )
+from megatron_hybrid.training.train_settings import settings_from_args
 
 __all__ = ["COMMAND"]
 
@@ -84,11 +85,19 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     # lazy: loads torch and megatron, and --help imports every command module
-    from megatron_hybrid.training.logprobs_job import run_logprobs
+    from megatron_hybrid.training.logprobs_job import LogprobsJob, run_logprobs
 
+    job = LogprobsJob(
+        input=args.input,
+        output=args.output,
+        entropy=args.entropy,
+        temperature=args.temperature,
+        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        overwrite=args.overwrite,
+    )
     started_world = not torch.distributed.is_initialized()
     try:
-        run_logprobs(args, backend=select_backend())
+        run_logprobs(settings_from_args(args), job, backend=select_backend())
     finally:
         # Also on a refusal: a process group left to the interpreter's exit can abort it.
         if started_world and torch.distributed.is_initialized():

@@ -17,6 +17,7 @@ from megatron_hybrid.cli.main import Command, add_overwrite_flag
 from megatron_hybrid.runtime import select_backend
 from megatron_hybrid.training.arguments import PATTERN_REQUIRED, add_hybrid_args
 from megatron_hybrid.training.train_flags import RUN_DEFAULTS, add_train_flags
+from megatron_hybrid.training.train_settings import settings_from_args
 
 __all__ = ["COMMAND", "add_train_only_args", "closing_line"]
 
@@ -94,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"{PATTERN_REQUIRED} (or --load-hf HF_DIR, whose config sets the model)")
     started_world = not torch.distributed.is_initialized()
     try:
-        summary = run_training(args, backend=select_backend())
+        summary = run_training(settings_from_args(args), backend=select_backend())
     except BaseException:
         # A check that refuses the run after this command started the world: a process group
         # left to the interpreter's exit can abort it ("terminate called without an active

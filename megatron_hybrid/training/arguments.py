@@ -37,7 +37,6 @@ __all__ = [
     "required_pattern",
     "spec_backend",
     "vpp_size_from_pattern",
-    "with_defaults",
 ]
 
 
@@ -438,7 +437,11 @@ _RECORDING = {None: _GivenStore, "store_true": _GivenStoreTrue}
 
 
 def given_flags(args: argparse.Namespace) -> frozenset[str]:
-    """The ``dest`` of the package flags given on the command line (not their defaults)."""
+    """The ``dest`` of the package flags given on the command line (not their defaults).
+
+    Read once, where the command line is parsed: ``TrainSettings.given`` carries them on
+    (``training/train_settings.py``).
+    """
     return getattr(args, GIVEN, frozenset())
 
 
@@ -472,8 +475,13 @@ def add_hybrid_args(
     return parser
 
 
-def required_pattern(args: argparse.Namespace) -> ParsedPattern:
-    """The parsed ``--hybrid-layer-pattern``; a ValueError saying so when it is missing."""
+def required_pattern(args: Any) -> ParsedPattern:
+    """The parsed ``--hybrid-layer-pattern``; a ValueError saying so when it is missing.
+
+    Args:
+        args: the flags: ``TrainSettings`` (``training/train_settings.py``), or Megatron-LM's
+            own namespace (``training/megatron_lm.py``: its API).
+    """
     if not args.hybrid_layer_pattern:
         raise ValueError(PATTERN_REQUIRED)
     return parse_pattern(args.hybrid_layer_pattern)
@@ -496,16 +504,6 @@ def vpp_size_from_pattern(pattern: str | ParsedPattern, pp_size: int) -> int | N
             "pipeline parallelism; drop the '|' or set --pipeline-model-parallel-size"
         )
     return vpp if vpp > 1 else None
-
-
-def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` completed with the defaults of flags a parser did not define."""
-    values = {}
-    for flag in FLAGS:
-        dest = dest_of(flag.option)
-        values[dest] = flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
-    values.update(vars(args))
-    return argparse.Namespace(**values)
 
 
 def spec_backend(args) -> str:

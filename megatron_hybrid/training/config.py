@@ -18,19 +18,19 @@ from megatron_hybrid.training.arguments import (
     add_hybrid_args,
     required_pattern,
     vpp_size_from_pattern,
-    with_defaults,
 )
+from megatron_hybrid.training.train_settings import TrainSettings, settings_from_args
 from megatron_hybrid.training.validation import validate_settings
 
 __all__ = ["hybrid_config_from_args", "training_fields"]
 
 
-def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
+def hybrid_config_from_args(args: argparse.Namespace | TrainSettings, **overrides: Any):
     """The ``TransformerConfig`` described by parsed flags.
 
     Args:
-        args: parsed flags (from a parser extended by :func:`add_hybrid_args`); flags the
-            parser did not define take their defaults.
+        args: parsed flags (from a parser extended by :func:`add_hybrid_args`; flags the
+            parser did not define take their defaults), or the typed settings made of them.
         **overrides: config fields to set on top (e.g. CPU-friendly fusion switches).
 
     Raises:
@@ -40,7 +40,7 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
     import torch
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    args = with_defaults(args)
+    args = settings_from_args(args)  # a public entry: a namespace of the caller's parser too
     validate_settings(args, scopes=("model",))
     parsed = required_pattern(args)
     counts = parsed.layer_counts
@@ -68,13 +68,12 @@ def hybrid_config_from_args(args: argparse.Namespace, **overrides: Any):
     return (MLATransformerConfig if counts.get(MLA, 0) else TransformerConfig)(**kwargs)
 
 
-def training_fields(args: argparse.Namespace, parsed: ParsedPattern) -> dict[str, Any]:
+def training_fields(args: TrainSettings, parsed: ParsedPattern) -> dict[str, Any]:
     """The ``TransformerConfig`` fields the training flags decide, whatever the model: parallel
     layout (the virtual pipeline size from the pattern's ``|``), dtype, module implementation,
     recompute, EP overlap and the MoE run-time choices."""
     import torch
 
-    args = with_defaults(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     vpp = vpp_size_from_pattern(parsed, args.pipeline_model_parallel_size)
     return dict(
@@ -101,7 +100,7 @@ def training_fields(args: argparse.Namespace, parsed: ParsedPattern) -> dict[str
     )
 
 
-def _layer_type_fields(args: argparse.Namespace, counts: dict[str, int], ffn: int) -> dict:
+def _layer_type_fields(args: TrainSettings, counts: dict[str, int], ffn: int) -> dict:
     """Config fields of the layer types the pattern uses (MoE, Mamba, GatedDeltaNet, MLA)."""
     kwargs: dict[str, Any] = {}
     if counts.get(MOE, 0):

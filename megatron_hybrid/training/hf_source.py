@@ -10,7 +10,6 @@ the conversion and :func:`~megatron_hybrid.training.config.training_fields` of t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,9 @@ from megatron_hybrid.hf.dist import (
 )
 from megatron_hybrid.hf.io import CONFIG_FILE
 from megatron_hybrid.hf.weights import load_hf_weights, model_chunks
-from megatron_hybrid.training.arguments import given_flags, model_setting_dests
+from megatron_hybrid.training.arguments import model_setting_dests
 from megatron_hybrid.training.config import training_fields
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = ["HFSource", "hf_source", "hf_training_config"]
 
@@ -95,15 +95,15 @@ class HFSource:
         )
         return settings
 
-    def applied_to(self, args: argparse.Namespace) -> argparse.Namespace:
-        """A new namespace: ``args`` with the model settings replaced by the conversion's.
+    def applied_to(self, args: TrainSettings) -> TrainSettings:
+        """New settings: ``args`` with the model settings replaced by the conversion's.
 
         Raises:
             ValueError: a model flag was given that the conversion sets otherwise (or that
                 this model does not have): it would be ignored, so it is refused by name.
         """
         self.check_given(args)
-        return argparse.Namespace(**{**vars(args), **self.settings})
+        return dataclasses.replace(args, **self.settings)
 
     @property
     def where(self) -> str:
@@ -112,13 +112,13 @@ class HFSource:
             return f"--load-hf {self.hf_path}"
         return f"--load {self.checkpoint or self.recorded_in}"
 
-    def check_given(self, args: argparse.Namespace) -> None:
+    def check_given(self, args: TrainSettings) -> None:
         """Refuse model-shape flags given on the command line that the Hugging Face config
         decides (``--transformer-impl``, which chooses how to compute it, stays free)."""
         settings = self.settings
         wrong = []
         for dest in model_setting_dests():
-            if dest not in given_flags(args) or dest in _CHOSEN_WITH_HF:
+            if dest not in args.given or dest in _CHOSEN_WITH_HF:
                 continue
             flag, value = "--" + dest.replace("_", "-"), getattr(args, dest)
             if dest not in settings:
@@ -133,7 +133,7 @@ class HFSource:
             )
 
 
-def hf_source(args: argparse.Namespace) -> HFSource | None:
+def hf_source(args: TrainSettings) -> HFSource | None:
     """The Hugging Face source of a ``train`` run (``args`` is only read).
 
     ``--load-hf HF_DIR``, or ``--load CKPT`` where CKPT is a weights-only checkpoint written by
@@ -144,7 +144,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
         ValueError: both ``--load-hf`` and ``--load`` are given, ``--moe-grouped-gemm`` (whose
             expert keys the conversion does not map), or the config is refused.
     """
-    load_hf = getattr(args, "load_hf", None)
+    load_hf = args.load_hf
     source = None
     if load_hf:
         if args.load:
@@ -172,7 +172,7 @@ def hf_source(args: argparse.Namespace) -> HFSource | None:
                 source = HFSource(conversion, checkpoint=args.load)
             else:
                 source = HFSource(conversion, resumed=True, recorded_in=args.load)
-    if source is not None and getattr(args, "moe_grouped_gemm", False):
+    if source is not None and args.moe_grouped_gemm:
         raise ValueError(
             "--moe-grouped-gemm changes the experts' checkpoint keys, which the Hugging Face "
             "conversion does not map; leave it off with --load-hf"
@@ -189,7 +189,7 @@ def _recorded(load: str) -> dict:
         return {}
 
 
-def hf_training_config(source: HFSource, args: argparse.Namespace, **overrides):
+def hf_training_config(source: HFSource, args: TrainSettings, **overrides):
     """The conversion's TransformerConfig with :func:`training_fields` of the flags."""
     fields = training_fields(args, source.conversion.pattern)
     return source.conversion.transformer_config(**fields, **overrides)

@@ -18,7 +18,7 @@ count a checkpoint records.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +45,7 @@ from megatron_hybrid.data.tokenizer import (
 )
 from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_for
 from megatron_hybrid.training.settings import SettingsError
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_change_notes", "data_record", "resolve_data"]
 
@@ -69,8 +70,8 @@ def row_length_bucket(seq_length: int, multiple: int, buckets: int = LENGTH_BUCK
 
 
 def resolve_data(
-    args: argparse.Namespace, *, hf_folder: str | None = None, vocab_from: str | None = None
-) -> argparse.Namespace:
+    args: TrainSettings, *, hf_folder: str | None = None, vocab_from: str | None = None
+) -> TrainSettings:
     """``args`` with ``tokenizer_model`` and ``vocab_size`` filled in, the ``--data-path`` files
     checked (on every rank alike, before any process group).
 
@@ -82,9 +83,7 @@ def resolve_data(
         SettingsError: a bad ``--data-path`` or ``--split``, a missing or damaged data file, no
             tokenizer for ``--data-path``, or a tokenizer larger than the model's vocabulary.
     """
-    data_path = getattr(args, "data_path", None)
-    split = getattr(args, "split", None)
-    tokenizer = getattr(args, "tokenizer_model", None)
+    data_path, split, tokenizer = args.data_path, args.split, args.tokenizer_model
     if tokenizer is None and hf_folder is not None and has_tokenizer(hf_folder):
         tokenizer = hf_folder
     try:
@@ -93,7 +92,7 @@ def resolve_data(
         if data_path:
             prefixes, _ = parse_data_path(data_path)
             fractions = check_split(split or DEFAULT_SPLIT)
-            if getattr(args, "eval_interval", None) and not fractions[1]:
+            if args.eval_interval and not fractions[1]:
                 raise ValueError(
                     f"--eval-interval needs a validation split, but --split {split} gives it "
                     "nothing: e.g. --split 98,2,0"
@@ -123,23 +122,25 @@ def resolve_data(
                 )
     except ValueError as error:  # DataFileError too
         raise SettingsError(str(error)) from None
-    return argparse.Namespace(
-        **{**vars(args), "tokenizer_model": tokenizer, "vocab_size": vocab or DEFAULT_VOCAB_SIZE}
+    return dataclasses.replace(
+        args, tokenizer_model=tokenizer, vocab_size=vocab or DEFAULT_VOCAB_SIZE
     )
 
 
-def data_record(args: argparse.Namespace) -> dict:
+def data_record(args: TrainSettings) -> dict:
     """What a checkpoint records about the data it was trained on (a resume on other data is
     named at start-up)."""
     return {
-        "data_path": list(args.data_path) if getattr(args, "data_path", None) else None,
-        "split": (args.split or DEFAULT_SPLIT) if getattr(args, "data_path", None) else None,
+        "data_path": list(args.data_path) if args.data_path else None,
+        "split": (args.split or DEFAULT_SPLIT) if args.data_path else None,
         "seq_length": args.seq_length,
         "seed": args.seed,
     }
 
 
-def data_change_notes(recorded: dict | None, args, folder, consumed: int) -> list[str]:
+def data_change_notes(
+    recorded: dict | None, args: TrainSettings, folder, consumed: int
+) -> list[str]:
     """A note when a resumed checkpoint was trained on other data than this run reads."""
     ours = data_record(args)
     if recorded is None or recorded == ours:
@@ -156,7 +157,7 @@ def _data_text(record: dict) -> str:
     return f"{what}, --seq-length {record.get('seq_length')}, --seed {record.get('seed')}"
 
 
-def _token_id_problem(args: argparse.Namespace) -> str | None:
+def _token_id_problem(args: TrainSettings) -> str | None:
     """A token id at or beyond the model's vocabulary in any ``--data-path`` file, named."""
     prefixes, _ = parse_data_path(args.data_path)
     for prefix in prefixes:
@@ -179,10 +180,10 @@ class _Layout:
     note: str | None
 
 
-def _layout(args, config, parsed, on_gpu: bool) -> _Layout:
+def _layout(args: TrainSettings, config, parsed, on_gpu: bool) -> _Layout:
     """Packed where asked (``--packed``, or by default for ``--data-path`` on GPUs) and where
     every layer type packs; the reason when it cannot."""
-    requested = getattr(args, "packed", None)
+    requested = args.packed
     want = bool(args.data_path) and on_gpu if requested is None else requested
     if not want:
         return _Layout(False, None)
@@ -195,7 +196,7 @@ class RunInputs:
     """The data of one ``train`` run, laid out into micro-batches.
 
     Args:
-        args: the resolved flags (:func:`resolve_data`).
+        args: the resolved settings (:func:`resolve_data`).
         config: the model's ``TransformerConfig``.
         pg: its process groups.
         parsed: the parsed pattern.
@@ -208,7 +209,9 @@ class RunInputs:
             rank raises).
     """
 
-    def __init__(self, args, config, pg, parsed, *, global_batch: int, device, on_gpu: bool):
+    def __init__(
+        self, args: TrainSettings, config, pg, parsed, *, global_batch: int, device, on_gpu: bool
+    ):
         self.args, self.pg, self.global_batch, self.device = args, pg, global_batch, device
         self.padding = padding_config_from(config, pg)
         seq_length = args.seq_length
@@ -233,7 +236,7 @@ class RunInputs:
 
     @property
     def has_data(self) -> bool:
-        return bool(getattr(self.args, "data_path", None))
+        return bool(self.args.data_path)
 
     def _check_token_ids(self) -> None:
         if not self.has_data:

@@ -15,9 +15,10 @@ for every token but the first.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hybrid.checkpointing import store
@@ -30,7 +31,7 @@ from megatron_hybrid.pattern import parse_pattern
 from megatron_hybrid.peft.checkpoint import load_adapter_state, lora_sharded_state
 from megatron_hybrid.process_groups import init_world
 from megatron_hybrid.runtime import select_backend
-from megatron_hybrid.training.arguments import PATTERN_REQUIRED, with_defaults
+from megatron_hybrid.training.arguments import PATTERN_REQUIRED
 from megatron_hybrid.training.checkpoint import apply_recorded_vocab
 from megatron_hybrid.training.hf_source import hf_source
 from megatron_hybrid.training.lora import lora_run
@@ -42,12 +43,35 @@ from megatron_hybrid.training.run import (
     model_config,
     parallel_setup,
 )
+from megatron_hybrid.training.train_settings import TrainSettings, require_settings
 from megatron_hybrid.training.validation import validate_settings
 
-__all__ = ["read_sequences", "replica_share", "run_logprobs"]
+__all__ = ["LogprobsJob", "read_sequences", "replica_share", "run_logprobs"]
 
 #: Token ids are int64 in the model; a larger one can be no vocabulary's.
 _MAX_ID = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class LogprobsJob:
+    """What ``logprobs`` scores and where the results go (its own flags; the model's are
+    :class:`~megatron_hybrid.training.train_settings.TrainSettings`).
+
+    Attributes:
+        input: the JSONL file of ``{"input_ids": [...]}`` lines (``--input``).
+        output: the JSONL file to write (``--output``; None: standard output).
+        entropy: also write per-token entropies (``--entropy``).
+        temperature: the sampling temperature of the log-probs (``--temperature``).
+        max_tokens_per_micro_batch: tokens per forward pass (``--max-tokens-per-micro-batch``).
+        overwrite: replace a non-empty ``--output`` (``--overwrite``).
+    """
+
+    input: str
+    output: str | None
+    entropy: bool
+    temperature: float
+    max_tokens_per_micro_batch: int
+    overwrite: bool = False
 
 
 def read_numbered(path) -> list[tuple[int, list[int]]]:
@@ -109,7 +133,7 @@ def replica_share(count: int, dp: int, dp_rank: int) -> list[int]:
     return list(range(dp_rank, count, dp))
 
 
-def _checkpoint_settings(args: argparse.Namespace, where) -> argparse.Namespace:
+def _checkpoint_settings(args: TrainSettings, where) -> TrainSettings:
     """The model settings of a ``--load`` checkpoint (its record, or its tensors' shapes) in
     the flags not given; given flags that the record contradicts are refused."""
     try:
@@ -128,7 +152,7 @@ def _checkpoint_settings(args: argparse.Namespace, where) -> argparse.Namespace:
     return settings.args
 
 
-def _model_args(args: argparse.Namespace, lora, longest: int):
+def _model_args(args: TrainSettings, lora, longest: int) -> tuple[TrainSettings, object]:
     """``(args, source)``: the flags with the model's settings (a Hugging Face config's, a
     checkpoint's record, or the flags'), and the Hugging Face source if any."""
     source = lora.source() if lora is not None else hf_source(args)
@@ -137,11 +161,10 @@ def _model_args(args: argparse.Namespace, lora, longest: int):
     elif args.load is not None:  # a train checkpoint, or a LoRA run on a torch_dist base
         args = _checkpoint_settings(args, args.load)
     # Only learned absolute positions need a length; a checkpoint records theirs.
-    args.seq_length = longest
-    return args, source
+    return dataclasses.replace(args, seq_length=longest), source
 
 
-def _load_weights(args, chunks, source, lora, rank: int) -> None:
+def _load_weights(args: TrainSettings, chunks, source, lora, rank: int) -> None:
     """What ``build_chunks`` did not load: a ``train`` checkpoint's model weights (checked
     against the model first) or a LoRA run's adapters; and a recorded real vocabulary."""
     if lora is not None:
@@ -177,8 +200,14 @@ def _check_ids(numbered, file, vocab: int) -> None:
             )
 
 
-def run_logprobs(args: argparse.Namespace, backend=None) -> list:
-    """Score the sequences of ``args.input``; return this rank's view of all results.
+def run_logprobs(args: TrainSettings, job: LogprobsJob, backend=None) -> list:
+    """Score the sequences of ``job.input``; return this rank's view of all results.
+
+    Args:
+        args: the model's settings (the flags ``logprobs`` takes; the others ``train``'s
+            defaults).
+        job: what to score and where the results go.
+        backend: where to run (the CLI passes its choice).
 
     Returns:
         One ``{"logprobs": [...]}`` (and ``"entropies"``) dict per input sequence, in input
@@ -186,9 +215,9 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     """
     import torch
 
-    numbered = read_numbered(args.input)  # before any process group or model exists
+    args = require_settings(args, "run_logprobs")
+    numbered = read_numbered(job.input)  # before any process group or model exists
     sequences = [ids for _, ids in numbered]
-    args = with_defaults(args)  # the settings logprobs takes no flag for: train's defaults
     if args.load_peft and not args.load_hf:
         raise ValueError(
             f"--load-peft {args.load_peft} applies a PEFT adapter to its base: add --load-hf "
@@ -197,8 +226,8 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
         )
     if args.load_hf is None and args.load is None:
         raise ValueError("logprobs scores a trained model: give --load-hf HF_DIR or --load CKPT")
-    if args.output is not None:  # before any scoring, not after it
-        check_output(args.output, **_output_rules(args))
+    if job.output is not None:  # before any scoring, not after it
+        check_output(job.output, **_output_rules(args, job))
     lora = lora_run(args)  # --load-hf with --load-peft, or --load of a LoRA run
     args, source = _model_args(args, lora, max(len(s) for s in sequences))
     validate_settings(args, scopes=("model", "device", "parallel"))
@@ -210,7 +239,7 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     parsed = parse_pattern(args.hybrid_layer_pattern)
     chunks = build_chunks(args, config, pg, parsed, source, args.seq_length, rank, lora=lora)
     _load_weights(args, chunks, source, lora, rank)
-    _check_ids(numbered, args.input, real_vocab_size(model_chunks(chunks)[0]))
+    _check_ids(numbered, job.input, real_vocab_size(model_chunks(chunks)[0]))
 
     # Every data-parallel replica scores its share; the replicas then swap their results.
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
@@ -221,11 +250,11 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     results = forward_logprobs(
         chunks,
         batch,
-        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-        temperature=args.temperature,
-        with_entropy=args.entropy,
+        max_tokens_per_micro_batch=job.max_tokens_per_micro_batch,
+        temperature=job.temperature,
+        with_entropy=job.entropy,
     )
-    logprobs, entropies = results if args.entropy else (results, None)
+    logprobs, entropies = results if job.entropy else (results, None)
     local = []
     for k, i in enumerate(mine):
         record = {"logprobs": logprobs[k].tolist()}
@@ -237,24 +266,23 @@ def run_logprobs(args: argparse.Namespace, backend=None) -> list:
     records = dict(pair for part in gathered for pair in part)
     ordered = [records[i] for i in range(len(sequences))]
     lines = "".join(json.dumps(record) + "\n" for record in ordered)
-    if args.output is None:
+    if job.output is None:
         if rank == 0:
             sys.stdout.write(lines)
             sys.stdout.flush()
         return ordered
-    with Output(args.output, **_output_rules(args)) as output:  # every rank: rank 0 writes
+    with Output(job.output, **_output_rules(args, job)) as output:  # every rank: rank 0 writes
         if output.first:
             output.run(output.path.write_text, lines, encoding="utf-8")
     if rank == 0:
-        _report(ordered, args.output)
+        _report(ordered, job.output)
     return ordered
 
 
-def _output_rules(args) -> dict:
+def _output_rules(args: TrainSettings, job: LogprobsJob) -> dict:
     """How ``--output`` is checked and written: a file, never one of the command's sources."""
-    sources = {"--input": args.input, "--load-hf": args.load_hf, "--load": args.load}
-    overwrite = getattr(args, "overwrite", False)
-    return dict(kind="file", overwrite=overwrite, sources=sources, flag="--output")
+    sources = {"--input": job.input, "--load-hf": args.load_hf, "--load": args.load}
+    return dict(kind="file", overwrite=job.overwrite, sources=sources, flag="--output")
 
 
 def _report(records: list[dict], output) -> None:

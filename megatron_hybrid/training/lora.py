@@ -10,7 +10,6 @@ starts from a PEFT adapter. Checkpoints hold the adapters and their optimizer st
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from megatron_hybrid.peft.checkpoint import (
 from megatron_hybrid.peft.config import LoRAConfig, LoRAConfigError
 from megatron_hybrid.training.hf_source import HFSource
 from megatron_hybrid.training.lora_rules import lora_config_from_flags
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = [
     "BaseMismatchError",
@@ -117,7 +117,7 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
-def lora_run(args: argparse.Namespace) -> LoRARun | None:
+def lora_run(args: TrainSettings) -> LoRARun | None:
     """The LoRA side of a run, or None for a run without adapters.
 
     Raises:
@@ -168,7 +168,7 @@ def _same(value):
     return frozenset(value) if isinstance(value, tuple) else value
 
 
-def _resumed_config(config: LoRAConfig, args: argparse.Namespace) -> LoRAConfig:
+def _resumed_config(config: LoRAConfig, args: TrainSettings) -> LoRAConfig:
     """The config of the adapters ``--load`` resumes, checked against the flags given with it.
 
     A flag that changes the adapters (rank, alpha, targets, exclude) must agree with the record,
@@ -176,7 +176,7 @@ def _resumed_config(config: LoRAConfig, args: argparse.Namespace) -> LoRAConfig:
     """
     given = {}
     for flag, name in _RESUMED_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             given[name] = value
     wanted = dataclasses.replace(config, **given)  # normalised like the record's

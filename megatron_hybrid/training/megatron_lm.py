@@ -34,6 +34,11 @@ flags, blended by ``BlendedMegatronDatasetBuilder`` (the data set class is
 :class:`~megatron_hybrid.data.gpt.DocumentGPTDataset`, which also applies the loss masks
 ``prepare-data`` stores beside chat data). ``--mock-data`` trains on the package's synthetic
 tokens instead; without either the script stops with a message.
+
+The functions here take Megatron-LM's own argparse namespace (``get_args()``; its API, with
+hundreds of flags of its own), not the package's typed
+:class:`~megatron_hybrid.training.train_settings.TrainSettings`, which the package's commands make
+at their edge.
 """
 
 from __future__ import annotations

@@ -14,54 +14,61 @@ __all__ = ["DEVICE_RULES", "MODEL_RULES"]
 
 
 def _moe_needs_experts(s: Settings) -> str | None:
-    if s.has(MOE) and not s.num_experts:
-        return f"the pattern {s.hybrid_layer_pattern!r} has MoE ('E') layers; set --num-experts"
+    if s.has(MOE) and not s.args.num_experts:
+        return (
+            f"the pattern {s.args.hybrid_layer_pattern!r} has MoE ('E') layers; set --num-experts"
+        )
     return None
 
 
 def _topk(s: Settings) -> str | None:
-    if s.has(MOE) and s.moe_router_topk > s.num_experts:
+    if s.has(MOE) and s.args.moe_router_topk > s.args.num_experts:
         return (
-            f"--moe-router-topk {s.moe_router_topk} exceeds --num-experts {s.num_experts}: "
-            f"use at most {s.num_experts} experts per token"
+            f"--moe-router-topk {s.args.moe_router_topk} exceeds --num-experts "
+            f"{s.args.num_experts}: "
+            f"use at most {s.args.num_experts} experts per token"
         )
     return None
 
 
 def _topk_one(s: Settings) -> str | None:
-    if s.has(MOE) and s.moe_router_topk == 1 and not s.moe_router_pre_softmax:
+    if s.has(MOE) and s.args.moe_router_topk == 1 and not s.args.moe_router_pre_softmax:
         # A softmax over one selected score is constant 1: the router would get no gradient.
         return "--moe-router-topk 1 needs --moe-router-pre-softmax (softmax before the top-1)"
     return None
 
 
 def _heads(s: Settings) -> str | None:
-    if s.kv_channels is None and s.hidden_size < s.num_attention_heads:
+    if s.args.kv_channels is None and s.args.hidden_size < s.args.num_attention_heads:
         return (
-            f"--hidden-size {s.hidden_size} is smaller than --num-attention-heads "
-            f"{s.num_attention_heads}: a head needs at least one channel; set --kv-channels or "
-            "use fewer heads"
+            f"--hidden-size {s.args.hidden_size} is smaller than --num-attention-heads "
+            f"{s.args.num_attention_heads}: a head needs at least one channel; set --kv-channels "
+            "or use fewer heads"
         )
     return None
 
 
 def _query_groups(s: Settings) -> str | None:
-    groups = s.num_query_groups
-    if groups and s.num_attention_heads % groups:
+    groups = s.args.num_query_groups
+    if groups and s.args.num_attention_heads % groups:
         return (
             f"--num-query-groups {groups} must divide --num-attention-heads "
-            f"{s.num_attention_heads} (each group shares its keys and values among whole heads)"
+            f"{s.args.num_attention_heads} (each group shares its keys and values among whole "
+            "heads)"
         )
     return None
 
 
 def _rope_head_dim(s: Settings) -> str | None:
-    if s.position_embedding_type != "rope" or s.head_dim % 2 == 0:
+    if s.args.position_embedding_type != "rope" or s.head_dim % 2 == 0:
         return None
-    if s.kv_channels is not None:
-        source = f"--kv-channels {s.kv_channels}"
+    if s.args.kv_channels is not None:
+        source = f"--kv-channels {s.args.kv_channels}"
     else:
-        source = f"--hidden-size {s.hidden_size} / --num-attention-heads {s.num_attention_heads}"
+        source = (
+            f"--hidden-size {s.args.hidden_size} / --num-attention-heads "
+            f"{s.args.num_attention_heads}"
+        )
     return (
         f"RoPE rotates channel pairs, but the head dimension is {s.head_dim} ({source}): make "
         f"it even, e.g. --kv-channels {s.head_dim + 1}"
@@ -69,7 +76,7 @@ def _rope_head_dim(s: Settings) -> str | None:
 
 
 def _mla(s: Settings) -> str | None:
-    if not s.has(MLA) or s.transformer_impl != "local":
+    if not s.has(MLA) or s.args.transformer_impl != "local":
         return None
     if not capabilities.mla_core_attention_usable("local"):
         return (
@@ -81,23 +88,25 @@ def _mla(s: Settings) -> str | None:
 
 
 def _mla_rope(s: Settings) -> str | None:
-    if s.has(MLA) and s.qk_pos_emb_head_dim % 2:
-        return f"--qk-pos-emb-head-dim {s.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)"
+    if s.has(MLA) and s.args.qk_pos_emb_head_dim % 2:
+        return (
+            f"--qk-pos-emb-head-dim {s.args.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)"
+        )
     return None
 
 
 def _learned_positions(s: Settings) -> str | None:
-    limit = s.max_position_embeddings
-    if s.position_embedding_type == "learned_absolute" and limit and limit < s.seq_length:
+    limit = s.args.max_position_embeddings
+    if s.args.position_embedding_type == "learned_absolute" and limit and limit < s.args.seq_length:
         return (
-            f"--max-position-embeddings {limit} is below --seq-length {s.seq_length}: learned "
+            f"--max-position-embeddings {limit} is below --seq-length {s.args.seq_length}: learned "
             f"absolute positions exist only up to {limit}; raise it or lower --seq-length"
         )
     return None
 
 
 def _gdn(s: Settings) -> str | None:
-    if s.has(GDN) and not s.swiglu:
+    if s.has(GDN) and not s.args.swiglu:
         return (
             "GatedDeltaNet ('G') layers use the model's activation, which must be SiLU: "
             "add --swiglu"
@@ -120,17 +129,18 @@ def _mamba_sizes(s: Settings) -> str | None:
     """Mamba heads and groups must split evenly (megatron-core's ``MambaMixer`` asserts it)."""
     if not s.has(MAMBA):
         return None
-    d_inner = 2 * s.hidden_size  # MambaMixer's expand = 2
-    if s.mamba_num_heads is None and d_inner % s.mamba_head_dim:
+    d_inner = 2 * s.args.hidden_size  # MambaMixer's expand = 2
+    if s.args.mamba_num_heads is None and d_inner % s.args.mamba_head_dim:
         return (
             f"Mamba ('M') layers have 2 x --hidden-size = {d_inner} channels, not a multiple of "
-            f"--mamba-head-dim {s.mamba_head_dim}; change --mamba-head-dim or set "
+            f"--mamba-head-dim {s.args.mamba_head_dim}; change --mamba-head-dim or set "
             "--mamba-num-heads"
         )
-    heads = s.mamba_num_heads or d_inner // s.mamba_head_dim
-    if heads % s.mamba_num_groups or s.mamba_num_groups % s.tp:
+    heads = s.args.mamba_num_heads or d_inner // s.args.mamba_head_dim
+    if heads % s.args.mamba_num_groups or s.args.mamba_num_groups % s.tp:
         return (
-            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups {s.mamba_num_groups} "
+            f"Mamba ('M') layers have {heads} heads in --mamba-num-groups "
+            f"{s.args.mamba_num_groups} "
             f"groups over TP {s.tp}: groups must divide the heads and TP must divide the "
             "groups; change --mamba-num-groups (or --mamba-num-heads)"
         )
@@ -138,7 +148,7 @@ def _mamba_sizes(s: Settings) -> str | None:
 
 
 def _mamba(s: Settings) -> str | None:
-    if not s.has(MAMBA) or getattr(s.args, "mamba_impl", "auto") != "kernels":
+    if not s.has(MAMBA) or s.args.mamba_impl != "kernels":
         return None  # 'auto' falls back to the torch Mamba2 path where the kernels cannot run
     usable, reason = capabilities.mamba_kernels_usable()
     if not usable:
@@ -161,7 +171,7 @@ def _dsa(s: Settings) -> str | None:
 
 
 def _transformer_engine(s: Settings) -> str | None:
-    if s.transformer_impl != "transformer_engine":
+    if s.args.transformer_impl != "transformer_engine":
         return None
     if not s.on_gpu:
         return "--transformer-impl transformer_engine needs CUDA GPUs; use --transformer-impl local"
@@ -174,11 +184,11 @@ def _transformer_engine(s: Settings) -> str | None:
 
 
 def _cuda_graphs(s: Settings) -> str | None:
-    if not getattr(s.args, "hybrid_cuda_graphs", False):
+    if not s.args.hybrid_cuda_graphs:
         return None
     if not s.on_gpu:
         return "--hybrid-cuda-graphs captures CUDA graphs, which need GPUs; drop it on a CPU"
-    if getattr(s.args, "recompute_granularity", None):
+    if s.args.recompute_granularity:
         return (
             "--hybrid-cuda-graphs cannot replay forwards that recompute re-runs in backward: "
             "drop --recompute-granularity or --hybrid-cuda-graphs"

@@ -18,10 +18,10 @@ __all__ = ["PARALLEL_RULES", "TRAIN_RULES"]
 
 def _tp_divides(s: Settings) -> str | None:
     tp = s.tp
-    sizes = [("--num-attention-heads", s.num_attention_heads),
-             ("--num-query-groups", s.num_query_groups or s.num_attention_heads),
-             ("--ffn-hidden-size", s.ffn_hidden_size or 4 * s.hidden_size),
-             ("--vocab-size", s.vocab_size)]  # fmt: skip
+    sizes = [("--num-attention-heads", s.args.num_attention_heads),
+             ("--num-query-groups", s.args.num_query_groups or s.args.num_attention_heads),
+             ("--ffn-hidden-size", s.args.ffn_hidden_size or 4 * s.args.hidden_size),
+             ("--vocab-size", s.args.vocab_size)]  # fmt: skip
     for flag, value in sizes:
         if value is not None and value % tp:  # None: resolved later (a tokenizer's, padded)
             return (
@@ -32,22 +32,22 @@ def _tp_divides(s: Settings) -> str | None:
 
 
 def _sequence_parallel(s: Settings) -> str | None:
-    if s.sequence_parallel and s.tp == 1:
+    if s.args.sequence_parallel and s.tp == 1:
         return "--sequence-parallel needs --tensor-model-parallel-size > 1"
     return None
 
 
 def _context_parallel(s: Settings) -> str | None:
-    if s.context_parallel_size > 1 and s.transformer_impl != "transformer_engine":
+    if s.args.context_parallel_size > 1 and s.args.transformer_impl != "transformer_engine":
         return (
-            f"--context-parallel-size {s.context_parallel_size} needs TransformerEngine's "
+            f"--context-parallel-size {s.args.context_parallel_size} needs TransformerEngine's "
             "attention: add --transformer-impl transformer_engine"
         )
     return None
 
 
 def _world(s: Settings) -> str | None:
-    model = s.tp * s.pipeline_model_parallel_size * s.context_parallel_size
+    model = s.tp * s.args.pipeline_model_parallel_size * s.args.context_parallel_size
     if s.world_size % model:
         return (
             f"{s.world_size} process(es) cannot hold --tensor-model-parallel-size x "
@@ -58,12 +58,12 @@ def _world(s: Settings) -> str | None:
 
 
 def _expert_world(s: Settings) -> str | None:
-    ep = s.expert_model_parallel_size
-    expert = s.etp * ep * s.pipeline_model_parallel_size
+    ep = s.args.expert_model_parallel_size
+    expert = s.etp * ep * s.args.pipeline_model_parallel_size
     if s.world_size % expert:
         return (
             f"--expert-model-parallel-size {ep} x expert TP {s.etp} x PP "
-            f"{s.pipeline_model_parallel_size} = {expert} does not divide the {s.world_size} "
+            f"{s.args.pipeline_model_parallel_size} = {expert} does not divide the {s.world_size} "
             f"process(es): launch a multiple of {expert} processes or lower "
             "--expert-model-parallel-size"
         )
@@ -71,26 +71,26 @@ def _expert_world(s: Settings) -> str | None:
 
 
 def _experts_per_rank(s: Settings) -> str | None:
-    ep = s.expert_model_parallel_size
-    if s.has(MOE) and s.num_experts % ep:
+    ep = s.args.expert_model_parallel_size
+    if s.has(MOE) and s.args.num_experts % ep:
         return (
-            f"--num-experts {s.num_experts} is not divisible by --expert-model-parallel-size "
+            f"--num-experts {s.args.num_experts} is not divisible by --expert-model-parallel-size "
             f"{ep}: every EP rank holds the same number of experts; use a multiple of {ep}"
         )
     return None
 
 
 def _flex(s: Settings) -> str | None:
-    if not s.has(MOE) or s.moe_token_dispatcher_type != "flex":
+    if not s.has(MOE) or s.args.moe_token_dispatcher_type != "flex":
         return None
-    if s.tp * s.expert_model_parallel_size == 1:
+    if s.tp * s.args.expert_model_parallel_size == 1:
         return (
             "--moe-token-dispatcher-type flex needs --tensor-model-parallel-size x "
             "--expert-model-parallel-size > 1; use alltoall for a single rank"
         )
     if not s.on_gpu:
         return "--moe-token-dispatcher-type flex needs CUDA GPUs; use alltoall"
-    backend = s.moe_flex_dispatcher_backend
+    backend = s.args.moe_flex_dispatcher_backend
     problem = capabilities.flex_backend_unavailable(backend)
     if problem:
         return f"--moe-flex-dispatcher-backend {backend} {problem} (or use alltoall)"
@@ -98,23 +98,27 @@ def _flex(s: Settings) -> str | None:
 
 
 def _overlap(s: Settings) -> str | None:
-    if not s.overlap_moe_expert_parallel_comm:
+    if not s.args.overlap_moe_expert_parallel_comm:
         return None
     flag = "--overlap-moe-expert-parallel-comm"
-    if s.expert_model_parallel_size < 2:
+    if s.args.expert_model_parallel_size < 2:
         return f"{flag} overlaps the EP all-to-all: it needs --expert-model-parallel-size > 1"
     if not s.has(MOE):
         return f"{flag} needs MoE ('E') layers in the pattern"
-    if not s.bf16:
+    if not s.args.bf16:
         return f"{flag} needs --bf16"
-    if s.moe_token_dispatcher_type not in ("alltoall", "flex"):
+    if s.args.moe_token_dispatcher_type not in ("alltoall", "flex"):
         return f"{flag} needs --moe-token-dispatcher-type alltoall or flex"
-    if s.recompute_granularity == "full" or s.recompute_method or s.recompute_num_layers:
+    if (
+        s.args.recompute_granularity == "full"
+        or s.args.recompute_method
+        or s.args.recompute_num_layers
+    ):
         return f"{flag} cannot be combined with full recompute: drop the --recompute-* flags"
     parsed = s.parsed
     if parsed.mtp_num_depths > 1:
         return f"{flag} supports at most one MTP depth; the pattern has {parsed.mtp_num_depths}"
-    if s.pipeline_model_parallel_size > 1 and parsed.num_segments == 1:
+    if s.args.pipeline_model_parallel_size > 1 and parsed.num_segments == 1:
         return (
             f"{flag} with --pipeline-model-parallel-size > 1 needs virtual stages: split the "
             "pattern into 2 x PP segments with '|'"
@@ -123,14 +127,14 @@ def _overlap(s: Settings) -> str | None:
 
 
 def _delay_wgrad(s: Settings) -> str | None:
-    if s.delay_wgrad_compute and not s.overlap_moe_expert_parallel_comm:
+    if s.args.delay_wgrad_compute and not s.args.overlap_moe_expert_parallel_comm:
         return "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"
     return None
 
 
 def _recompute(s: Settings) -> str | None:
     granularity, method, layers = (
-        s.recompute_granularity, s.recompute_method, s.recompute_num_layers
+        s.args.recompute_granularity, s.args.recompute_method, s.args.recompute_num_layers
     )  # fmt: skip
     if granularity == "full" and (method is None or layers is None):
         return (
@@ -143,7 +147,7 @@ def _recompute(s: Settings) -> str | None:
 
 
 def _pipeline(s: Settings) -> str | None:
-    pp = s.pipeline_model_parallel_size
+    pp = s.args.pipeline_model_parallel_size
     parsed = s.parsed
     try:
         vpp_size_from_pattern(parsed, pp)
@@ -154,8 +158,8 @@ def _pipeline(s: Settings) -> str | None:
         if total % pp:
             return (
                 f"--pipeline-model-parallel-size {pp} must divide the {total} physical layers of "
-                f"{s.hybrid_layer_pattern!r}: put {pp - 1} '|' between logical layers to choose "
-                "the stages"
+                f"{s.args.hybrid_layer_pattern!r}: put {pp - 1} '|' between logical layers to "
+                "choose the stages"
             )
         try:
             pipeline_segments(parsed, pp)
@@ -165,21 +169,22 @@ def _pipeline(s: Settings) -> str | None:
 
 
 def _global_batch(s: Settings) -> str | None:
-    per_step = s.micro_batch_size * s.data_parallel_size
-    if s.global_batch_size and s.global_batch_size % per_step:
+    per_step = s.args.micro_batch_size * s.data_parallel_size
+    if s.args.global_batch_size and s.args.global_batch_size % per_step:
         return (
-            f"--global-batch-size {s.global_batch_size} is not a multiple of --micro-batch-size "
-            f"x data-parallel size = {s.micro_batch_size} x {s.data_parallel_size} = {per_step}"
+            f"--global-batch-size {s.args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size x data-parallel size = {s.args.micro_batch_size} x "
+            f"{s.data_parallel_size} = {per_step}"
         )
     return None
 
 
 def _save_writable(s: Settings) -> str | None:
-    if not s.save:
+    if not s.args.save:
         return None
-    path = Path(s.save)
+    path = Path(s.args.save)
     if path.exists() and not path.is_dir():
-        return f"--save {s.save} is a file; checkpoints go into a directory"
+        return f"--save {s.args.save} is a file; checkpoints go into a directory"
     try:
         path.mkdir(parents=True, exist_ok=True)
         # Probe with a real file: permission bits alone miss read-only and virtual file systems.
@@ -187,17 +192,17 @@ def _save_writable(s: Settings) -> str | None:
             pass
     except OSError as error:
         reason = error.strerror or error
-        return f"--save {s.save} cannot be written ({reason}): choose a writable directory"
+        return f"--save {s.args.save} cannot be written ({reason}): choose a writable directory"
     return None
 
 
 def _load_exists(s: Settings) -> str | None:
     # --load D --save D may name a folder that does not exist yet: the first run of an
     # automatic restart loop starts from scratch there, as Megatron-LM does.
-    same_as_save = s.save and Path(s.load or "").resolve() == Path(s.save).resolve()
-    if s.load and not Path(s.load).exists() and not same_as_save:
+    same_as_save = s.args.save and Path(s.args.load or "").resolve() == Path(s.args.save).resolve()
+    if s.args.load and not Path(s.args.load).exists() and not same_as_save:
         return (
-            f"--load {s.load} does not exist; check the path (a folder that --save also names "
+            f"--load {s.args.load} does not exist; check the path (a folder that --save also names "
             "may be new: the run then starts from scratch)"
         )
     return None

@@ -4,19 +4,20 @@ what ``logprobs --load`` builds.
 A ``train`` checkpoint records every model flag's value (the store's common record, ``model``);
 older and foreign checkpoints their pattern, and their tensor shapes imply the sizes
 (:func:`~megatron_hybrid.checkpointing.settings.settings_from_checkpoint`). Flags given on the
-command line (:func:`~megatron_hybrid.training.arguments.given_flags`) are kept and compared;
-the others take the checkpoint's value, else their default.
+command line (``TrainSettings.given``) are kept and compared; the others take the checkpoint's
+value, else their default.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_hybrid.checkpointing.inspect import checkpoint_model_tensors
 from megatron_hybrid.checkpointing.settings import settings_from_checkpoint
 from megatron_hybrid.checkpointing.store import common_record, read_common
-from megatron_hybrid.training.arguments import given_flags, model_setting_dests, with_defaults
+from megatron_hybrid.training.arguments import model_setting_dests
+from megatron_hybrid.training.train_settings import TrainSettings, flag_defaults
 
 __all__ = ["RecordedSettings", "flag_text", "recorded_settings_of"]
 
@@ -45,18 +46,18 @@ class RecordedSettings:
         recorded: whether the checkpoint records its pattern (else it must be given).
     """
 
-    args: argparse.Namespace
+    args: TrainSettings
     read: list[str]
     differ: list[str]
     agreed: set[str]
     recorded: bool
 
 
-def recorded_settings_of(args: argparse.Namespace, folder) -> RecordedSettings:
+def recorded_settings_of(args: TrainSettings, folder) -> RecordedSettings:
     """The model settings of ``args`` completed from the checkpoint ``folder``."""
     dests = model_setting_dests()
-    defaults = vars(with_defaults(argparse.Namespace()))
-    given = {d: getattr(args, d) for d in dests if d in given_flags(args)}
+    defaults = flag_defaults()
+    given = {d: getattr(args, d) for d in dests if d in args.given}
     record = common_record(read_common(folder))
     recorded = record.get("model")
     if not isinstance(recorded, dict):  # older or foreign checkpoints: the tensors' word
@@ -78,9 +79,8 @@ def recorded_settings_of(args: argparse.Namespace, folder) -> RecordedSettings:
     for dest in dests:
         values.setdefault(dest, defaults.get(dest))
     agreed = {d for d in recorded if recorded[d] is not None and values.get(d) == recorded[d]}
-    kept = {k: v for k, v in vars(args).items() if k not in dests}
     return RecordedSettings(
-        args=with_defaults(argparse.Namespace(**kept, **values)),
+        args=dataclasses.replace(args, **values),
         read=read,
         differ=differ,
         agreed=agreed,

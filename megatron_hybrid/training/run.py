@@ -12,7 +12,6 @@ The data (:mod:`~megatron_hybrid.training.inputs`), the learning-rate schedule
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -67,6 +66,7 @@ from megatron_hybrid.training.throughput import (
     tflops_per_gpu,
     throughput_text,
 )
+from megatron_hybrid.training.train_settings import TrainSettings, require_settings
 from megatron_hybrid.training.validation import validate_settings
 
 __all__ = [
@@ -150,7 +150,7 @@ class TrainingSummary:
         return throughput_text(tflops_per_gpu(flops, seconds, self.gpus), self.peak)
 
 
-def check_resume_compatible(chunks, folder, args=None) -> None:
+def check_resume_compatible(chunks, folder, args: TrainSettings | None = None) -> None:
     """Fail before training if the checkpoint does not fit the model (check-checkpoint's rules)."""
     from megatron.core.utils import unwrap_model
 
@@ -183,7 +183,7 @@ class _Setup:
     place of the model flags; ``load`` what to resume (None for a weights-only start).
     """
 
-    args: argparse.Namespace
+    args: TrainSettings
     load: str | None
     backend: RuntimeBackend
     config: object
@@ -198,16 +198,20 @@ class _Setup:
     peak: DevicePeak | None = None
 
 
-def run_training(
-    args: argparse.Namespace, backend: RuntimeBackend | None = None
-) -> TrainingSummary:
+def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> TrainingSummary:
     """Train the model ``args`` describe; see ``python -m megatron_hybrid train --help``.
 
     Args:
-        args: the parsed ``train`` flags.
+        args: the ``train`` flags, typed (:func:`~megatron_hybrid.training.train_settings.
+            settings_from_args` of the parsed namespace).
         backend: where to run (the CLI passes its choice); by default CUDA when a GPU is
             visible, else the CPU emulation.
+
+    Raises:
+        TypeError: ``args`` is not :class:`~megatron_hybrid.training.train_settings.
+            TrainSettings` (a parsed namespace).
     """
+    args = require_settings(args, "run_training")
     prefer_expandable_segments()  # before CUDA starts: variable-length batches fragment memory
     validate_lora_flags(args)  # first: they decide where the model comes from
     lora = lora_run(args)  # adapters on a frozen base: where it comes from, what resumes
@@ -310,7 +314,7 @@ def _start_line(setup: _Setup, world: int, start: int, counts: tuple[int, int]) 
     return line
 
 
-def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
+def model_config(args: TrainSettings, source, backend: RuntimeBackend):
     """The TransformerConfig, built once: from the flags, or from the Hugging Face source's
     conversion and the training flags."""
     overrides = backend.config_overrides()
@@ -323,7 +327,7 @@ def model_config(args: argparse.Namespace, source, backend: RuntimeBackend):
     return config
 
 
-def parallel_setup(args: argparse.Namespace, config, world: int):
+def parallel_setup(args: TrainSettings, config, world: int):
     """Process groups, the global batch and the number of micro-batches per step."""
     model_parallel = (
         args.tensor_model_parallel_size
@@ -355,7 +359,7 @@ def parallel_setup(args: argparse.Namespace, config, world: int):
 
 
 def build_chunks(
-    args, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
+    args: TrainSettings, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
 ) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any, with
     the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`)."""
@@ -424,10 +428,10 @@ def _resume(setup: _Setup, chunks, optimizer, scheduler) -> tuple[int, int, obje
     return start, consumed, folder, notes
 
 
-def recorded_settings(args: argparse.Namespace, seq_length: int) -> dict:
+def recorded_settings(args: TrainSettings, seq_length: int) -> dict:
     """The model settings a checkpoint records (``model_setting_dests``), as this run used
     them: ``--max-position-embeddings`` defaults to the sequence length here."""
-    settings = {dest: getattr(args, dest, None) for dest in model_setting_dests()}
+    settings = {dest: getattr(args, dest) for dest in model_setting_dests()}
     settings["max_position_embeddings"] = args.max_position_embeddings or seq_length
     return settings
 
@@ -459,7 +463,7 @@ def _train(
         elapsed = time.perf_counter() - began
         consumed += setup.global_batch
         done = iteration + 1
-        if check_step(result, done, getattr(args, "on_nonfinite", "stop"), saved):
+        if check_step(result, done, args.on_nonfinite, saved):
             if rank == 0:
                 print(f"step {done}: {describe(result)}: skipped", flush=True)
         else:

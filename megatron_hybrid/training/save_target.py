@@ -27,7 +27,6 @@ checkpoint it starts from records), ``--overwrite`` or not.
 
 from __future__ import annotations
 
-import argparse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from megatron_hybrid.checkpointing.store import (
 )
 from megatron_hybrid.hf.dist import read_hf_record
 from megatron_hybrid.peft.checkpoint import LORA_RECORD
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = ["RUN_KEY", "SaveTarget", "check_save_sources", "decide_save_target", "run_of"]
 
@@ -79,7 +79,7 @@ def run_of(folder) -> str | None:
     return common_record(read_common(folder)).get(RUN_KEY)
 
 
-def check_save_sources(args: argparse.Namespace, lora=None, source=None) -> None:
+def check_save_sources(args: TrainSettings, lora=None, source=None) -> None:
     """Refuse, before any work, a ``--save`` that is a file, cannot be written, or overlaps a
     source of the run (always, ``--overwrite`` or not).
 
@@ -90,9 +90,9 @@ def check_save_sources(args: argparse.Namespace, lora=None, source=None) -> None
         return
     recorded = getattr(source, "checkpoint", None) or getattr(source, "recorded_in", None)
     sources = {
-        "--load-hf": getattr(args, "load_hf", None),
-        "--load-base": getattr(args, "load_base", None),
-        "--load-peft": getattr(args, "load_peft", None),
+        "--load-hf": args.load_hf,
+        "--load-base": args.load_base,
+        "--load-peft": args.load_peft,
         "the LoRA run's base": None if lora is None else lora.hf_path or lora.checkpoint,
         "the converted checkpoint the run starts from": getattr(source, "checkpoint", None),
         "the Hugging Face folder the model came from": (
@@ -179,7 +179,7 @@ def _foreign(root: Path, run: str, resumed, settings: dict, lora: bool) -> tuple
     return what, f"resume that run with --load {root}, or {elsewhere}"
 
 
-def _decide(args, start: int, resumed, settings: dict, lora: bool) -> SaveTarget:
+def _decide(args: TrainSettings, start: int, resumed, settings: dict, lora: bool) -> SaveTarget:
     run = (run_of(resumed) if resumed is not None else None) or uuid.uuid4().hex
     if not args.save:
         return SaveTarget(run)
@@ -211,7 +211,7 @@ def _decide(args, start: int, resumed, settings: dict, lora: bool) -> SaveTarget
 
 
 def decide_save_target(
-    args: argparse.Namespace, start: int, resumed, settings: dict, *, lora: bool
+    args: TrainSettings, start: int, resumed, settings: dict, *, lora: bool
 ) -> SaveTarget:
     """Decide how this run saves, before training (collective: rank 0 reads, all get it).
 

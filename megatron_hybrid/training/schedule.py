@@ -18,10 +18,11 @@ checkpoint's (and says so), one not given keeps the checkpoint's.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 
 from megatron_hybrid.training.arguments import dest_of
 from megatron_hybrid.training.train_flags import RUN_DEFAULTS
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = [
     "SCHEDULER_KEY",
@@ -44,33 +45,28 @@ _FIELDS = {
 }
 
 
-def resolve_schedule(
-    args: argparse.Namespace, *, fine_tuning: bool, lora: bool
-) -> argparse.Namespace:
+def resolve_schedule(args: TrainSettings, *, fine_tuning: bool, lora: bool) -> TrainSettings:
     """``args`` with the run-dependent schedule defaults filled in; ``schedule_given`` names the
     schedule flags the command line set (they override a resumed checkpoint's values)."""
     column = 2 if lora else 1 if fine_tuning else 0
-    values = vars(args)
-    given = {flag for flag in _FIELDS.values() if values.get(dest_of(flag)) is not None}
+    given = {flag for flag in _FIELDS.values() if getattr(args, dest_of(flag)) is not None}
     lr = args.lr if args.lr is not None else RUN_DEFAULTS["--lr"][column]
     warmup = args.lr_warmup_iters
     if warmup is None:
         warmup = args.train_iters // 10 if column else 0
     style = args.lr_decay_style or RUN_DEFAULTS["--lr-decay-style"][column]
-    return argparse.Namespace(
-        **{
-            **values,
-            "lr": lr,
-            "min_lr": args.min_lr if args.min_lr is not None else 0.0,
-            "lr_warmup_iters": warmup,
-            "lr_decay_style": style,
-            "lr_decay_iters": args.lr_decay_iters or args.train_iters,
-            "schedule_given": frozenset(given),
-        }
+    return dataclasses.replace(
+        args,
+        lr=lr,
+        min_lr=args.min_lr if args.min_lr is not None else 0.0,
+        lr_warmup_iters=warmup,
+        lr_decay_style=style,
+        lr_decay_iters=args.lr_decay_iters or args.train_iters,
+        schedule_given=frozenset(given),
     )
 
 
-def build_scheduler(optimizer, args: argparse.Namespace, global_batch: int):
+def build_scheduler(optimizer, args: TrainSettings, global_batch: int):
     """megatron-core's ``OptimizerParamScheduler`` for the resolved flags (the rate of the first
     step is set on the optimizer)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -94,7 +90,7 @@ def build_scheduler(optimizer, args: argparse.Namespace, global_batch: int):
     )
 
 
-def restore_scheduler(scheduler, saved: dict, args: argparse.Namespace, global_batch: int):
+def restore_scheduler(scheduler, saved: dict, args: TrainSettings, global_batch: int):
     """Continue a checkpoint's schedule; return notes about what changed.
 
     Flags given on the command line replace the checkpoint's values; the others are the

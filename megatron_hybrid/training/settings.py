@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
+from megatron_hybrid.training.train_settings import TrainSettings
 
 __all__ = ["SCOPES", "Rule", "Settings", "SettingsError", "rule"]
 
@@ -20,14 +20,17 @@ class SettingsError(ValueError):
 
 @dataclass
 class Settings:
-    """The flags of one invocation plus what follows from them (pattern, world size, device)."""
+    """The flags of one invocation plus what follows from them (pattern, world size, device).
 
-    args: argparse.Namespace
+    Attributes:
+        args: the typed flags (rules read them as ``s.args.hidden_size``).
+        world_size: processes of the job.
+        on_gpu: whether the run uses CUDA.
+    """
+
+    args: TrainSettings
     world_size: int
     on_gpu: bool
-
-    def __getattr__(self, name: str):
-        return getattr(self.args, name)
 
     @cached_property
     def parsed(self) -> ParsedPattern:

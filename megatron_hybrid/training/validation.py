@@ -16,16 +16,16 @@ cited follow megatron-core 0.19.2 (``transformer/transformer_config.py``, ``para
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from megatron_hybrid.training import capabilities
-from megatron_hybrid.training.arguments import PATTERN_REQUIRED, dest_of, with_defaults
+from megatron_hybrid.training.arguments import PATTERN_REQUIRED, dest_of
 from megatron_hybrid.training.data_rules import DATA_RULES
 from megatron_hybrid.training.lora_rules import LORA_RULES
 from megatron_hybrid.training.model_rules import DEVICE_RULES, MODEL_RULES
 from megatron_hybrid.training.parallel_rules import PARALLEL_RULES, TRAIN_RULES
 from megatron_hybrid.training.settings import SCOPES, Rule, Settings, SettingsError, rule
+from megatron_hybrid.training.train_settings import TrainSettings, require_settings
 
 __all__ = [
     "RULES",
@@ -88,7 +88,7 @@ _MINIMUMS: tuple[tuple[str, str, float, str], ...] = (
 
 
 def _pattern(s: Settings) -> str | None:
-    if not s.hybrid_layer_pattern:
+    if not s.args.hybrid_layer_pattern:
         return PATTERN_REQUIRED
     s.parsed  # noqa: B018 - HybridPatternError (a ValueError) with a caret
     return None
@@ -109,7 +109,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def validate_settings(
-    args: argparse.Namespace,
+    args: TrainSettings,
     *,
     scopes: tuple[str, ...] = SCOPES,
     world_size: int | None = None,
@@ -118,7 +118,8 @@ def validate_settings(
     """Check ``args`` against :data:`RULES` before anything is built.
 
     Args:
-        args: parsed flags; flags the parser did not define take their defaults.
+        args: the typed flags (:func:`~megatron_hybrid.training.train_settings.
+            settings_from_args`).
         scopes: which rule scopes apply (``check-checkpoint`` checks only ``model``).
         world_size: processes of the job (default: ``WORLD_SIZE``, else 1).
         on_gpu: whether the run uses CUDA (default: whether CUDA is available).
@@ -126,9 +127,10 @@ def validate_settings(
     Raises:
         SettingsError: the first rule that fails, naming the flag and the fix.
         HybridPatternError: the pattern does not parse.
+        TypeError: ``args`` is not :class:`TrainSettings` (a parsed namespace).
     """
     settings = Settings(
-        with_defaults(args),
+        require_settings(args, "validate_settings"),
         int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size,
         capabilities.on_gpu() if on_gpu is None else on_gpu,
     )

@@ -33,11 +33,12 @@ def _train_worker(rank, world_size, argv, record):
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training import run
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     if not record:  # the negative control: a checkpoint without its settings record
         run.recorded_settings = lambda args, seq_length: None
     args = build_parser(load_commands()).parse_args(["train", *argv])
-    return run.run_training(args).saved
+    return run.run_training(settings_from_args(args)).saved
 
 
 def _train(root, layout: str, record: bool = True) -> None:

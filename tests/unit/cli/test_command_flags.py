@@ -98,8 +98,10 @@ def test_model_flags_a_hugging_face_config_decides_are_refused(command, hf, json
 
 def test_model_flags_that_agree_with_the_config_are_kept(hf):
     from megatron_hybrid.training.hf_source import hf_source
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     args = _subparser("train").parse_args(["--load-hf", str(hf), "--hidden-size", "64"])
+    args = settings_from_args(args)
     assert hf_source(args).applied_to(args).hidden_size == 64  # what the model has
 
 

@@ -28,6 +28,7 @@ def _train_worker(rank: int, world_size: int, jobs: list, before=None):
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training import run
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     parser, summaries = build_parser(load_commands()), []
     consumed_samples = run.consumed_samples
@@ -36,7 +37,7 @@ def _train_worker(rank: int, world_size: int, jobs: list, before=None):
             before(argv)
         # A resume that restarts the data from sample 0 (the control's sabotage).
         run.consumed_samples = (lambda folder: 0) if drop == "data position" else consumed_samples
-        summaries.append(run.run_training(parser.parse_args(["train", *argv])))
+        summaries.append(run.run_training(settings_from_args(parser.parse_args(["train", *argv]))))
     return summaries
 
 

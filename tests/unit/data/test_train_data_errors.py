@@ -3,6 +3,7 @@ one message (no traceback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -112,14 +113,15 @@ def test_a_hugging_face_folder_brings_its_tokenizer(data, tokenizer_dir):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.inputs import resolve_data
     from megatron_hybrid.training.settings import SettingsError
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     argv = ["train", *MODEL, "--data-path", str(data / "good"), "--split", "9,1,0"]
-    args = build_parser(load_commands()).parse_args(argv)
-    args.vocab_size = 1024  # what HFSource.applied_to sets: the model's
+    parsed = settings_from_args(build_parser(load_commands()).parse_args(argv))
+    args = dataclasses.replace(parsed, vocab_size=1024)  # what HFSource.applied_to sets
     hf = str(tokenizer_dir)
     resolved = resolve_data(args, hf_folder=hf, vocab_from="the Hugging Face model's")
     assert (resolved.tokenizer_model, resolved.vocab_size) == (hf, 1024)
-    args.vocab_size = 300
+    args = dataclasses.replace(parsed, vocab_size=300)
     with pytest.raises(
         SettingsError,
         match=r"has 512 tokens, more than the model's vocabulary "
@@ -127,6 +129,6 @@ def test_a_hugging_face_folder_brings_its_tokenizer(data, tokenizer_dir):
     ):
         resolve_data(args, hf_folder=hf, vocab_from="the Hugging Face model's")
     # Without one of its own (and no --tokenizer-model), --data-path says where it looked.
-    args.vocab_size = None
+    args = dataclasses.replace(parsed, vocab_size=None)
     with pytest.raises(SettingsError, match=f"add --tokenizer-model HF_DIR \\({data} holds none"):
         resolve_data(args, hf_folder=str(data))

@@ -24,6 +24,7 @@ def _worker(rank, world_size, folders):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.inputs import RunInputs
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     layouts: list[str] = []
     build = RunInputs._build
@@ -40,7 +41,7 @@ def _worker(rank, world_size, folders):
         for packed in (False, True):
             layouts.clear()
             argv = ["train", "--load-hf", folder, *SHORT] + (["--packed"] if packed else [])
-            summary = run_training(parser.parse_args(argv))
+            summary = run_training(settings_from_args(parser.parse_args(argv)))
             out[family, packed] = (summary.losses, sorted(set(layouts)))
     return out
 

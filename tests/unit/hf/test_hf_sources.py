@@ -243,14 +243,16 @@ def test_load_hf_settings_are_read_once_and_the_flags_left_alone(source, monkeyp
     from megatron_hybrid.training import config as training_config
     from megatron_hybrid.training import run
     from megatron_hybrid.training.hf_source import hf_source
+    from megatron_hybrid.training.train_settings import settings_from_args
     from megatron_hybrid.training.validation import SettingsError, validate_settings
 
     parser = build_parser(load_commands())
-    args = parser.parse_args(["train", "--load-hf", str(source), "--expert-model-parallel-size",
-                              "3", "--moe-aux-loss-coeff", "0.01"])  # fmt: skip
-    before = copy.deepcopy(vars(args))
+    args = settings_from_args(parser.parse_args(["train", "--load-hf", str(source),
+                              "--expert-model-parallel-size", "3", "--moe-aux-loss-coeff",
+                              "0.01"]))  # fmt: skip
+    before = copy.deepcopy(args)
     hf = hf_source(args)
-    assert vars(args) == before  # nothing written back into the flags
+    assert args == before  # nothing written back into the flags
     experts = hf.conversion.config_kwargs["num_moe_experts"]
     effective = hf.applied_to(args)
     assert effective.num_experts == experts and args.num_experts is None

@@ -16,10 +16,11 @@ SHORT = ["--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3"]
 def _train_worker(rank, world_size, argv):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     parser = build_parser(load_commands())
     args = parser.parse_args(["train", *argv])
-    summary = run_training(args)
+    summary = run_training(settings_from_args(args))
     return summary.losses
 
 

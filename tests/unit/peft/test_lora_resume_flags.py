@@ -33,9 +33,10 @@ def run_folder(tmp_path, monkeypatch):
 
     def resume(*flags: str):
         from megatron_hybrid.cli.main import build_parser, load_commands
+        from megatron_hybrid.training.train_settings import settings_from_args
 
         argv = ["train", "--load-hf", str(hf), "--load", str(run), *flags]
-        return lora.lora_run(build_parser(load_commands()).parse_args(argv))
+        return lora.lora_run(settings_from_args(build_parser(load_commands()).parse_args(argv)))
 
     return resume
 
@@ -94,11 +95,14 @@ def test_load_peft_takes_the_dropout_flag(cases, pg):
     from megatron_hybrid.hf import load_hf_model
     from megatron_hybrid.peft.apply import adapters
     from megatron_hybrid.training.lora import lora_run
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     case = cases["qwen3_5_moe"]
     argv = ["train", "--load-hf", str(case.hf), "--load-peft", str(case.adapter)]
     for flags, expected in (([], {0.0}), (["--lora-dropout", "0.25"], {0.25})):
-        run = lora_run(build_parser(load_commands()).parse_args([*argv, *flags]))
+        run = lora_run(
+            settings_from_args(build_parser(load_commands()).parse_args([*argv, *flags]))
+        )
         model = load_hf_model(case.hf)
         run.attach([model])
         assert {adapter.dropout for adapter in adapters(model)} == expected

@@ -25,9 +25,10 @@ LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 def _train_worker(rank, world_size, argv):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     args = build_parser(load_commands()).parse_args(["train", *argv])
-    summary = run_training(args)
+    summary = run_training(settings_from_args(args))
     return summary.losses, summary.grad_norms
 
 

@@ -53,10 +53,12 @@ def test_train_turns_them_on_on_gpus_only():
     from megatron_hybrid.training import run
     from megatron_hybrid.training.arguments import add_hybrid_args
     from megatron_hybrid.training.run import model_config
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     parser = argparse.ArgumentParser()
     add_hybrid_args(parser)
     args = parser.parse_args(["--hybrid-layer-pattern", "[*E]", *MODEL, "--swiglu", "--bf16"])
+    args = settings_from_args(args)
     gpu = model_config(args, None, RuntimeBackend("cuda"))
     cpu = model_config(args, None, RuntimeBackend("cpu"))
     assert gpu.bias_activation_fusion and gpu.cross_entropy_loss_fusion

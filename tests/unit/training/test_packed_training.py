@@ -24,6 +24,7 @@ def _worker(rank: int, world_size: int, argv: list[str]):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.inputs import RunInputs
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     layouts = []
     build = RunInputs._build
@@ -34,7 +35,9 @@ def _worker(rank: int, world_size: int, argv: list[str]):
         return batch
 
     RunInputs._build = recording
-    summary = run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+    summary = run_training(
+        settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+    )
     return summary.losses, sorted(set(layouts))
 
 

@@ -24,10 +24,13 @@ def train_worker(rank: int, world_size: int, argv: list[str], forget_optimizer: 
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training import checkpoint
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     if forget_optimizer:  # a resume that drops the AdamW moments (where the loader calls it)
         checkpoint.load_cpu_optimizer_state = lambda optimizer, loaded: None
-    return run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+    return run_training(
+        settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+    )
 
 
 def train(world_size: int, *argv: str, forget_optimizer: bool = False):

@@ -16,6 +16,7 @@ def recording_worker(rank: int, world_size: int, argv: list[str]):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.data.synthetic import SyntheticSamples
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     seen: list[int] = []
     sample = SyntheticSamples.sample
@@ -25,7 +26,9 @@ def recording_worker(rank: int, world_size: int, argv: list[str]):
         return sample(self, index)
 
     SyntheticSamples.sample = recording_sample
-    summary = run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+    summary = run_training(
+        settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+    )
     return summary, seen
 
 

@@ -51,6 +51,7 @@ def _worker(rank: int, world_size: int, argv: list[str], bucketed: bool):
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training import inputs as inputs_module
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
     init, build, widths, buckets = RunInputs.__init__, RunInputs._build, [], []
 
@@ -65,7 +66,9 @@ def _worker(rank: int, world_size: int, argv: list[str], bucketed: bool):
 
     inputs_module.RunInputs.__init__, inputs_module.RunInputs._build = gpu_init, recording
     try:
-        summary = run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+        summary = run_training(
+            settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+        )
     finally:
         inputs_module.RunInputs.__init__, inputs_module.RunInputs._build = init, build
     return summary.losses, widths, buckets

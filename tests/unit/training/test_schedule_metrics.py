@@ -5,6 +5,7 @@ files (JSONL, TensorBoard, loss curve)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -18,12 +19,13 @@ from megatron_hybrid.training.schedule import (
     resolve_schedule,
     restore_scheduler,
 )
+from megatron_hybrid.training.train_settings import settings_from_args
 
 
 def _args(**given):
-    values = dict(lr=None, min_lr=None, lr_warmup_iters=None, lr_decay_style=None,
-                  lr_decay_iters=None, train_iters=50, weight_decay=0.01)  # fmt: skip
-    return argparse.Namespace(**{**values, **given})
+    """``train``'s settings of no flags (its run-dependent defaults unresolved), with ``given``."""
+    values = dict(lr=None, train_iters=50, weight_decay=0.01)
+    return dataclasses.replace(settings_from_args(argparse.Namespace()), **{**values, **given})
 
 
 @pytest.mark.parametrize(

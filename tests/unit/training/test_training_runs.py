@@ -29,8 +29,11 @@ def train_worker(rank: int, world_size: int, argv: list[str]):
     torch.set_num_threads(1)
     from megatron_hybrid.cli.main import build_parser, load_commands
     from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
 
-    return run_training(build_parser(load_commands()).parse_args(["train", *argv]))
+    return run_training(
+        settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+    )
 
 
 def train(*argv: str, world_size: int = 1):

@@ -7,13 +7,15 @@ import argparse
 
 import pytest
 
+from megatron_hybrid.training.train_settings import TrainSettings, settings_from_args
+
 BASE = ["--hybrid-layer-pattern", "[*E]{4}", "--num-experts", "4"]
 
 
-def _parse(*argv: str) -> argparse.Namespace:
+def _parse(*argv: str) -> TrainSettings:
     from megatron_hybrid.cli.main import build_parser, load_commands
 
-    return build_parser(load_commands()).parse_args(["train", *argv])
+    return settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
 
 
 def _validate(argv, world_size=1, on_gpu=False, scopes=None):
