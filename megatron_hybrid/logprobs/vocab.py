@@ -127,106 +127,62 @@ def _target_logits(flat, labels, first, valid, temperature, shift, tp_group) -> 
     return _all_reduce(target, ReduceOp.SUM, tp_group)
 
 
-class _TokenLogProbs(torch.autograd.Function):
+class _VocabParallelTerms(torch.autograd.Function):
+    """``log p(label)`` (where ``labels`` are given) and the entropy (where ``entropy``) of
+    vocab-parallel logits: one pass of softmax statistics forward, one backward pass for
+    whichever of the two outputs receives a gradient."""
+
     @staticmethod
-    def forward(ctx, logits, labels, temperature, vocab_size, tp_group):
+    def forward(ctx, logits, labels, temperature, vocab_size, tp_group, entropy: bool):
         first, valid = _layout(logits, vocab_size, tp_group)
-        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        shift, log_sum, _ = _softmax_statistics(flat, valid, temperature, tp_group, False)
-        target = _target_logits(flat, flat_labels, first, valid, temperature, shift, tp_group)
-        ctx.save_for_backward(logits, labels, shift, log_sum)
-        ctx.layout = (first, valid, temperature)
-        return (target - log_sum).view(labels.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, labels, shift, log_sum = ctx.saved_tensors
-        first, valid, temperature = ctx.layout
-        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        g = grad.reshape(-1).float()
-        out = torch.zeros_like(flat)
-        for block in _blocks(flat.size(0), valid) if valid else ():
-            # d log p(label) / dz_i = [i == label] - p_i, with z = logits / T.
-            p = _shifted(flat, block, valid, temperature, shift + log_sum).exp_()
-            out[block, :valid] = (p.mul_(-g[block].unsqueeze(-1)) / temperature).to(out.dtype)
-        local = (flat_labels >= first) & (flat_labels < first + valid)
-        rows = local.nonzero().squeeze(-1)
-        columns = flat_labels[rows] - first
-        out[rows, columns] += (g[rows] / temperature).to(out.dtype)
-        return out.view_as(logits), None, None, None, None
-
-
-class _TokenEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, temperature, vocab_size, tp_group):
-        _, valid = _layout(logits, vocab_size, tp_group)
         flat = logits.reshape(-1, logits.size(-1))
-        shift, log_sum, mean_z = _softmax_statistics(flat, valid, temperature, tp_group, True)
+        shift, log_sum, mean_z = _softmax_statistics(flat, valid, temperature, tp_group, entropy)
+        outputs, shape = [], logits.shape[:-1]
+        if labels is not None:
+            flat_labels = labels.reshape(-1)
+            target = _target_logits(flat, flat_labels, first, valid, temperature, shift, tp_group)
+            outputs.append((target - log_sum).view(shape))
         # H = -sum p log p with log p = z - log S: H = log S - sum p z.
-        entropy = log_sum - mean_z
-        ctx.save_for_backward(logits, shift, log_sum, entropy)
-        ctx.layout = (valid, temperature)
-        return entropy.view(logits.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, shift, log_sum, entropy = ctx.saved_tensors
-        valid, temperature = ctx.layout
-        flat = logits.reshape(-1, logits.size(-1))
-        g = grad.reshape(-1).float()
-        out = torch.zeros_like(flat)
-        for block in _blocks(flat.size(0), valid) if valid else ():
-            # dH / dz_i = -p_i (log p_i + H).
-            log_p = _shifted(flat, block, valid, temperature, shift + log_sum)
-            scale = (-g[block] / temperature).unsqueeze(-1)
-            term = log_p.add(entropy[block].unsqueeze(-1)).mul_(log_p.exp_()).mul_(scale)
-            out[block, :valid] = term.to(out.dtype)
-        return out.view_as(logits), None, None, None
-
-
-class _TokenLogProbsAndEntropy(torch.autograd.Function):
-    """Both from one pass of softmax statistics; one backward pass for both gradients."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, temperature, vocab_size, tp_group):
-        first, valid = _layout(logits, vocab_size, tp_group)
-        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        shift, log_sum, mean_z = _softmax_statistics(flat, valid, temperature, tp_group, True)
-        target = _target_logits(flat, flat_labels, first, valid, temperature, shift, tp_group)
-        entropy = log_sum - mean_z
+        entropies = log_sum - mean_z if entropy else None
+        if entropy:
+            outputs.append(entropies.view(shape))
         ctx.set_materialize_grads(False)  # an output nobody uses costs no backward work
-        ctx.save_for_backward(logits, labels, shift, log_sum, entropy)
+        ctx.save_for_backward(logits, labels, shift, log_sum, entropies)
         ctx.layout = (first, valid, temperature)
-        return (target - log_sum).view(labels.shape), entropy.view(labels.shape)
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        logits, labels, shift, log_sum, entropy = ctx.saved_tensors
+    def backward(ctx, *grads):
+        logits, labels, shift, log_sum, entropies = ctx.saved_tensors
         first, valid, temperature = ctx.layout
-        flat, flat_labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1).float()
-        g_h = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        grads = list(grads)
+        g_lp = grads.pop(0) if labels is not None else None
+        g_h = grads.pop(0) if entropies is not None else None
+        g_lp = None if g_lp is None else g_lp.reshape(-1).float()
+        g_h = None if g_h is None else g_h.reshape(-1).float()
+        flat = logits.reshape(-1, logits.size(-1))
         out = torch.zeros_like(flat)
-        for block in _blocks(flat.size(0), valid) if valid else ():
+        wanted = g_lp is not None or g_h is not None
+        for block in _blocks(flat.size(0), valid) if valid and wanted else ():
             # d/dz_i of g_lp * log p(label) + g_h * H, with z = logits / T:
             # g_lp * ([i == label] - p_i) - g_h * p_i * (log p_i + H); the indicator is added
             # below.
             log_p = _shifted(flat, block, valid, temperature, shift + log_sum)
             p = log_p.exp()
-            parts = []
+            term = None
             if g_lp is not None:
-                parts.append(p * (-g_lp[block] / temperature).unsqueeze(-1))
+                term = p * (-g_lp[block] / temperature).unsqueeze(-1)
             if g_h is not None:
                 scale = (-g_h[block] / temperature).unsqueeze(-1)
-                parts.append(log_p.add_(entropy[block].unsqueeze(-1)).mul_(p).mul_(scale))
-            out[block, :valid] = (parts[0] if len(parts) == 1 else parts[0].add_(parts[1])).to(
-                out.dtype
-            )
+                h_term = log_p.add_(entropies[block].unsqueeze(-1)).mul_(p).mul_(scale)
+                term = h_term if term is None else term.add_(h_term)
+            out[block, :valid] = term.to(out.dtype)
         if g_lp is not None:
+            flat_labels = labels.reshape(-1)
             local = (flat_labels >= first) & (flat_labels < first + valid)
             hit = local.nonzero().squeeze(-1)
             out[hit, flat_labels[hit] - first] += (g_lp[hit] / temperature).to(out.dtype)
-        return out.view_as(logits), None, None, None, None
+        return out.view_as(logits), None, None, None, None, None
 
 
 def token_logprobs(
@@ -265,7 +221,9 @@ def token_logprobs(
     _layout(logits, vocab_size, tp_group)
     size = 1 if tp_group is None else tp_group.size()
     _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
-    return _TokenLogProbs.apply(logits, labels, temperature, vocab_size, tp_group)
+    (logprobs,) = _VocabParallelTerms.apply(logits, labels, temperature, vocab_size, tp_group,
+                                            False)  # fmt: skip
+    return logprobs
 
 
 def token_entropy(
@@ -292,7 +250,9 @@ def token_entropy(
     """
     temperature = check_temperature(temperature)
     _layout(logits, vocab_size, tp_group)
-    return _TokenEntropy.apply(logits, temperature, vocab_size, tp_group)
+    (entropies,) = _VocabParallelTerms.apply(logits, None, temperature, vocab_size, tp_group,
+                                             True)  # fmt: skip
+    return entropies
 
 
 def token_logprobs_and_entropy(
@@ -321,4 +281,4 @@ def token_logprobs_and_entropy(
     _layout(logits, vocab_size, tp_group)
     size = 1 if tp_group is None else tp_group.size()
     _check_labels(labels, logits, vocab_size or logits.size(-1) * size, check_labels)
-    return _TokenLogProbsAndEntropy.apply(logits, labels, temperature, vocab_size, tp_group)
+    return _VocabParallelTerms.apply(logits, labels, temperature, vocab_size, tp_group, True)
