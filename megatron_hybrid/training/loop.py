@@ -175,22 +175,15 @@ class CPUOptimizer:
             self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
 
     def _grad_norm(self) -> float:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        dense = torch.zeros(1, dtype=torch.float64)
-        expert = torch.zeros(1, dtype=torch.float64)
-        for p in self.params:
-            if p.grad is None or not param_is_not_shared(p):
-                continue
-            if not param_is_not_tensor_parallel_duplicate(p):
-                continue
-            target = expert if not getattr(p, "allreduce", True) else dense
-            target += p.grad.double().pow(2).sum()
-        # Each dense shard lives once in the TP x PP group, each expert shard once in TP x EP x PP.
-        torch.distributed.all_reduce(dense, group=self.pg_collection.mp)
-        torch.distributed.all_reduce(expert, group=self.pg_collection.tp_ep_pp)
-        return math.sqrt(float(dense + expert))
+        """The global norm of :meth:`norm_groups`, in float64 (the reference step's)."""
+        total = 0.0
+        for group in self.norm_groups():
+            square = torch.zeros(1, dtype=torch.float64)
+            for grad in group.norm_grads:
+                square += grad.double().pow(2).sum()
+            torch.distributed.all_reduce(square, group=group.process_group)
+            total += float(square)
+        return math.sqrt(total)
 
     @property
     def param_groups(self) -> list[dict]:
