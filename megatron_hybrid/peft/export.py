@@ -266,7 +266,11 @@ def save_peft_adapter(
     if source is None:
         state = lora_state(model)
         source = getattr(state, "base_path", None)
-    sources = {"the base": source, **(sources or {})}
+    # The base is a source only where it is a folder here: a hub id (``org/model``) names none,
+    # so an ``out`` such as ``org/`` overwrites nothing of it (transformers, too, reads a hub id
+    # as a local folder only where one exists).
+    base = source if source and Path(source).exists() else None
+    sources = {"the base": base, **(sources or {})}
     with Output(out, overwrite=overwrite, sources=sources, group=group) as output:
         config = lora_config_dict(model, format=format, base_model_name_or_path=source, group=group)
         tensors = {}

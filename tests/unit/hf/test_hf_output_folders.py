@@ -264,6 +264,11 @@ def test_every_fault_of_an_adapter_export_leaves_the_old_folder(served, tmp_path
         save_peft_adapter(model, served, overwrite=True)
     write()
     assert snapshot(out) == snapshot(reference) and beside(out) == []
+    # A hub id as the base names no folder here: an output at the same relative path is new.
+    monkeypatch.chdir(tmp_path)
+    save_peft_adapter(model, "org/model", base_model_name_or_path="org/model")
+    config = json.loads((tmp_path / "org" / "model" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/model"
 
 
 def test_every_fault_of_logprobs_output_leaves_the_old_file(
