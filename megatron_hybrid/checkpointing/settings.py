@@ -93,8 +93,9 @@ def mismatched_flags(
     Args:
         mismatches: ``(key, model shape, checkpoint shape)`` triples.
         args: the flags the model was built from.
-        agreed: ``dest`` of flags known to equal the checkpoint's (its record says so): never
-            suspected, which matters where two flags have the same value.
+        agreed: ``dest`` of flags known to equal the checkpoint's (its record says so), or
+            that the command has not (``seq_length`` for ``check-checkpoint``): never suspected,
+            which matters where two flags have the same value.
     """
     values = {flag: getattr(args, dest, None) for flag, dest in _SHAPE_FLAGS}
     for flag, dest in _SHAPE_FLAGS:
@@ -104,7 +105,7 @@ def mismatched_flags(
         values["--ffn-hidden-size"] = 4 * values["--hidden-size"]
     # train's learned absolute positions default to --seq-length.
     values["--seq-length"] = None
-    if getattr(args, "max_position_embeddings", None) is None:
+    if getattr(args, "max_position_embeddings", None) is None and "seq_length" not in agreed:
         values["--seq-length"] = getattr(args, "seq_length", None)
     found: dict[str, set[int]] = {}
     for key, model, checkpoint in mismatches:

@@ -132,7 +132,9 @@ def _run(namespace: argparse.Namespace) -> int:
             [f"{key}: {exp} vs {found}" for key, exp, found in result.shape_mismatches],
         )
     print("\n".join(lines))
-    flags = mismatched_flags(result.shape_mismatches, args, agreed)
+    # check-checkpoint has no --seq-length (its settings carry train's default): its learned
+    # positions come from --max-position-embeddings, so --seq-length is never the suspect.
+    flags = mismatched_flags(result.shape_mismatches, args, {*agreed, "seq_length"})
     if flags and not (result.missing or result.unexpected):
         print(f"NOT LOADABLE: {'; '.join(flags)}")
     else:
