@@ -26,6 +26,13 @@ for slice in "$@"; do  # refuse a malformed slice before anything starts
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+# The carried DeepEP wheel too (the suite part installs it where it is missing): once, here,
+# not by every slice at the same time.
+for wheel in .deepep/dist/deep_ep-*.whl; do
+  [ -f "$wheel" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$wheel" >/dev/null 2>&1 || echo "installing $wheel failed (the HybridEP tests will skip)"
+done
 export MH_WHEELS_INSTALLED=1
 pids=() names=()
 for slice in "$@"; do
