@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["LM_LOSS", "lm_forward_step", "masked_token_loss"]
+__all__ = ["LM_LOSS", "lm_forward_step", "masked_token_loss", "run_schedule"]
 
 #: The report key of the language-model loss (Megatron-LM's name for it in its logs).
 LM_LOSS = "lm loss"
@@ -68,3 +68,42 @@ def lm_forward_step(data_iterator: Iterator, model, return_schedule_plan: bool =
         return plan, partial(masked_token_loss, loss_mask)
     output = model(**kwargs)
     return output, partial(masked_token_loss, loss_mask)
+
+
+def run_schedule(
+    chunks: list,
+    batches: list,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    forward_step=lm_forward_step,
+) -> list[dict]:
+    """Run ``batches`` through megatron-core's schedule over the model ``chunks``.
+
+    One iterator of the micro-batches per chunk (a virtual pipeline stage reads its own), and
+    megatron's calling convention: a list of models and iterators only for more than one chunk.
+
+    Args:
+        chunks: the model chunks, one per virtual pipeline stage.
+        batches: the global batch's micro-batches, or one list of them per chunk.
+        seq_length, micro_batch_size: the pipeline's tensor shape.
+        forward_only: no backward pass.
+        forward_step: megatron-core's ``forward_step_func`` (default: the language model's).
+
+    Returns:
+        The loss functions' reports (on the last pipeline stage; empty elsewhere).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    per_chunk = batches if batches and isinstance(batches[0], list) else [batches] * len(chunks)
+    iterators = [iter(list(b)) for b in per_chunk]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(per_chunk[0]),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.schedule import steps
 
 __all__ = ["compare_overlap", "parameter_grad", "rel_error", "run_schedule"]
 
@@ -60,20 +60,10 @@ def _batches(count: int, micro_batch_size: int, seq_length: int, vocab: int, see
 
 def run_schedule(models, batches, config, *, seq_length, micro_batch_size, optimizer=None):
     """One training step over ``batches`` with megatron-core's schedule for ``config``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for model in models:
         model.config.finalize_model_grads_func = None
-    iterators = [iter(list(batches)) for _ in models]
-    losses = get_forward_backward_func()(
-        forward_step_func=lm_forward_step,
-        data_iterator=iterators if len(models) > 1 else iterators[0],
-        model=models if len(models) > 1 else models[0],
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    losses = steps.run_schedule(models, list(batches), seq_length=seq_length,
+                                micro_batch_size=micro_batch_size, forward_only=False)  # fmt: skip
     return [(d["lm loss"][0] / d["lm loss"][1]).item() for d in losses]
 
 

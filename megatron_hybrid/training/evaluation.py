@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_hybrid.logprobs.forward import evaluating
-from megatron_hybrid.schedule.steps import lm_forward_step
+from megatron_hybrid.schedule.steps import run_schedule
 
 __all__ = ["evaluate"]
 
@@ -21,22 +21,14 @@ def evaluate(chunks, batches: list, config, *, seq_length: int, micro_batch_size
 
     Collective over the world; every rank returns the same value.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     totals = torch.zeros(2, dtype=torch.float64)
     with evaluating(chunks):
         for global_batch in batches:
-            iterators = [iter(list(global_batch)) for _ in chunks]
-            reports = get_forward_backward_func()(
-                forward_step_func=lm_forward_step,
-                data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                model=chunks if len(chunks) > 1 else chunks[0],
-                num_microbatches=len(global_batch),
-                seq_length=seq_length,
-                micro_batch_size=micro_batch_size,
-                forward_only=True,
-            )
+            reports = run_schedule(
+                chunks, list(global_batch), seq_length=seq_length,
+                micro_batch_size=micro_batch_size, forward_only=True,
+            )  # fmt: skip
             for report in reports:  # the last pipeline stage's
                 totals += report["lm loss"].double().cpu()
     totals = totals.to(device)

@@ -22,7 +22,7 @@ from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_a
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
-from megatron_hybrid.schedule.steps import LM_LOSS, lm_forward_step
+from megatron_hybrid.schedule.steps import LM_LOSS, lm_forward_step, run_schedule
 from megatron_hybrid.training.optimizer_step import (
     NormGroup,
     apply_step,
@@ -424,24 +424,15 @@ def train_step(
         The step's loss (summed over the global batch, divided by its count), the gradient norm
         before clipping, the real tokens of the global batch and every report summed.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     _configure_hooks(chunks, config, pg_collection, timer)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_chunk = batches if isinstance(batches[0], list) else [batches] * len(chunks)
-    iterators = [iter(list(b)) for b in per_chunk]
     with phase(timer, "forward-backward"):
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(per_chunk[0]),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
+        reports = run_schedule(chunks, per_chunk, seq_length=seq_length,
+                               micro_batch_size=micro_batch_size, forward_only=False,
+                               forward_step=forward_step)  # fmt: skip
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     fused = fused_step_enabled()
     with phase(timer, "guard"):
