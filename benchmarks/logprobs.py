@@ -12,7 +12,9 @@ Sequence lengths are drawn uniformly between ``--min-len`` and ``--max-len`` (ea
 ``--max-tokens`` tokens per micro-batch: packed = THD micro-batches, padded = the same sequences
 in ``[B, S]`` rows (longest first, ``B x S <= max-tokens``). The figure is real tokens per second
 of the whole call (median of ``--repeats`` after one warm-up call, which also compiles fla's
-kernels); the log-probs of the two layouts are compared as a check.
+kernels); the log-probs of the two layouts are compared as a check. With ``--profile`` one more
+call per layout runs under torch.profiler and the report says where it goes: GPU busy and idle,
+the kernels by category and the costliest ones, the host's operators by their own time.
 
 A last, untimed pass of each layout records every router's chosen experts
 (``benchmarks/routing_flips.py``): the report counts the tokens whose top-k expert set differs
@@ -31,8 +33,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import recorded_command
+from common import recorded_command, sync
 from routing_flips import RoutingRecorder, flip_report
+from trace_summary import profile_call
 
 #: Qwen3.5-35B-A3B's text config (Qwen3.5-MoE), the shape the benchmark model takes.
 QWEN35_MOE = {
@@ -136,7 +139,40 @@ def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
         micro_batches=_micro_batches(sequences, packed, args),
         peak_gib=peak,
     )
+    if args.profile and torch.cuda.is_available():
+        summary, breakdown, host = profile_call(call, sync, top=12)
+        row["profile"] = dict(summary=summary, kernels=breakdown, host=host)
     return row, result
+
+
+def _profile_lines(row: dict) -> list[str]:
+    """The profiled call of one layout, as lines of the report."""
+    s, kernels = row["profile"]["summary"], row["profile"]["kernels"]
+    lines = [
+        f"### profiled {row['layout']} call: {s['window_ms']:.0f} ms, GPU busy "
+        f"{s['gpu_busy_ms']:.0f} ms, idle {s['gpu_idle_ms']:.0f} ms; host in operators "
+        f"{s['cpu_op_busy_ms']:.0f} ms ({s['cpu_ops']} ops), waiting on syncs "
+        f"{s['cpu_sync_wait_ms']:.0f} ms; {s['compute_kernels']} kernels",
+        "",
+        "| kernel category | ms | count |",
+        "| --- | ---: | ---: |",
+        *(f"| {c} | {v['ms']:.1f} | {v['count']} |" for c, v in kernels["categories"].items()),
+        "",
+        "| kernel | category | ms | count | mean us |",
+        "| --- | --- | ---: | ---: | ---: |",
+        *(
+            f"| `{k['name'][:80]}` | {k['category']} | {k['ms']:.1f} | {k['count']} | "
+            f"{k['mean_us']:.0f} |"
+            for k in kernels["kernels"]
+        ),
+        "",
+        "| host operator | self ms | count |",
+        "| --- | ---: | ---: |",
+        *(f"| `{h['name'][:80]}` | {h['self_cpu_ms']:.1f} | {h['count']} |"
+          for h in row["profile"]["host"]),  # fmt: skip
+        "",
+    ]
+    return lines
 
 
 def _micro_batches(sequences, packed: bool, args) -> int:
@@ -188,18 +224,24 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         "| layout | real tok/s | seconds | micro-batches | peak GiB | packed speed-up |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    padded = next(r for r in rows if r["layout"] == "padded")
+    padded = next((r for r in rows if r["layout"] == "padded"), None)
     for r in rows:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        gain = f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}x" if r is not padded else ""
+        gain = (
+            f"{r['tokens_per_s'] / padded['tokens_per_s']:.2f}x" if padded not in (r, None) else ""
+        )
         lines.append(
             f"| {r['layout']} | {r['tokens_per_s']:,.0f} | {r['seconds']:.3f} | "
             f"{r['micro_batches']} | {peak} | {gain} |"
         )
     lines.append("")
-    lines.append(f"max |log-prob packed - padded| = {meta['max_abs_diff']:.3g}")
+    if meta["max_abs_diff"] is not None:
+        lines.append(f"max |log-prob packed - padded| = {meta['max_abs_diff']:.3g}")
     if meta.get("routing_flips") is not None:
         lines += ["", *_flip_lines(meta["routing_flips"])]
+    for r in rows:
+        if "profile" in r:
+            lines += ["", *_profile_lines(r)]
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +256,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per layout")
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and tokens")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model (a smoke run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more call per layout under torch.profiler (GPU)")  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", choices=("packed", "padded"),
+                        default=["packed", "padded"], help="which layouts to score")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="folder for the results files")
     args = parser.parse_args(argv)
     if args.max_len < 2 * args.min_len:
@@ -226,16 +272,24 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1)
     sequences = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths(args)]
     rows, results = [], {}
-    for packed in (True, False):
+    for layout in args.layouts:
+        packed = layout == "packed"
         row, results[packed] = measure(model, sequences, packed, args)
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    diff = max(
-        (a.float() - b.float()).abs().max().item()
-        for a, b in zip(results[True], results[False], strict=True)
-        if a.numel()
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        if "profile" in row:  # now, not only in the table: a later layout may not finish
+            print("\n".join(_profile_lines(row)), flush=True)
+    both = len(results) == 2
+    diff = (
+        max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(results[True], results[False], strict=True)
+            if a.numel()
+        )
+        if both
+        else None
     )
-    flips = routing_flips(model, sequences, results, args)
+    flips = routing_flips(model, sequences, results, args) if both else None
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = dict(
         device=name,
@@ -260,6 +314,8 @@ def main(argv=None) -> int:
         stem = args.out / f"logprobs_{name.replace(' ', '-')}"
         stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         stem.with_suffix(".md").write_text(table)
+    if len(rows) < 2:
+        return 0
     packed, padded = rows
     return 0 if packed["tokens_per_s"] > padded["tokens_per_s"] else 1
 

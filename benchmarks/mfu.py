@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 import torch
 from common import recorded_command, sync
-from trace_summary import kernel_breakdown, summarize_trace
+from trace_summary import profile_call
 
 CUDA = torch.cuda.is_available()
 
@@ -241,19 +241,8 @@ class Run:
 
 def profile(step) -> tuple[dict, dict]:
     """One step under torch.profiler: its summary and kernel breakdown."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("mh_step"):
-            step()
-            sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    return summarize_trace(events), kernel_breakdown(events, top=15)
+    summary, breakdown, _ = profile_call(step, sync)
+    return summary, breakdown
 
 
 def measure(args, shape, name: str, impl: str, peak) -> dict:

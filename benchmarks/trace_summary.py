@@ -44,6 +44,7 @@ __all__ = [
     "kernel_breakdown",
     "kernel_category",
     "load_trace_events",
+    "profile_call",
     "summarize_trace",
 ]
 
@@ -236,6 +237,32 @@ def load_trace_events(path: str) -> list[dict]:
     with opener(path, "rt") as f:
         data = json.load(f)
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def profile_call(call, sync, *, top: int = 15) -> tuple[dict, dict, list[dict]]:
+    """``call()`` once under torch.profiler in an ``mh_step`` window ended by ``sync()``: its
+    :func:`summarize_trace`, its :func:`kernel_breakdown` and the ``top`` CPU operators by their
+    own (self) host time, ``[{"name", "self_cpu_ms", "count"}, ...]``."""
+    import tempfile
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("mh_step"):
+            call()
+            sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+    host = [
+        {"name": a.key[:120], "self_cpu_ms": a.self_cpu_time_total * 1e-3, "count": a.count}
+        for a in averages
+        if a.key != "mh_step"
+    ][:top]
+    return summarize_trace(events), kernel_breakdown(events, top=top), host
 
 
 def main() -> None:

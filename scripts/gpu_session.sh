@@ -2,7 +2,8 @@
 # Runs on a lent GPU machine (see ../shared/gpu/README.md): install the carried wheels, then run
 # the requested parts, logging under $OUT. Usage: bash scripts/gpu_session.sh PART [PART ...]
 #   data         tests/functional/test_data_gpu.py alone (prepare-data, then train --data-path
-#                --packed and on synthetic data, one GPU): the tokens/s of each with nothing beside
+#                --packed and on synthetic data side by side, one GPU): tokens per step and
+#                tokens/s of each, with no suite beside them
 #   suite        the whole GPU suite as a runner runs it (tests/functional/run_suite.py): HF
 #                fixtures made here, in-process tests on all GPUs (a hung test ends the job and
 #                the rest runs again) and beside them the launcher tests; per-test time limits,

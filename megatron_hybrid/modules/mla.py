@@ -15,6 +15,13 @@ down-projection: without sequence parallelism through :class:`_GatherSummingRope
 backward sums the RoPE columns over TP before taking this rank's slice; with it, gathered and
 scattered along the sequence, so that megatron-core's own sequence gather of ``k_pos_emb``
 (whose backward is a reduce-scatter) sums them. The forward pass is unchanged, bit for bit.
+
+With sequence parallelism megatron-core then takes ``kv_compressed`` as a slice of the last
+dimension of that full-width tensor (``torch.split``), a view that is not contiguous, where its
+own path scatters a contiguous copy. ``linear_kv_up_proj`` all-gathers its input over the
+sequence, and NCCL refuses a non-contiguous one ("Tensors must be contiguous"; gloo on a CPU
+accepts it). A ``kv_layernorm`` makes a new tensor; without one (``qk_layernorm`` off, an
+``IdentityOp``) :class:`_Contiguous` stands in its place: no parameters, no checkpoint keys.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 __all__ = ["HybridMLASelfAttention"]
@@ -53,9 +61,22 @@ class _GatherSummingRope(torch.autograd.Function):
         return grad[..., start : start + width].contiguous(), None, None
 
 
+class _Contiguous(torch.nn.Module):
+    """The identity as a contiguous tensor (``kv_layernorm``'s place under sequence parallelism
+    when MLA has no KV norm; see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous()
+
+
 class HybridMLASelfAttention(MLASelfAttention):
     """megatron-core's ``MLASelfAttention`` whose RoPE key gets its whole gradient under TP (see
     the module docstring); parameters, checkpoint keys and the forward pass are megatron-core's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.config.sequence_parallel and isinstance(self.kv_layernorm, IdentityOp):
+            self.kv_layernorm = _Contiguous()
 
     def _qkv_down_projection(self, hidden_states):
         q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)

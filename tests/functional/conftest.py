@@ -286,9 +286,11 @@ class Job:
     name: str = ""
 
 
-def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
+def launch_all(jobs: list[Job], timeout: float = 200.0, *, share_gpus: bool = False) -> list[str]:
     """Run ``jobs`` on this host's GPUs, as many at a time as their GPUs fit (in order, each on
-    GPUs of its own via CUDA_VISIBLE_DEVICES); their outputs, in order.
+    GPUs of its own via CUDA_VISIBLE_DEVICES); their outputs, in order. With ``share_gpus`` all
+    start at once on the first GPUs (small models: a job's time goes into starting and
+    compiling on the CPU, not into the GPU).
 
     Each job runs in a session of its own, its output in a file (no pipe to fill); at
     ``timeout``, or when the suite guard times the test out, every job's whole process tree
@@ -308,9 +310,12 @@ def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
         while pending or running:
             for i in list(pending):
                 job = jobs[i]
-                if job.nproc > len(free):
+                if share_gpus:
+                    use = devices[: job.nproc]
+                elif job.nproc > len(free):
                     continue
-                use, free = free[: job.nproc], free[job.nproc :]
+                else:
+                    use, free = free[: job.nproc], free[job.nproc :]
                 env = {**base_env, "CUDA_VISIBLE_DEVICES": ",".join(use),
                        "PYTHONUNBUFFERED": "1", **job.env}  # fmt: skip
                 # --standalone: the rendezvous store listens on a port the OS gives it (port 0);
@@ -330,7 +335,8 @@ def launch_all(jobs: list[Job], timeout: float = 200.0) -> list[str]:
                 sink.seek(0)
                 outputs[i] = sink.read()
                 sink.close()
-                free += use
+                if not share_gpus:
+                    free += use
                 del running[i]
                 job = jobs[i]
                 print(f"\n[{time.monotonic() - began:.0f} s on GPU {','.join(use)}, exit "

@@ -47,7 +47,7 @@ import time
 
 import pytest
 import torch
-from conftest import NUM_EXPERTS, exact_float32, report
+from conftest import NUM_EXPERTS, Job, exact_float32, launch_all, report
 
 HIDDEN, HEADS, FFN, VOCAB = 128, 8, 256, 128
 BF16_ROUNDING = 2.0**-8  # norm-relative floor: one bf16 rounding of every element
@@ -593,32 +593,20 @@ TRAIN = [
 ]  # fmt: skip
 
 
-def _train(*extra: str) -> list[float]:
+def _train_job(*extra: str, name: str) -> Job:
     gpus = torch.cuda.device_count()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(gpus),
-        "--standalone",  # a port of its own: other lanes of the suite run torchrun meanwhile
-        "-m",
-        "megatron_hybrid",
-        *TRAIN,
-        "--expert-model-parallel-size",
-        str(math.gcd(gpus, NUM_EXPERTS)),
-        "--global-batch-size",
-        str(2 * gpus),
-        *extra,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=150, check=False,
-                            env=dict(os.environ))  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    args = ["-m", "megatron_hybrid", *TRAIN,
+            "--expert-model-parallel-size", str(math.gcd(gpus, NUM_EXPERTS)),
+            "--global-batch-size", str(2 * gpus), *extra]  # fmt: skip
+    return Job(args, gpus, name=name)
+
+
+def _losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"\| loss ([0-9.]+) \|", output)]
 
 
 @pytest.mark.launcher
+@pytest.mark.time_limit(200)  # three torchrun jobs side by side, beside the suite's other lanes
 def test_train_command_hybridep():
     """``train --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep`` under
     torchrun (variable-length rows padded and made equal across the group by the data builder):
@@ -632,9 +620,21 @@ def test_train_command_hybridep():
     crash = _buffer_crashes(torch.cuda.device_count())
     if crash:
         pytest.skip(crash)
-    alltoall, fp32 = _train("--bf16"), _train()
-    flex = _train("--bf16", "--moe-token-dispatcher-type", "flex",
-                  "--moe-flex-dispatcher-backend", "hybridep")  # fmt: skip
+    jobs = [
+        _train_job("--bf16", name="train alltoall bf16"),
+        _train_job(name="train alltoall float32"),
+        _train_job(
+            "--bf16",
+            "--moe-token-dispatcher-type",
+            "flex",
+            "--moe-flex-dispatcher-backend",
+            "hybridep",
+            name="train hybridep bf16",
+        ),
+    ]
+    # Small models: the three jobs share the GPUs and start at once (one after another they took
+    # more than 120 s on 2 x H200 beside the suite's other lanes).
+    alltoall, fp32, flex = map(_losses, launch_all(jobs, timeout=180, share_gpus=True))
     print("\ntrain losses: alltoall bf16", alltoall, "| float32", fp32, "| hybridep bf16", flex)
     assert len(alltoall) == len(fp32) == len(flex) == 3
     bound = max(MARGIN * abs(alltoall[0] - fp32[0]) / fp32[0], 2.0**-12)

@@ -59,3 +59,22 @@ def test_tiny_run_counts_no_flip_in_float32(model_parallel, tmp_path):
     assert flips["tokens_with_flip"] == 0 and flips["flips_per_layer"] == [0] * 4
     assert "routing flips" in (tmp_path / "logprobs_CPU.md").read_text()
     assert data["meta"]["command"].startswith("python benchmarks/logprobs.py --tiny")
+
+
+def test_profile_lines_name_the_costliest_kernels_and_host_operators():
+    import logprobs as benchmark
+
+    summary = dict(window_ms=700.0, gpu_busy_ms=210.0, gpu_idle_ms=490.0, cpu_op_busy_ms=650.0,
+                   cpu_ops=12000, cpu_sync_wait_ms=30.0, compute_kernels=4100)  # fmt: skip
+    kernels = {
+        "categories": {"gemm": {"ms": 120.0, "count": 300}, "triton": {"ms": 90.0, "count": 800}},
+        "kernels": [{"name": "sm90_xmma_gemm_bf16", "category": "gemm", "ms": 100.0,
+                     "count": 200, "mean_us": 500.0}],  # fmt: skip
+    }
+    host = [{"name": "aten::item", "self_cpu_ms": 40.0, "count": 64}]
+    row = dict(layout="packed", profile=dict(summary=summary, kernels=kernels, host=host))
+    text = "\n".join(benchmark._profile_lines(row))
+    assert "profiled packed call: 700 ms, GPU busy 210 ms, idle 490 ms" in text
+    assert "| gemm | 120.0 | 300 |" in text and "| triton | 90.0 | 800 |" in text
+    assert "| `sm90_xmma_gemm_bf16` | gemm | 100.0 | 200 | 500 |" in text
+    assert "| `aten::item` | 40.0 | 64 |" in text

@@ -10,6 +10,11 @@ float32), and a value that rounds to a neighbouring float32 on one side moves th
 ``eps32 = 6e-8`` of its size. The bound, 1e-6 of each tensor's largest gradient, allows some
 such flips; the defect moves the RoPE key's rows of ``linear_kv_down_proj`` by about half their
 size (each rank sees the gradient of its own heads only).
+
+Under sequence parallelism ``linear_kv_up_proj`` all-gathers its input over the sequence, which
+NCCL refuses unless it is contiguous (gloo here accepts it, so the test looks at the input
+itself): without a KV norm ours puts a contiguous copy in the norm's place; the control puts
+megatron-core's ``IdentityOp`` back and the input is a non-contiguous slice.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ LAYOUTS = {
     "tp2_sp": (2, True, False),
     "tp2_megatron_core": (2, False, True),
     "tp2_sp_megatron_core": (2, True, True),
+    "tp2_sp_identity_kv_norm": (2, True, "identity"),
 }
 
 
@@ -82,7 +88,8 @@ def _global_grads(model, pg, sp: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(tp: int, sp: bool, megatron_core_mla: bool, weights):
+def _run(tp: int, sp: bool, control, weights):
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from support.checkpoints import assemble_global_tensors
 
@@ -93,6 +100,7 @@ def _run(tp: int, sp: bool, megatron_core_mla: bool, weights):
     reset_megatron_state()
     pg = initialize_model_parallel(tp=tp, seed=7)
     ours = specs.HybridMLASelfAttention
+    megatron_core_mla = control is True
     if megatron_core_mla:  # the negative control: megatron-core's class in the local spec
         specs.HybridMLASelfAttention = MLASelfAttention
     try:
@@ -101,6 +109,14 @@ def _run(tp: int, sp: bool, megatron_core_mla: bool, weights):
         specs.HybridMLASelfAttention = ours
     assert any(type(m) is (MLASelfAttention if megatron_core_mla else ours)
                for m in model.modules())  # fmt: skip
+    contiguous = []
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            if control == "identity":  # the contiguity control: megatron-core's IdentityOp back
+                module.kv_layernorm = IdentityOp()
+            module.linear_kv_up_proj.register_forward_pre_hook(
+                lambda _, args: contiguous.append(args[0].is_contiguous())
+            )
     state = model.sharded_state_dict()
     if weights is None:
         weights = assemble_global_tensors(state)
@@ -111,23 +127,25 @@ def _run(tp: int, sp: bool, megatron_core_mla: bool, weights):
     batch = model_inputs(batch=BATCH, seq=SEQ, vocab=VOCAB, seed=3)
     loss = model(batch["input_ids"], batch["position_ids"], None, labels=batch["labels"])
     loss.sum().backward()
-    return weights, _global_grads(model, pg, sp)
+    assert contiguous, "linear_kv_up_proj never ran"
+    return weights, _global_grads(model, pg, sp), all(contiguous)
 
 
 def _worker(rank: int, world_size: int):
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
-    weights, reference = _run(1, False, False, None)
+    weights, reference, _ = _run(1, False, False, None)
     results = {}
     for name, (tp, sp, control) in LAYOUTS.items():
-        _, grads = _run(tp, sp, control, weights)
+        _, grads, contiguous = _run(tp, sp, control, weights)
         assert set(grads) == set(reference), set(grads) ^ set(reference)
         results[name] = {key: _error(grads[key], ref) for key, ref in reference.items()}
         kv = next(k for k in reference if k.endswith("linear_kv_down_proj.weight"))
         results[name]["rope rows"] = _error(
             grads[kv][..., -ROPE:, :], reference[kv][..., -ROPE:, :]
         )
+        results[name]["up-projection input contiguous"] = float(contiguous)
     return results
 
 
@@ -143,6 +161,9 @@ def errors():
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
 def test_mla_gradients_at_tp2_equal_tp1(layout, errors):
+    contiguous = errors[layout].pop("up-projection input contiguous")
+    if LAYOUTS[layout][1]:  # sequence parallel: the up-projection gathers its input
+        assert contiguous == 1.0, "linear_kv_up_proj got a non-contiguous input (NCCL refuses it)"
     worst = max(errors[layout].items(), key=lambda item: item[1])
     assert worst[1] <= BOUND, worst
     assert len(errors[layout]) > 10  # every parameter compared, not a few
@@ -152,3 +173,7 @@ def test_mla_gradients_at_tp2_equal_tp1(layout, errors):
 def test_negative_control_megatron_core_mla_splits_the_rope_gradient(layout, errors):
     assert errors[layout]["rope rows"] > 0.1, errors[layout]
     assert max(errors[layout].values()) > 100 * BOUND
+
+
+def test_negative_control_identity_kv_norm_hands_the_up_projection_a_slice(errors):
+    assert errors["tp2_sp_identity_kv_norm"]["up-projection input contiguous"] == 0.0
