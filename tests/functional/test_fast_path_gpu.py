@@ -306,6 +306,71 @@ def test_sdpa_attention(world, pg, case):
         assert rel_error(f, t) <= FACTOR * rel_error(r, t) + FLOOR, name
 
 
+@pytest.mark.parametrize("groups", [16, 4], ids=["mha", "gqa"])
+def test_varlen_packed_attention(world, groups):
+    """Packed attention in one varlen FlashAttention call against one SDPA call per sequence,
+    both bf16, each against the per-sequence path in float32: output and the q, k, v gradients,
+    with sequences of many lengths padded apart and rows after the last one (pad rows: zero)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.modules.fast.attention import (
+        packed_attention_per_sequence,
+        sdpa_packed_attention,
+    )
+    from megatron_hybrid.modules.fast.selection import varlen_reason
+
+    _, _, device = world
+    heads, dim = 16, 128
+    lengths = [300, 1, 517, 64, 1000, 33]
+    padded = [(n + 63) // 64 * 64 for n in lengths]
+    total = sum(padded) + 128
+    probe = torch.zeros(8, heads, dim, device=device, dtype=torch.bfloat16)
+    reason = varlen_reason(probe, probe, causal=True, dropout_p=0.0, gaps=True)
+    if reason is not None:
+        pytest.skip(f"varlen attention does not run here: {reason}")
+
+    def offsets(sizes):
+        values = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        return values, torch.tensor(values, dtype=torch.int32, device=device)
+
+    (host, cu), (starts, cu_padded) = offsets(lengths), offsets(padded)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+    )
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(total, h, dim, generator=gen) for h in (heads, groups, groups)]
+
+    def run(attend, dtype):
+        leaves = [t.to(device, dtype).requires_grad_() for t in tensors]
+        out = attend(*leaves)
+        out.float().square().sum().backward()
+        return [out.float(), *(t.grad.float() for t in leaves)]
+
+    def per_sequence(q, k, v):
+        return packed_attention_per_sequence(q, k, v, host, starts, scale=dim**-0.5,
+                                             causal=True)  # fmt: skip
+
+    with exact_float32():
+        truth = run(per_sequence, torch.float32)
+    sdpa = run(per_sequence, torch.bfloat16)
+    torch.cuda.synchronize()
+    varlen = run(lambda q, k, v: sdpa_packed_attention(q, k, v, params, scale=dim**-0.5,
+                                                       causal=True), torch.bfloat16)  # fmt: skip
+    names = ("out", "dq", "dk", "dv")
+    report(f"varlen vs per-sequence SDPA, {heads} heads / {groups} groups, bf16 vs float32",
+           [(n, f"{rel_error(a, t):.2e}", f"{rel_error(b, t):.2e}")
+            for n, a, b, t in zip(names, sdpa, varlen, truth, strict=True)])  # fmt: skip
+    pad = truth[0].abs().sum(dim=1) == 0
+    assert pad.any()
+    for name, a, b, t in zip(names, sdpa, varlen, truth, strict=True):
+        assert rel_error(b, t) <= FACTOR * rel_error(a, t) + FLOOR, name
+        assert torch.count_nonzero(b[pad]) == 0, f"{name}: pad rows not zero"
+
+
 def test_grouped_experts_under_megatron_ddp(world, pg):
     """Weight gradients of 64 uneven experts over three micro-batches, accumulated as ``train``
     does (megatron DDP, float32 main_grad in the distributed optimizer's reversed, padded

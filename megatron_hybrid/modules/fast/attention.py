@@ -12,13 +12,17 @@ checkpoint and the constructor are theirs; only ``forward`` changes. Before each
 :func:`~megatron_hybrid.modules.fast.selection.sdpa_reason` decides whether SDPA can compute
 it; otherwise the reference forward runs and the reason is kept in ``fast_path_reason``.
 
-Packed (THD) batches run one SDPA call per sequence, on the host copy of ``cu_seqlens`` (read
-once per micro-batch: the layers of one forward share the tensor, so the copy is cached by
-tensor); ``cu_seqlens_q_padded`` places each sequence, and padding rows between sequences get
-zero output.
+Packed (THD) batches run in one call of torch's varlen FlashAttention
+(``torch.nn.attention.varlen``) where it applies (bf16 or fp16 on CUDA, one head size, no
+dropout: :func:`~megatron_hybrid.modules.fast.selection.varlen_reason`), else one SDPA call per
+sequence, on the host copy of ``cu_seqlens`` (read once per micro-batch: the layers of one
+forward share the tensor, so the copy is cached by tensor); ``cu_seqlens_q_padded`` places each
+sequence, and padding rows between sequences get zero output.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
@@ -31,14 +35,18 @@ from megatron_hybrid.modules.fast.selection import (
     is_causal_mask,
     rope_reason,
     sdpa_reason,
+    varlen_parameters,
+    varlen_reason,
 )
 
 __all__ = [
     "FastSelfAttention",
     "SDPACoreAttention",
     "SDPAMLACoreAttention",
+    "packed_attention_per_sequence",
     "sdpa_attention",
     "sdpa_packed_attention",
+    "varlen_call",
 ]
 
 # SDPA is a builtin without an introspectable signature; enable_gqa came in torch 2.5.
@@ -94,7 +102,11 @@ def sdpa_packed_attention(
     causal: bool,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """SDPA over each packed sequence of a THD batch; returns ``[t, heads * dim_v]``.
+    """Attention within each packed sequence of a THD batch; returns ``[t, heads * dim_v]``.
+
+    One call of torch's varlen FlashAttention over the whole row where
+    :func:`~megatron_hybrid.modules.fast.selection.varlen_reason` allows it, else one SDPA call
+    per sequence (:func:`packed_attention_per_sequence`). Pad rows get zero output either way.
 
     Args:
         query: ``[t, heads, dim_qk]``.
@@ -109,6 +121,36 @@ def sdpa_packed_attention(
     lengths = host_values(packed_seq_params.cu_seqlens_q)
     padded = packed_seq_params.cu_seqlens_q_padded
     starts = host_values(padded) if padded is not None else lengths
+    total = query.shape[0]
+    gaps = starts != lengths or starts[-1] < total
+    if varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=gaps) is None:
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+        offsets = padded if padded is not None else cu_seqlens
+        return _varlen_packed(query, key, value, offsets, cu_seqlens, lengths, starts,
+                              scale=scale, causal=causal)  # fmt: skip
+    return packed_attention_per_sequence(
+        query, key, value, lengths, starts, scale=scale, causal=causal, dropout_p=dropout_p
+    )
+
+
+def packed_attention_per_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: list[int],
+    starts: list[int] | None = None,
+    *,
+    scale: float,
+    causal: bool,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """One SDPA call per packed sequence (THD); returns ``[t, heads * dim_v]``.
+
+    ``lengths`` are the host values of ``cu_seqlens`` (real tokens), ``starts`` those of the
+    padded offsets where sequences are padded apart (None: they are not); rows outside the
+    sequences get zero output.
+    """
+    starts = lengths if starts is None else starts
     total = query.shape[0]
     width = query.shape[1] * value.shape[-1]
     pieces, position = [], 0
@@ -130,6 +172,69 @@ def sdpa_packed_attention(
     if position < total:
         pieces.append(query.new_zeros(total - position, width))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def varlen_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    offsets: torch.Tensor,
+    max_length: int,
+    *,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn`` over the segments ``offsets`` (int32, on the
+    device, ending at the row's length) of ``[t, heads, dim]`` tensors; ``[t, heads * dim]``.
+
+    Speaks both signatures torch has had (``is_causal``; later ``window_size=(-1, 0)``) and
+    shares key/value heads as megatron's ``repeat_interleave`` does (``enable_gqa`` where it
+    exists).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    names = varlen_parameters()
+    kwargs = {"scale": scale}
+    if "window_size" in names:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in names:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = query.shape[1] // key.shape[1]
+            key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    offsets = offsets.to(torch.int32)
+    out = varlen_attn(q, k, v, offsets, offsets, max_length, max_length, **kwargs)
+    return out.reshape(query.shape[0], -1)
+
+
+def _varlen_packed(query, key, value, offsets, cu_seqlens, lengths, starts, *, scale, causal):
+    """:func:`varlen_call` over a THD row whose sequences start at ``starts`` (host values of
+    the device tensor ``offsets``) with the real tokens of ``cu_seqlens`` (device; ``lengths``
+    its host values): each segment holds a sequence and its pad rows (the last one too, if rows
+    follow the last sequence), whose output is then zeroed. Under the causal mask (required
+    where there are pad rows) no real token sees a pad row. No host-to-device copy: the rows to
+    keep are found from the device offsets."""
+    total = query.shape[0]
+    bounds = list(starts)
+    if bounds[-1] < total:  # rows after the last sequence: one more segment, all padding
+        offsets = torch.cat([offsets, offsets.new_full((1,), total)])
+        bounds.append(total)
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    out = varlen_call(query, key, value, offsets, longest, scale=scale, causal=causal)
+    if bounds == lengths:
+        return out
+    # Row r of segment i is real if r - start_i < length_i (an appended segment: length 0).
+    real = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    real = torch.cat([real, real.new_zeros(len(bounds) - len(lengths))])
+    segment_starts = offsets[:-1].long()
+    rows = torch.arange(total, device=query.device)
+    segment = torch.searchsorted(segment_starts, rows, right=True) - 1
+    keep = (rows - segment_starts[segment]) < real[segment]
+    return out.masked_fill(~keep.unsqueeze(1), 0.0)
 
 
 class _SDPAForward:

@@ -17,6 +17,8 @@ act on.
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import weakref
 from typing import Any
 
@@ -36,6 +38,8 @@ __all__ = [
     "rope_reason",
     "sdpa_reason",
     "sync_free_dispatch_reason",
+    "varlen_parameters",
+    "varlen_reason",
 ]
 
 #: Values of ``hybrid_stack_spec(local_impl=...)``: ``"auto"`` (fast on CUDA, reference on the
@@ -97,6 +101,87 @@ def sdpa_reason(module, query: torch.Tensor, key: torch.Tensor, attention_mask, 
             "aligns it top-left, megatron bottom-right)"
         )
     return None
+
+
+@functools.cache
+def varlen_parameters() -> frozenset[str] | str:
+    """The keyword parameters of ``torch.nn.attention.varlen.varlen_attn``, or why it cannot
+    serve: missing (it came in torch 2.9), or a signature without a way to give the softmax
+    scale and the causal mask (``is_causal``; ``window_size=(-1, 0)`` in later torch)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (it came in torch 2.9)"
+    names = frozenset(inspect.signature(varlen_attn).parameters)
+    if "scale" not in names or not names & {"is_causal", "window_size"}:
+        return f"torch {torch.__version__}'s varlen_attn takes no scale or causal mask"
+    return names
+
+
+@functools.cache
+def _varlen_probe(device_index: int, dtype: torch.dtype) -> str | None:
+    """Whether one varlen call gives what one SDPA call per sequence gives, forward and backward
+    (two sequences, grouped-query heads, causal, on this GPU and dtype; bf16 rounding apart)."""
+    from megatron_hybrid.modules.fast.attention import packed_attention_per_sequence, varlen_call
+
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(16, heads, 64, generator=gen) for heads in (4, 2, 2)]
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=device)
+    calls = (
+        lambda q, k, v: varlen_call(q, k, v, cu, 11, scale=0.125, causal=True),
+        lambda q, k, v: packed_attention_per_sequence(q, k, v, [0, 5, 16], scale=0.125,
+                                                      causal=True),  # fmt: skip
+    )
+    results = []
+    try:
+        for attend in calls:
+            leaves = [t.to(device, dtype).requires_grad_() for t in tensors]
+            out = attend(*leaves)
+            out.float().square().sum().backward()
+            results.append([out.float(), *(t.grad.float() for t in leaves)])
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        return f"torch's varlen_attn does not run on this GPU in {dtype}: {first_line}"
+    for name, got, want in zip(("output", "dq", "dk", "dv"), *results, strict=True):
+        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        if not error <= 2e-2:  # bf16: about 2^-8 per rounding, a few roundings apart
+            return f"torch's varlen_attn differs from SDPA in its {name} ({error:.1e} relative)"
+    return None
+
+
+def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dropout_p: float,
+                  gaps: bool) -> str | None:  # fmt: skip
+    """Why a packed (THD) batch's attention runs one SDPA call per sequence rather than one call
+    of torch's varlen FlashAttention over all of them (``torch.nn.attention.varlen``), or None.
+
+    One SDPA call per sequence costs a launch or more per sequence and layer, and each new
+    length is a new shape for the kernel (cuDNN plans its kernels per shape); the varlen kernel
+    takes the whole row and the offsets. It needs CUDA, bf16 or fp16, no dropout, one head size
+    for queries, keys and values (not MLA's) of at most 256 in multiples of 8, and, where pad
+    rows lie between sequences, a causal mask (each sequence's pad rows then follow it and no
+    real token sees them). ``MEGATRON_HYBRID_VARLEN=0`` keeps the per-sequence calls.
+    """
+    if os.environ.get("MEGATRON_HYBRID_VARLEN") == "0":
+        return "MEGATRON_HYBRID_VARLEN=0"
+    if query.device.type != "cuda":
+        return f"tensors on {query.device.type} (torch's varlen attention is a CUDA kernel)"
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"{query.dtype} (FlashAttention takes bf16 or fp16)"
+    if dropout_p > 0.0:
+        return "attention dropout (varlen_attn has none)"
+    dim = query.shape[-1]
+    if value.shape[-1] != dim:
+        return f"query/key heads of {dim} and value heads of {value.shape[-1]} (MLA)"
+    if dim % 8 or dim > 256:
+        return f"head size {dim} (FlashAttention takes multiples of 8 up to 256)"
+    if gaps and not causal:
+        return "pad rows between sequences without a causal mask (real tokens would see them)"
+    names = varlen_parameters()
+    if isinstance(names, str):
+        return names
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    return _varlen_probe(index, query.dtype)
 
 
 def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) -> str | None:

@@ -1,0 +1,148 @@
+"""Packed (THD) attention through one varlen call against one SDPA call per sequence (CPU).
+
+torch's ``varlen_attn`` is a CUDA FlashAttention kernel, so here a stand-in with its contract
+(segments given by offsets, causal as ``is_causal`` or ``window_size=(-1, 0)``, grouped-query
+heads with or without ``enable_gqa``) computes each segment with SDPA: what is checked is the
+package's side of the call (the segments it hands over, pad rows between sequences and after
+the last one, their output zeroed, both signatures, key/value heads shared as megatron shares
+them), output and gradients, float32. The kernel itself is checked against SDPA on GPUs
+(``tests/functional/test_fast_path_gpu.py``). Negative control: a kernel that ignores the
+offsets (one sequence over the whole row) is caught.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.nn import functional
+
+from megatron_hybrid.modules.fast import attention, selection
+from megatron_hybrid.testing.overlap import rel_error
+
+TOL = 1e-5  # float32 both ways; the same sums in another order
+
+
+def _fake_varlen(style: str, ignore_offsets: bool = False):
+    """A stand-in for ``varlen_attn`` with the signature of ``style`` ("window" or "is_causal")."""
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal, gqa):
+        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+        bounds = [0, q.shape[0]] if ignore_offsets else cu_q.tolist()
+        assert bounds[-1] == q.shape[0], "the segments must cover the row"
+        assert max(b - a for a, b in itertools.pairwise(bounds)) == max_q or ignore_offsets
+        if k.shape[1] != q.shape[1]:
+            assert gqa, "grouped key/value heads without enable_gqa"
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            part = [t[a:b].transpose(0, 1) for t in (q, k, v)]
+            out.append(
+                functional.scaled_dot_product_attention(
+                    *part, is_causal=causal, scale=scale, enable_gqa=gqa
+                ).transpose(0, 1)
+            )
+        return torch.cat(out)
+
+    if style == "window":
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None,
+                        window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+            assert window_size in ((-1, 0), (-1, -1))
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                          causal=window_size == (-1, 0), gqa=enable_gqa)  # fmt: skip
+
+    else:
+
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, *, scale=None):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
+                          gqa=False)  # fmt: skip
+
+    return varlen_attn
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    """Install a stand-in kernel and let the selection choose it on the CPU."""
+    import torch.nn.attention.varlen as varlen
+
+    def install(style: str, ignore_offsets: bool = False):
+        kernel = _fake_varlen(style, ignore_offsets)
+        monkeypatch.setattr(varlen, "varlen_attn", kernel)
+        selection.varlen_parameters.cache_clear()
+        monkeypatch.setattr(attention, "varlen_reason", lambda *a, **k: None)
+
+    yield install
+    selection.varlen_parameters.cache_clear()
+
+
+def _params(lengths: list[int], padded: list[int] | None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def offsets(sizes):
+        return torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+
+    cu = offsets(lengths)
+    cu_padded = offsets(padded) if padded is not None else None
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu_padded,
+                           cu_seqlens_kv_padded=cu_padded)  # fmt: skip
+
+
+LAYOUTS = {
+    "back-to-back": ([5, 1, 7], None, 13),
+    "padded-apart": ([5, 1, 7], [8, 4, 8], 20),
+    "rows-after-the-last": ([5, 1, 7], None, 16),
+    "padded-and-rows-after": ([6, 3], [8, 4], 16),
+}
+
+
+def _run(attend, total: int, groups: int, seed: int = 4):
+    gen = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(total, heads, 16, generator=gen).requires_grad_()
+              for heads in (4, groups, groups)]  # fmt: skip
+    out = attend(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+    return {"out": out.detach(), **{f"d{n}": t.grad for n, t in zip("qkv", leaves, strict=True)}}
+
+
+@pytest.mark.parametrize("style", ["window", "is_causal"])
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_varlen_call_equals_one_sdpa_call_per_sequence(fake_kernel, style, groups, layout):
+    lengths, padded, total = LAYOUTS[layout]
+    params = _params(lengths, padded)
+    host = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    starts = None if padded is None else [0, *torch.tensor(padded).cumsum(0).tolist()]
+    per_sequence = _run(lambda q, k, v: attention.packed_attention_per_sequence(
+        q, k, v, host, starts, scale=0.3, causal=True), total, groups)  # fmt: skip
+    fake_kernel(style)
+    varlen = _run(lambda q, k, v: attention.sdpa_packed_attention(
+        q, k, v, params, scale=0.3, causal=True), total, groups)  # fmt: skip
+    errors = {name: rel_error(varlen[name], ref) for name, ref in per_sequence.items()}
+    assert max(errors.values()) < TOL, errors
+    pad = per_sequence["out"].abs().sum(dim=1) == 0
+    assert bool(pad.any()) == (layout != "back-to-back")
+    for name in varlen:  # pad rows: zero output and zero gradients, exactly
+        assert torch.count_nonzero(varlen[name][pad]) == 0, name
+
+
+def test_negative_control_a_kernel_that_ignores_the_offsets(fake_kernel):
+    lengths, padded, total = LAYOUTS["back-to-back"]
+    params = _params(lengths, padded)
+    host = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    reference = _run(lambda q, k, v: attention.packed_attention_per_sequence(
+        q, k, v, host, scale=0.3, causal=True), total, 4)  # fmt: skip
+    fake_kernel("window", ignore_offsets=True)
+    leaking = _run(lambda q, k, v: attention.sdpa_packed_attention(
+        q, k, v, params, scale=0.3, causal=True), total, 4)  # fmt: skip
+    assert rel_error(leaking["out"], reference["out"]) > 100 * TOL
+
+
+def test_varlen_reason_names_what_keeps_the_per_sequence_calls(monkeypatch):
+    q = torch.zeros(8, 4, 16)
+    assert "CUDA kernel" in selection.varlen_reason(q, q, causal=True, dropout_p=0.0, gaps=False)
+    monkeypatch.setenv("MEGATRON_HYBRID_VARLEN", "0")
+    assert selection.varlen_reason(q, q, causal=True, dropout_p=0.0, gaps=False) == (
+        "MEGATRON_HYBRID_VARLEN=0"
+    )
