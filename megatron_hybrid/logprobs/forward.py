@@ -39,6 +39,7 @@ from megatron_hybrid.padding import (
     padding_config_from,
     thd_unsupported_reason_for,
 )
+from megatron_hybrid.schedule.steps import run_schedule
 
 __all__ = ["choose_packed", "evaluating", "forward_logprobs", "model_device", "real_vocab_size"]
 
@@ -202,7 +203,7 @@ def forward_logprobs(
     reduce = partial(_reduce, tp_group=pg.tp, temperature=temperature, vocab_size=vocab,
                      with_entropy=with_entropy)  # fmt: skip
     if batches:
-        _run(chunks, config, pg, batches, reduce, device)
+        _run(chunks, pg, batches, reduce, device)
     return _gather(tokens, batches, pg, device, with_entropy)
 
 
@@ -215,28 +216,17 @@ def _reduce(logits, labels, *, tp_group, temperature, vocab_size, with_entropy):
     return [token_logprobs(logits, labels, **options)]
 
 
-def _run(chunks, config, pg, batches, reduce, device) -> None:
+def _run(chunks, pg, batches, reduce, device) -> None:
     """The forward-only schedule over ``batches`` (each model chunk reads its own iterator)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    pp = pg.pp.size()
-    vpp = len(chunks) if len(chunks) > 1 else None
-    kwargs = dict(pg_collection=pg)
-    if pp > 1:
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg.pp, config=config)
-    iterators = [iter(batches) for _ in chunks]
     with evaluating(chunks):
-        get_forward_backward_func(pp_size=pp, vp_size=vpp)(
-            forward_step_func=partial(_forward_step, reduce=reduce, device=device),
-            data_iterator=iterators if vpp else iterators[0],
-            model=chunks if vpp else chunks[0],
-            num_microbatches=len(batches),
+        run_schedule(
+            chunks,
+            batches,
             seq_length=batches[0].seq_length,
             micro_batch_size=batches[0].rows,
             forward_only=True,
-            **kwargs,
+            forward_step=partial(_forward_step, reduce=reduce, device=device),
+            pg_collection=pg,
         )
 
 

@@ -78,6 +78,7 @@ def run_schedule(
     micro_batch_size: int,
     forward_only: bool,
     forward_step=lm_forward_step,
+    pg_collection=None,
 ) -> list[dict]:
     """Run ``batches`` through megatron-core's schedule over the model ``chunks``.
 
@@ -90,6 +91,9 @@ def run_schedule(
         seq_length, micro_batch_size: the pipeline's tensor shape.
         forward_only: no backward pass.
         forward_step: megatron-core's ``forward_step_func`` (default: the language model's).
+        pg_collection: the process groups to run over (the schedule is picked by their pipeline
+            size and the number of chunks, and pipelines send through a ``P2PCommunicator`` of
+            their own); None: megatron-core's global parallel state.
 
     Returns:
         The loss functions' reports (on the last pipeline stage; empty elsewhere).
@@ -98,7 +102,20 @@ def run_schedule(
 
     per_chunk = batches if batches and isinstance(batches[0], list) else [batches] * len(chunks)
     iterators = [iter(list(b)) for b in per_chunk]
-    return get_forward_backward_func()(
+    kwargs, schedule = {}, get_forward_backward_func
+    if pg_collection is not None:
+        pp = pg_collection.pp.size()
+        kwargs["pg_collection"] = pg_collection
+        if pp > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+            from megatron.core.utils import get_model_config
+
+            kwargs["p2p_communicator"] = P2PCommunicator(
+                pp_group=pg_collection.pp, config=get_model_config(chunks[0])
+            )
+        schedule = partial(get_forward_backward_func, pp_size=pp,
+                           vp_size=len(chunks) if len(chunks) > 1 else None)  # fmt: skip
+    return schedule()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
@@ -106,4 +123,5 @@ def run_schedule(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
+        **kwargs,
     )
