@@ -23,6 +23,7 @@ sequence, and padding rows between sequences get zero output.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "sdpa_attention",
     "sdpa_packed_attention",
     "varlen_call",
+    "varlen_probe",
 ]
 
 # SDPA is a builtin without an introspectable signature; enable_gqa came in torch 2.5.
@@ -124,7 +126,8 @@ def sdpa_packed_attention(
     starts = host_values(padded) if padded is not None else lengths
     total = query.shape[0]
     gaps = starts != lengths or starts[-1] < total
-    if varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=gaps) is None:
+    reason = varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=gaps)
+    if reason is None and varlen_probe(query.device, query.dtype) is None:
         cu_seqlens = packed_seq_params.cu_seqlens_q
         offsets = padded if padded is not None else cu_seqlens
         return _varlen_packed(query, key, value, offsets, cu_seqlens, lengths, starts,
@@ -236,6 +239,38 @@ def _varlen_packed(query, key, value, offsets, cu_seqlens, lengths, starts, *, s
     segment = torch.searchsorted(segment_starts, rows, right=True) - 1
     keep = (rows - segment_starts[segment]) < real[segment]
     return out.masked_fill(~keep.unsqueeze(1), 0.0)
+
+
+@functools.cache
+def varlen_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why :func:`varlen_call` cannot stand for :func:`packed_attention_per_sequence` on
+    ``device`` (a tensor's, with its index) in ``dtype``, or None: checked once per device and
+    dtype, forward and backward (two sequences, grouped-query heads, causal; bf16 rounding
+    apart), before the first varlen call there. On any failure the per-sequence calls run."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(16, heads, 64, generator=gen) for heads in (4, 2, 2)]
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=device)
+    calls = (
+        lambda q, k, v: varlen_call(q, k, v, cu, 11, scale=0.125, causal=True),
+        lambda q, k, v: packed_attention_per_sequence(q, k, v, [0, 5, 16], scale=0.125,
+                                                      causal=True),  # fmt: skip
+    )
+    results = []
+    try:
+        for attend in calls:
+            with torch.enable_grad():  # a forward-only caller may run under no_grad
+                leaves = [t.to(device, dtype).requires_grad_() for t in tensors]
+                out = attend(*leaves)
+                out.float().square().sum().backward()
+            results.append([out.detach().float(), *(t.grad.float() for t in leaves)])
+    except Exception as error:  # noqa: BLE001 - whatever fails here, the per-sequence calls run
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        return f"torch's varlen_attn does not run on {device} in {dtype}: {first_line}"
+    for name, got, want in zip(("output", "dq", "dk", "dv"), *results, strict=True):
+        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        if not error <= 2e-2:  # bf16: about 2^-8 per rounding, a few roundings apart
+            return f"torch's varlen_attn differs from SDPA in its {name} ({error:.1e} relative)"
+    return None
 
 
 class _SDPAForward:

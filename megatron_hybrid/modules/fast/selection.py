@@ -118,38 +118,6 @@ def varlen_parameters() -> frozenset[str] | str:
     return names
 
 
-@functools.cache
-def _varlen_probe(device_index: int, dtype: torch.dtype) -> str | None:
-    """Whether one varlen call gives what one SDPA call per sequence gives, forward and backward
-    (two sequences, grouped-query heads, causal, on this GPU and dtype; bf16 rounding apart)."""
-    from megatron_hybrid.modules.fast.attention import packed_attention_per_sequence, varlen_call
-
-    device = torch.device("cuda", device_index)
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(16, heads, 64, generator=gen) for heads in (4, 2, 2)]
-    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=device)
-    calls = (
-        lambda q, k, v: varlen_call(q, k, v, cu, 11, scale=0.125, causal=True),
-        lambda q, k, v: packed_attention_per_sequence(q, k, v, [0, 5, 16], scale=0.125,
-                                                      causal=True),  # fmt: skip
-    )
-    results = []
-    try:
-        for attend in calls:
-            leaves = [t.to(device, dtype).requires_grad_() for t in tensors]
-            out = attend(*leaves)
-            out.float().square().sum().backward()
-            results.append([out.float(), *(t.grad.float() for t in leaves)])
-    except Exception as error:  # noqa: BLE001 - whatever fails here, the per-sequence calls run
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        return f"torch's varlen_attn does not run on this GPU in {dtype}: {first_line}"
-    for name, got, want in zip(("output", "dq", "dk", "dv"), *results, strict=True):
-        error = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-        if not error <= 2e-2:  # bf16: about 2^-8 per rounding, a few roundings apart
-            return f"torch's varlen_attn differs from SDPA in its {name} ({error:.1e} relative)"
-    return None
-
-
 def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dropout_p: float,
                   gaps: bool) -> str | None:  # fmt: skip
     """Why a packed (THD) batch's attention runs one SDPA call per sequence rather than one call
@@ -160,7 +128,9 @@ def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dro
     takes the whole row and the offsets. It needs CUDA, bf16 or fp16, no dropout, one head size
     for queries, keys and values (not MLA's) of at most 256 in multiples of 8, and, where pad
     rows lie between sequences, a causal mask (each sequence's pad rows then follow it and no
-    real token sees them). For now it is opt-in (``MEGATRON_HYBRID_VARLEN=1``): it becomes the
+    real token sees them). Whether the kernel then computes what the per-sequence calls compute
+    on this GPU is :func:`~megatron_hybrid.modules.fast.attention.varlen_probe`'s question.
+    For now it is opt-in (``MEGATRON_HYBRID_VARLEN=1``): it becomes the
     default once the GPU suite's ``test_varlen_packed_attention`` and the benchmarks have run it.
     """
     if os.environ.get("MEGATRON_HYBRID_VARLEN") != "1":
@@ -179,10 +149,7 @@ def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dro
     if gaps and not causal:
         return "pad rows between sequences without a causal mask (real tokens would see them)"
     names = varlen_parameters()
-    if isinstance(names, str):
-        return names
-    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    return _varlen_probe(index, query.dtype)
+    return names if isinstance(names, str) else None
 
 
 def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) -> str | None:

@@ -6,8 +6,9 @@ heads with or without ``enable_gqa``) computes each segment with SDPA: what is c
 package's side of the call (the segments it hands over, pad rows between sequences and after
 the last one, their output zeroed, both signatures, key/value heads shared as megatron shares
 them), output and gradients, float32. The kernel itself is checked against SDPA on GPUs
-(``tests/functional/test_fast_path_gpu.py``). Negative control: a kernel that ignores the
-offsets (one sequence over the whole row) is caught.
+(``tests/functional/test_fast_path_gpu.py``), and at first use by ``varlen_probe``, whose
+verdicts are checked here with the stand-in too. Negative control: a kernel that ignores the
+offsets (one sequence over the whole row) is caught, by the comparison and by the probe.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def fake_kernel(monkeypatch):
         monkeypatch.setattr(varlen, "varlen_attn", kernel)
         selection.varlen_parameters.cache_clear()
         monkeypatch.setattr(attention, "varlen_reason", lambda *a, **k: None)
+        monkeypatch.setattr(attention, "varlen_probe", lambda *a, **k: None)
 
     yield install
     selection.varlen_parameters.cache_clear()
@@ -147,3 +149,30 @@ def test_varlen_reason_names_what_keeps_the_per_sequence_calls(monkeypatch):
     )
     monkeypatch.setenv("MEGATRON_HYBRID_VARLEN", "1")
     assert "CUDA kernel" in selection.varlen_reason(q, q, causal=True, dropout_p=0.0, gaps=False)
+
+
+@pytest.mark.parametrize(
+    "kernel, verdict",
+    [
+        pytest.param("right", None, id="right"),
+        pytest.param("ignores-offsets", "differs from SDPA in its output", id="wrong"),
+        pytest.param("raises", "does not run on cpu in torch.float32: no kernel", id="raises"),
+    ],
+)
+def test_probe_verdicts_even_under_no_grad(monkeypatch, kernel, verdict):
+    import torch.nn.attention.varlen as varlen
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("no kernel")
+
+    fake = raising if kernel == "raises" else _fake_varlen("window", kernel != "right")
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    selection.varlen_parameters.cache_clear()
+    attention.varlen_probe.cache_clear()
+    try:
+        with torch.no_grad():  # forward_logprobs' forward-only schedule calls it so
+            found = attention.varlen_probe(torch.device("cpu"), torch.float32)
+    finally:
+        attention.varlen_probe.cache_clear()
+        selection.varlen_parameters.cache_clear()
+    assert found == verdict if verdict is None else verdict in found, found
