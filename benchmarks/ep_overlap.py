@@ -32,13 +32,12 @@ import gzip
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from common import moe_bench_config, sync, synthetic_batches
-from trace_summary import summarize_trace
+from trace_summary import record_trace, summarize_trace
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -92,16 +91,7 @@ def _build(variant: str, args, pg, ep: int):
 
 def profile_step(step, out: Path, name: str) -> dict:
     """One step under torch.profiler: its summary, and rank 0's trace written to ``out``."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("mh_step"):
-            step()
-            sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        text = path.read_text()
+    _, text = record_trace(step, sync)
     if torch.distributed.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         with gzip.open(out / f"{name}.trace.json.gz", "wt") as f:

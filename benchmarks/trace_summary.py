@@ -45,6 +45,7 @@ __all__ = [
     "kernel_category",
     "load_trace_events",
     "profile_call",
+    "record_trace",
     "summarize_trace",
 ]
 
@@ -239,10 +240,9 @@ def load_trace_events(path: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def profile_call(call, sync, *, top: int = 15) -> tuple[dict, dict, list[dict]]:
-    """``call()`` once under torch.profiler in an ``mh_step`` window ended by ``sync()``: its
-    :func:`summarize_trace`, its :func:`kernel_breakdown` and the ``top`` CPU operators by their
-    own (self) host time, ``[{"name", "self_cpu_ms", "count"}, ...]``."""
+def record_trace(call, sync):
+    """``call()`` once under torch.profiler (CPU and CUDA activity) in an ``mh_step`` window
+    ended by ``sync()``: the profiler and its Chrome trace as JSON text."""
     import tempfile
     from pathlib import Path
 
@@ -255,7 +255,15 @@ def profile_call(call, sync, *, top: int = 15) -> tuple[dict, dict, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
+        return prof, path.read_text()
+
+
+def profile_call(call, sync, *, top: int = 15) -> tuple[dict, dict, list[dict]]:
+    """``call()`` once under :func:`record_trace`: its :func:`summarize_trace`, its
+    :func:`kernel_breakdown` and the ``top`` CPU operators by their own (self) host time,
+    ``[{"name", "self_cpu_ms", "count"}, ...]``."""
+    prof, text = record_trace(call, sync)
+    events = json.loads(text)["traceEvents"]
     averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
     host = [
         {"name": a.key[:120], "self_cpu_ms": a.self_cpu_time_total * 1e-3, "count": a.count}

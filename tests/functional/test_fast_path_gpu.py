@@ -221,10 +221,18 @@ def test_grouped_experts_with_uneven_routing(world, pg):
         assert rel_error(fast[name], value) <= bound, name
 
 
+def _thd_params(cu, cu_padded, **extra):
+    """megatron's ``PackedSeqParams`` of a THD row, the same offsets for queries and keys."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                           **extra)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["causal", "gqa", "mla-head-sizes", "packed"], ids=lambda c: c)
 def test_sdpa_attention(world, pg, case):
     """SDPA (flash / cuDNN / memory-efficient, as torch picks) against the unfused reference."""
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_hybrid.modules.attention import MLACoreAttention
@@ -273,15 +281,7 @@ def test_sdpa_attention(world, pg, case):
         lengths, starts = [300, 1, 500], [0, 320, 400]
         cu = torch.tensor([0, 300, 301, 801], dtype=torch.int32, device=device)
         cu_padded = torch.tensor([0, 320, 400, 1024], dtype=torch.int32, device=device)
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded,
-            max_seqlen_q=624,
-            max_seqlen_kv=624,
-        )
+        params = _thd_params(cu, cu_padded, max_seqlen_q=624, max_seqlen_kv=624)
         packed = run(fast, torch.bfloat16, [t[:, 0] for t in (q, k, val)], packed_seq_params=params)
         errors = []
         for start, length in zip(starts, lengths, strict=True):
@@ -311,7 +311,6 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
     """Packed attention in one varlen FlashAttention call against one SDPA call per sequence,
     both bf16, each against the per-sequence path in float32: output and the q, k, v gradients,
     with sequences of many lengths padded apart and rows after the last one (pad rows: zero)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_hybrid.modules.fast.attention import (
         packed_attention_per_sequence,
@@ -337,13 +336,7 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
         return values, torch.tensor(values, dtype=torch.int32, device=device)
 
     (host, cu), (starts, cu_padded) = offsets(lengths), offsets(padded)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-    )
+    params = _thd_params(cu, cu_padded)
     gen = torch.Generator().manual_seed(3)
     tensors = [torch.randn(total, h, dim, generator=gen) for h in (heads, groups, groups)]
 
