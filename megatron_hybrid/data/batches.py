@@ -149,12 +149,14 @@ def _packed(samples, padding, force_total, equalize_group) -> MicroBatch:
     return MicroBatch(inputs, spans, plan.total_tokens, 1, real)
 
 
-def _padded(samples, padding, force_len, rows, equalize_group) -> MicroBatch:
+def _padded(samples, padding, force_len, rows, equalize_group, min_length) -> MicroBatch:
     count = rows or len(samples)
     if count < len(samples):
         raise ValueError(f"rows={rows} cannot hold {len(samples)} samples")
     lengths = [s.length for s in samples] + [0] * (count - len(samples))
-    longest = max(lengths)
+    # A shape bucket is a floor, not a fixed length: HybridEP's group may lengthen it to the
+    # longest row of another rank (whose bucket is then the larger one).
+    longest = max(*lengths, min_length or 0)
     plan = padding.bshd(cur_len=longest, batch_size=count, force_len=force_len)
     if equalize_group is not None and padding.needs_group_equalize:
         plan = equalize_bshd(plan, equalize_group)
@@ -190,6 +192,7 @@ def build_micro_batch(
     fixed_length: int | None = None,
     rows: int | None = None,
     equalize_group=None,
+    min_length: int | None = None,
 ) -> MicroBatch:
     """The micro-batch of ``samples`` (CPU tensors; :meth:`MicroBatch.to` moves it).
 
@@ -200,15 +203,19 @@ def build_micro_batch(
         fixed_length: a fixed ``T`` (packed: the token budget) or ``S`` (padded), or None.
         rows: a fixed row count (padded; empty rows are all padding), or None.
         equalize_group: the TP x EP group whose HybridEP counts must match (one all-reduce).
+        min_length: padded rows at least this long (a shape bucket), or None; unlike
+            ``fixed_length`` the group's equalisation may lengthen them further.
 
     Raises:
         ValueError: the samples do not fit ``fixed_length`` or ``rows``.
     """
     if not samples:
         raise ValueError("build_micro_batch: no samples; a micro-batch needs at least one")
+    if min_length is not None and (packed or fixed_length is not None):
+        raise ValueError("build_micro_batch: min_length is for padded rows without fixed_length")
     if packed:
         return _packed(list(samples), padding, fixed_length, equalize_group)
-    return _padded(list(samples), padding, fixed_length, rows, equalize_group)
+    return _padded(list(samples), padding, fixed_length, rows, equalize_group, min_length)
 
 
 def packed_token_budget(

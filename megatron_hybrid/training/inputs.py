@@ -323,10 +323,14 @@ class RunInputs:
                 equalize_group=self.pg.tp_ep,
             )
         fixed = self.seq_length if self.padding.fixed_length_required else None
-        if self.row_bucket:
-            fixed = self._bucketed(max(s.length for s in samples))
+        bucket = self._bucketed(max(s.length for s in samples)) if self.row_bucket else None
         return build_micro_batch(
-            samples, self.padding, packed=False, fixed_length=fixed, equalize_group=self.pg.tp_ep
+            samples,
+            self.padding,
+            packed=False,
+            fixed_length=fixed,
+            equalize_group=self.pg.tp_ep,
+            min_length=bucket,
         )
 
     def _bucketed(self, longest: int) -> int | None:

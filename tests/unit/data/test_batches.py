@@ -97,3 +97,19 @@ def test_samples_are_checked():
         TokenSample(torch.ones(5, dtype=torch.long), torch.ones(3))
     with pytest.raises(ValueError, match="no samples"):
         build_micro_batch([], PaddingConfig(), packed=True)
+    with pytest.raises(ValueError, match="min_length is for padded rows without fixed_length"):
+        build_micro_batch(SAMPLES, PaddingConfig(), packed=True, min_length=16)
+    with pytest.raises(ValueError, match="min_length is for padded rows without fixed_length"):
+        build_micro_batch(SAMPLES, PaddingConfig(), packed=False, fixed_length=16, min_length=16)
+
+
+@pytest.mark.parametrize("floor", [None, 12, 20], ids=["none", "at-longest", "above"])
+def test_min_length_is_a_floor_on_padded_rows(floor):
+    batch = build_micro_batch(SAMPLES, PaddingConfig(), packed=False, min_length=floor)
+    plain = build_micro_batch(SAMPLES, PaddingConfig(), packed=False)
+    width = batch.step_inputs()["input_ids"].shape[1]
+    assert width == max(12, floor or 0)
+    # The real tokens and their mask are those of the unpadded rows; the rest is padding.
+    for key in ("input_ids", "labels", "loss_mask"):
+        torch.testing.assert_close(batch.step_inputs()[key][:, :12], plain.step_inputs()[key])
+    assert not batch.step_inputs()["loss_mask"][:, 12:].any()

@@ -111,13 +111,26 @@ def _builder_worker(rank: int, world_size: int, equalize: bool) -> dict:
     # Rank 1 draws longer sequences: its rows and pack need more tokens.
     data = SyntheticTokens(vocab_size=64, max_length=[100, 700][rank], seed=5)
     out = {}
-    for layout in ("bshd", "thd"):
-        samples = [TokenSample(data.sequence(i)) for i in range(3)]
+    samples = [TokenSample(data.sequence(i)) for i in range(3)]
+    # train's shape buckets on GPUs (RunInputs._bucketed): each rank's own, from its longest row.
+    bucket = -(-max(s.length for s in samples) // BUCKET) * BUCKET
+    options = {"bshd": {}, "thd": {"packed": True}, "bshd-bucketed": {"min_length": bucket}}
+    for layout, extra in options.items():
         batch = build_micro_batch(
-            samples, padding, packed=layout == "thd", equalize_group=group if equalize else None
-        ).step_inputs()
-        out[layout] = (batch["input_ids"].numel(), batch["num_tokens"])
+            samples, padding, **{"packed": False, **extra},
+            equalize_group=group if equalize else None,
+        ).step_inputs()  # fmt: skip
+        out[layout] = (batch["input_ids"].numel(), batch["num_tokens"], bucket)
+    try:  # A bucket passed as a fixed length: the group cannot lengthen it (the old defect).
+        build_micro_batch(samples, padding, packed=False, fixed_length=bucket, equalize_group=group)
+    except ValueError as error:
+        out["fixed"] = str(error)
     return out
+
+
+#: Row-length bucket of the builder test, a multiple of the rows' padding multiple (256) as train's
+#: are: the two ranks' longest rows (61 and 426 tokens) fall in different buckets.
+BUCKET = 256
 
 
 @pytest.mark.distributed
@@ -126,11 +139,18 @@ def test_micro_batches_have_equal_counts_across_the_group(equalize):
     """``train``'s builder pads both layouts to the group maximum (HybridEP's all-gather needs
     equal counts); without the group (negative control) the two ranks' counts differ."""
     r0, r1 = run_distributed(_builder_worker, 2, equalize)
-    for layout in ("bshd", "thd"):
-        (n0, real0), (n1, real1) = r0[layout], r1[layout]
+    for layout in ("bshd", "thd", "bshd-bucketed"):
+        (n0, real0, bucket0), (n1, real1, bucket1) = r0[layout], r1[layout]
         assert real0 < real1, "rank 1's sequences must be longer for this test to mean anything"
         assert (n0 == n1) == equalize, (layout, n0, n1)
         assert n0 % 256 == 0 and n1 % 256 == 0  # chunk 128 x D = tp 2 (SP)
+    # Shape buckets are floors: each rank's differs, and the group takes the larger (train on
+    # 4 x H200 stopped with "the fixed row length differs across the group" before).
+    assert bucket0 < bucket1
+    assert r0["bshd-bucketed"][0] == 3 * (bucket1 if equalize else bucket0)
+    assert r1["bshd-bucketed"][0] == 3 * bucket1
+    for rank in (r0, r1):
+        assert "the fixed row length differs across the group" in rank["fixed"]
 
 
 @pytest.mark.slow
