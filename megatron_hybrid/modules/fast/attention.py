@@ -35,6 +35,7 @@ from megatron_hybrid.modules.fast.rope import apply_rope, apply_rope_thd
 from megatron_hybrid.modules.fast.selection import (
     host_values,
     is_causal_mask,
+    probing_backward,
     rope_reason,
     sdpa_reason,
     varlen_parameters,
@@ -258,7 +259,7 @@ def varlen_probe(device: torch.device, dtype: torch.dtype) -> str | None:
     results = []
     try:
         for attend in calls:
-            with torch.enable_grad():  # a forward-only caller may run under no_grad
+            with probing_backward():
                 leaves = [t.to(device, dtype).requires_grad_() for t in tensors]
                 out = attend(*leaves)
                 out.float().square().sum().backward()

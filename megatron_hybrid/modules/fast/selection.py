@@ -16,6 +16,7 @@ act on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -206,6 +207,16 @@ def is_causal_mask(mask_type) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def probing_backward():
+    """Autograd on for a probe that runs a backward, whatever the caller's mode: the first call
+    of a fast module may come from a forward-only caller (``forward_logprobs`` under
+    ``no_grad``, an engine under ``inference_mode``), and the probe's verdict is kept for the
+    process, so a probe that failed there would keep the fast path off for training too."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 @functools.cache
 def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> str | None:
     """Whether ``torch._grouped_mm`` runs forward and backward on this device type and dtype."""
@@ -213,11 +224,12 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> str | None:
         return f"torch {torch.__version__} has no torch._grouped_mm (it came in torch 2.8)"
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
     try:
-        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-        out.backward(torch.ones_like(out))
+        with probing_backward():
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([8, 16], device=device, dtype=torch.int32)
+            out = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+            out.backward(torch.ones_like(out))
     except (RuntimeError, NotImplementedError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         return f"torch._grouped_mm does not run on {device_type} in {dtype}: {first_line}"

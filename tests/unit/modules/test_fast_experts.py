@@ -12,6 +12,8 @@ to the host; unsupported settings run the reference with a reason.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -107,6 +109,32 @@ def test_grouped_experts_match_sequential(pg, overrides, dtype, tol):
     # The expert that got no token gets an exactly zero weight gradient, as in the reference.
     for name in ("local_experts.1.linear_fc1.weight", "local_experts.1.linear_fc2.weight"):
         assert torch.count_nonzero(fast_run[name]) == 0
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_forward_only_first_call_keeps_the_grouped_path(pg, mode, monkeypatch):
+    """The probe's verdict is kept for the process: a first call from a forward-only caller
+    (``forward_logprobs`` runs under no_grad) must not turn the grouped path off. Control: the
+    probe's backward fails in that mode where the probe does not turn autograd back on (the
+    per-expert loop then ran every expert of the logprobs benchmark on GPUs)."""
+    from megatron_hybrid.modules.fast import selection
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    context = getattr(torch, mode)
+    fast = _experts(pg, GroupedGemmExperts, _config())
+    tokens, counts, probs = _inputs(torch.float32)
+    selection._grouped_mm_probe.cache_clear()
+    try:
+        with context():
+            fast(tokens, counts, probs)
+        assert fast.fast_path_reason is None
+        assert selection._grouped_mm_probe("cpu", torch.float32) is None
+        selection._grouped_mm_probe.cache_clear()
+        monkeypatch.setattr(selection, "probing_backward", contextlib.nullcontext)
+        with context():
+            assert "does not run on cpu" in selection._grouped_mm_probe("cpu", torch.float32)
+    finally:
+        selection._grouped_mm_probe.cache_clear()
 
 
 def test_wrong_offsets_are_caught(pg, monkeypatch):
