@@ -320,7 +320,7 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
     from megatron_hybrid.modules.fast.selection import varlen_reason
 
     _, _, device = world
-    monkeypatch.setenv("MEGATRON_HYBRID_VARLEN", "1")  # opt-in until this test has run on GPUs
+    monkeypatch.delenv("MEGATRON_HYBRID_VARLEN", raising=False)  # on unless turned off
     heads, dim = 16, 128
     lengths = [300, 1, 517, 64, 1000, 33]
     padded = [(n + 63) // 64 * 64 for n in lengths]

@@ -12,13 +12,12 @@ checkpoint and the constructor are theirs; only ``forward`` changes. Before each
 :func:`~megatron_hybrid.modules.fast.selection.sdpa_reason` decides whether SDPA can compute
 it; otherwise the reference forward runs and the reason is kept in ``fast_path_reason``.
 
-Packed (THD) batches run one SDPA call per sequence, or, opted into with
-``MEGATRON_HYBRID_VARLEN=1``, one call of torch's varlen FlashAttention
-(``torch.nn.attention.varlen``) where it applies (bf16 or fp16 on CUDA, one head size, no
-dropout: :func:`~megatron_hybrid.modules.fast.selection.varlen_reason`), on the host copy of
-``cu_seqlens`` (read once per micro-batch: the layers of one
-forward share the tensor, so the copy is cached by tensor); ``cu_seqlens_q_padded`` places each
-sequence, and padding rows between sequences get zero output.
+Packed (THD) batches run one call of torch's varlen FlashAttention (``torch.nn.attention.varlen``;
+``MEGATRON_HYBRID_VARLEN=0`` turns it off) where it applies (bf16 or fp16 on CUDA, one head
+size, no dropout: :func:`~megatron_hybrid.modules.fast.selection.varlen_reason`), else one SDPA
+call per sequence on the host copy of ``cu_seqlens`` (read once per micro-batch: the layers of
+one forward share the tensor, so the copy is cached by tensor); ``cu_seqlens_q_padded`` places
+each sequence, and padding rows between sequences get zero output.
 """
 
 from __future__ import annotations

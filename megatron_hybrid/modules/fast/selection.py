@@ -131,11 +131,11 @@ def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dro
     rows lie between sequences, a causal mask (each sequence's pad rows then follow it and no
     real token sees them). Whether the kernel then computes what the per-sequence calls compute
     on this GPU is :func:`~megatron_hybrid.modules.fast.attention.varlen_probe`'s question.
-    For now it is opt-in (``MEGATRON_HYBRID_VARLEN=1``): it becomes the
-    default once the GPU suite's ``test_varlen_packed_attention`` and the benchmarks have run it.
+    ``MEGATRON_HYBRID_VARLEN=0`` keeps the per-sequence calls (for comparisons; the GPU suite's
+    ``test_varlen_packed_attention`` checks the two against float32 on 1, 2 and 4 x H200).
     """
-    if os.environ.get("MEGATRON_HYBRID_VARLEN") != "1":
-        return "opt-in: set MEGATRON_HYBRID_VARLEN=1"
+    if os.environ.get("MEGATRON_HYBRID_VARLEN", "1") == "0":
+        return "turned off (MEGATRON_HYBRID_VARLEN=0)"
     if query.device.type != "cuda":
         return f"tensors on {query.device.type} (torch's varlen attention is a CUDA kernel)"
     if query.dtype not in (torch.bfloat16, torch.float16):

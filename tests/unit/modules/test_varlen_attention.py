@@ -143,11 +143,11 @@ def test_negative_control_a_kernel_that_ignores_the_offsets(fake_kernel):
 
 def test_varlen_reason_names_what_keeps_the_per_sequence_calls(monkeypatch):
     q = torch.zeros(8, 4, 16)
-    monkeypatch.delenv("MEGATRON_HYBRID_VARLEN", raising=False)
-    assert "MEGATRON_HYBRID_VARLEN=1" in selection.varlen_reason(
+    monkeypatch.setenv("MEGATRON_HYBRID_VARLEN", "0")
+    assert "turned off (MEGATRON_HYBRID_VARLEN=0)" == selection.varlen_reason(
         q, q, causal=True, dropout_p=0.0, gaps=False
     )
-    monkeypatch.setenv("MEGATRON_HYBRID_VARLEN", "1")
+    monkeypatch.delenv("MEGATRON_HYBRID_VARLEN")  # on by default
     assert "CUDA kernel" in selection.varlen_reason(q, q, causal=True, dropout_p=0.0, gaps=False)
 
 
