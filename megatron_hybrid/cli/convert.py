@@ -280,12 +280,13 @@ def _to_hf(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     # lazy: loads torch and megatron, and --help imports every command module
-    from megatron_hybrid.hf.api import build_model, save_hf_checkpoint
+    from megatron_hybrid.hf.api import build_model
     from megatron_hybrid.hf.dist import (
         conversion_of_checkpoint,
         load_model_state,
         restore_hf_source,
     )
+    from megatron_hybrid.hf.export import save_hf_checkpoint
     from megatron_hybrid.hf.io import CONFIG_FILE
 
     hf_config = None
@@ -406,7 +407,8 @@ def _lora_export(args: argparse.Namespace) -> int:
 
     # lazy: loads torch and megatron, and --help imports every command module
     from megatron_hybrid.checkpointing import store
-    from megatron_hybrid.hf.api import load_hf_model, save_hf_checkpoint
+    from megatron_hybrid.hf.api import load_hf_model
+    from megatron_hybrid.hf.export import save_hf_checkpoint
     from megatron_hybrid.peft import apply_lora, save_peft_adapter
     from megatron_hybrid.peft.checkpoint import (
         LORA_RECORD,

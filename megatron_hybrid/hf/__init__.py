@@ -16,8 +16,9 @@ multimodal Qwen3.5's vision tower is carried through untouched.
 """
 
 from megatron_hybrid.hf import families  # noqa: F401 - each family registers itself
-from megatron_hybrid.hf.api import dry_run, load_hf_model, save_hf_checkpoint
+from megatron_hybrid.hf.api import dry_run, load_hf_model
 from megatron_hybrid.hf.config import FAMILIES, HFConfigError, HFConversion, conversion_for
+from megatron_hybrid.hf.export import save_hf_checkpoint
 from megatron_hybrid.hf.io import HFCheckpoint, HFCheckpointError
 from megatron_hybrid.hf.plan import PlanReport
 from megatron_hybrid.hf.weights import HFWeightsError, iter_hf_weights, load_hf_weights

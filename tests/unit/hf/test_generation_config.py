@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hybrid.hf.api import _GENERATION_FIELDS, generation_config
+from megatron_hybrid.hf.export import _GENERATION_FIELDS, generation_config
 
 CASES = {
     "text-only": ("qwen3_next", dict(bos_token_id=3, eos_token_id=4, pad_token_id=2), {}),
