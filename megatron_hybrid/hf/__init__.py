@@ -21,7 +21,8 @@ from megatron_hybrid.hf.config import FAMILIES, HFConfigError, HFConversion, con
 from megatron_hybrid.hf.export import save_hf_checkpoint
 from megatron_hybrid.hf.io import HFCheckpoint, HFCheckpointError
 from megatron_hybrid.hf.plan import PlanReport
-from megatron_hybrid.hf.weights import HFWeightsError, iter_hf_weights, load_hf_weights
+from megatron_hybrid.hf.stream import iter_hf_weights
+from megatron_hybrid.hf.weights import HFWeightsError, load_hf_weights
 
 __all__ = [
     "FAMILIES",

@@ -20,7 +20,8 @@ from megatron_hybrid.hf.io import (
     HFCheckpointWriter,
     side_files,
 )
-from megatron_hybrid.hf.weights import HFWeightsError, iter_hf_weights, model_chunks
+from megatron_hybrid.hf.stream import iter_hf_weights
+from megatron_hybrid.hf.weights import HFWeightsError, model_chunks
 
 __all__ = ["export_config", "generation_config", "save_hf_checkpoint"]
 

@@ -31,7 +31,8 @@ from functools import partial
 
 import torch
 
-from megatron_hybrid.hf.weights import iter_hf_weights, model_chunks
+from megatron_hybrid.hf.stream import iter_hf_weights
+from megatron_hybrid.hf.weights import model_chunks
 from megatron_hybrid.logprobs import DEFAULT_MAX_TOKENS
 from megatron_hybrid.logprobs.batches import (
     MicroBatch,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_hybrid.hf import HFCheckpointError, HFConfigError, load_hf_model
+from megatron_hybrid.hf import stream as hf_stream
 from megatron_hybrid.hf import weights as hf_weights
 
 
@@ -210,6 +211,7 @@ class _Counts:
         monkeypatch.setattr(hf_config, "convert_config", counting_convert)
         monkeypatch.setattr(hf_weights, "build_plan", counting_plan)
         monkeypatch.setattr(hf_api, "build_plan", counting_plan)
+        monkeypatch.setattr(hf_stream, "build_plan", counting_plan)
 
     def __call__(self) -> tuple[int, int, int]:
         return self.opened, self.converted, self.planned
