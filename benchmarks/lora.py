@@ -103,8 +103,9 @@ def train_worker(mode: str, args) -> dict:
     from megatron_hybrid.hf.api import stack_spec_for
     from megatron_hybrid.hf.config import hf_config_to_megatron
     from megatron_hybrid.peft import LoRAConfig, apply_lora, iter_lora_weights
-    from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+    from megatron_hybrid.training.loop import build_model_chunks, train_step
     from megatron_hybrid.training.lora import parameter_counts
+    from megatron_hybrid.training.optimizers import build_optimizer
 
     device = torch.device(args.device)
     backend, pg = _setup(device)

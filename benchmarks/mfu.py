@@ -152,7 +152,8 @@ class Run:
         from megatron_hybrid.runtime import select_backend
         from megatron_hybrid.training import run as train_run
         from megatron_hybrid.training.inputs import RunInputs
-        from megatron_hybrid.training.loop import build_model_chunks, build_optimizer
+        from megatron_hybrid.training.loop import build_model_chunks
+        from megatron_hybrid.training.optimizers import build_optimizer
         from megatron_hybrid.training.throughput import StepFlops
         from megatron_hybrid.training.validation import SCOPES, validate_settings
 

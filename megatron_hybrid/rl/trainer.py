@@ -4,7 +4,7 @@ Over the model chunks :func:`~megatron_hybrid.hf.load_hf_model` returns (LoRA mo
 only the adapters train), wrapped in megatron's ``DistributedDataParallel`` and stepped by its
 (distributed) optimizer exactly as ``train`` wraps and steps them
 (:func:`~megatron_hybrid.training.loop.wrap_model_chunks`,
-:func:`~megatron_hybrid.training.loop.build_optimizer`). A step packs the sequences into THD
+:func:`~megatron_hybrid.training.optimizers.build_optimizer`). A step packs the sequences into THD
 micro-batches through the padding planners (padded rows where a layer type cannot pack;
 :func:`~megatron_hybrid.logprobs.batches.plan_micro_batches`), runs them through megatron-core's
 schedule (no pipelining, PP or interleaved VPP) with the policy loss of
@@ -45,12 +45,8 @@ from megatron_hybrid.logprobs.forward import choose_packed, forward_logprobs, mo
 from megatron_hybrid.logprobs.vocab import check_temperature, token_logprobs_and_entropy
 from megatron_hybrid.padding import padding_config_from
 from megatron_hybrid.rl.losses import PolicyLoss, sequence_weights, token_terms
-from megatron_hybrid.training.loop import (
-    build_optimizer,
-    check_optimizer,
-    train_step,
-    wrap_model_chunks,
-)
+from megatron_hybrid.training.loop import train_step, wrap_model_chunks
+from megatron_hybrid.training.optimizers import build_optimizer, check_optimizer
 
 __all__ = [
     "POLICY_LOSS",

@@ -39,13 +39,13 @@ from megatron_hybrid.peft.checkpoint import (
     lora_record,
     lora_sharded_state,
 )
-from megatron_hybrid.training.loop import CPUOptimizer
 from megatron_hybrid.training.optimizer_state import (
     LayoutChangeError,
     check_layout,
     cpu_optimizer_sharded_state,
     load_cpu_optimizer_state,
 )
+from megatron_hybrid.training.optimizers import CPUOptimizer
 from megatron_hybrid.training.save_target import RUN_KEY
 
 __all__ = [

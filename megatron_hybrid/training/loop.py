@@ -1,4 +1,5 @@
-"""The pieces of a training step: wrapped model chunks, the optimizer and the step itself.
+"""The pieces of a training step: wrapped model chunks and the step itself (the optimizer:
+:mod:`megatron_hybrid.training.optimizers`).
 
 Gradients are finalized the way megatron-core expects: the model chunks are wrapped in
 megatron's ``DistributedDataParallel``, the loss is a per-token sum and ``finalize_model_grads``
@@ -6,9 +7,6 @@ all-reduces gradients over data-parallel ranks and divides them by the global to
 step over one global batch gives the same gradients (and gradient norm) whatever the
 data-parallel size.
 
-On GPUs the optimizer is megatron-core's distributed optimizer. Its implementation hard-codes
-CUDA, so on CPU a ``torch.optim.AdamW`` over the same main gradients stands in, with the
-gradient norm computed over model-parallel shards as megatron computes it.
 """
 
 from __future__ import annotations
@@ -24,22 +22,17 @@ from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern
 from megatron_hybrid.schedule.steps import LM_LOSS, lm_forward_step, run_schedule
 from megatron_hybrid.training.optimizer_step import (
-    NormGroup,
     apply_step,
     fused_step_enabled,
     guard_statistics,
-    use_fused_adam,
 )
+from megatron_hybrid.training.optimizers import distributed_optimizer
 from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
-    "OPTIMIZERS",
-    "CPUOptimizer",
     "StepResult",
     "all_finite",
     "build_model_chunks",
-    "build_optimizer",
-    "check_optimizer",
     "first_nonfinite_parameter",
     "train_step",
     "wrap_model_chunks",
@@ -112,7 +105,7 @@ def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "
     optimizer refuses SGD, ``distrib_optimizer.py``: SGD keeps whole gradients, all-reduced),
     and gradients summed over data-parallel ranks (the step's loss is a sum over tokens that
     ``finalize_model_grads`` divides by the global count; ``train_step``). ``optimizer`` is the
-    one :func:`build_optimizer` will get.
+    one :func:`~megatron_hybrid.training.optimizers.build_optimizer` will get.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -138,180 +131,6 @@ def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "
             )
         )
     return chunks
-
-
-#: The optimizers a step can use (megatron-core's ``OptimizerConfig.optimizer`` names).
-OPTIMIZERS = ("adam", "sgd")
-
-
-def check_optimizer(optimizer) -> str:
-    """``optimizer`` if it names one of :data:`OPTIMIZERS`, else ValueError saying which exist."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    return optimizer
-
-
-class CPUOptimizer:
-    """AdamW (or plain SGD) over megatron's ``main_grad`` buffers, with global-norm clipping
-    (CPU runs). SGD has no momentum, as megatron's is set up here: one step is
-    ``w - lr * (grad + weight_decay * w)``."""
-
-    def __init__(
-        self,
-        chunks,
-        *,
-        lr: float,
-        weight_decay: float,
-        clip_grad: float,
-        pg_collection,
-        optimizer: str = "adam",
-    ):
-        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-        self.clip_grad = clip_grad
-        self.pg_collection = pg_collection
-        if check_optimizer(optimizer) == "sgd":
-            self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-
-    def _grad_norm(self) -> float:
-        """The global norm of :meth:`norm_groups`, in float64 (the reference step's)."""
-        total = 0.0
-        for group in self.norm_groups():
-            square = torch.zeros(1, dtype=torch.float64)
-            for grad in group.norm_grads:
-                square += grad.double().pow(2).sum()
-            torch.distributed.all_reduce(square, group=group.process_group)
-            total += float(square)
-        return math.sqrt(total)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """AdamW's parameter groups (the learning-rate scheduler sets their ``lr``)."""
-        return self.optimizer.param_groups
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def prepare_grads(self) -> bool:
-        """Copy the main gradients to ``.grad`` (megatron's optimizer's name for it)."""
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else None
-        return False
-
-    def norm_groups(self) -> list[NormGroup]:
-        """The dense and the expert gradients, each summed once over its model-parallel group
-        (shared and tensor-parallel duplicate parameters left out of the norm)."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        groups = {
-            True: NormGroup([], [], self.pg_collection.mp),
-            False: NormGroup([], [], self.pg_collection.tp_ep_pp),
-        }
-        for p in self.params:
-            if p.grad is None:
-                continue
-            group = groups[getattr(p, "allreduce", True)]
-            group.clip_grads.append(p.grad)
-            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                group.norm_grads.append(p.grad)
-        return list(groups.values())
-
-    def step_with_ready_grads(self) -> bool:
-        """Update with the (clipped) gradients."""
-        self.optimizer.step()
-        return True
-
-    def step(self) -> float:
-        """Copy main grads, clip by global norm, update; return the norm before clipping (the
-        reference path, ``MEGATRON_HYBRID_FUSED_STEP=0``)."""
-        self.prepare_grads()
-        norm = self._grad_norm()
-        if self.clip_grad and norm > self.clip_grad:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(self.clip_grad / (norm + 1e-6))
-        self.optimizer.step()
-        return norm
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-
-def build_optimizer(
-    chunks,
-    config,
-    *,
-    lr: float,
-    weight_decay: float,
-    clip_grad: float,
-    pg,
-    min_lr: float = 0.0,
-    optimizer: str = "adam",
-):
-    """megatron-core's optimizer on GPU (distributed for Adam), :class:`CPUOptimizer` on CPU (a
-    learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
-    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``).
-
-    ``optimizer`` is ``"adam"`` (train's) or ``"sgd"`` (no momentum: with ``clip_grad=0`` and
-    no weight decay one step is ``w - lr * grad``, the check a user can do).
-    """
-    check_optimizer(optimizer)
-    built = _build_optimizer(
-        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg,
-        min_lr=min_lr, optimizer=optimizer,
-    )  # fmt: skip
-    if fused_step_enabled():
-        use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
-    return built
-
-
-def _build_optimizer(
-    chunks,
-    config,
-    *,
-    lr: float,
-    weight_decay: float,
-    clip_grad: float,
-    pg,
-    min_lr: float = 0.0,
-    optimizer: str = "adam",
-):
-    if not torch.cuda.is_available():
-        return CPUOptimizer(
-            chunks,
-            lr=lr,
-            weight_decay=weight_decay,
-            clip_grad=clip_grad,
-            pg_collection=pg,
-            optimizer=optimizer,
-        )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    optimizer_config = OptimizerConfig(
-        optimizer=optimizer,
-        sgd_momentum=0.0,
-        lr=lr,
-        min_lr=min_lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=distributed_optimizer(optimizer),
-    )
-    return get_megatron_optimizer(optimizer_config, chunks)
-
-
-def distributed_optimizer(optimizer: str) -> bool:
-    """Whether ``optimizer`` runs as megatron-core's distributed optimizer: Adam on GPUs (its
-    sharded states); SGD never (0.19's distributed optimizer asserts on it), nor anything on
-    the CPU (:class:`CPUOptimizer`)."""
-    return torch.cuda.is_available() and optimizer == "adam"
 
 
 @dataclass(frozen=True)
@@ -403,7 +222,7 @@ def train_step(
 
     Args:
         chunks: the model chunks, wrapped by :func:`wrap_model_chunks`.
-        optimizer: from :func:`build_optimizer`.
+        optimizer: from :func:`~megatron_hybrid.training.optimizers.build_optimizer`.
         batches: what ``forward_step`` reads, one item per micro-batch (a dict with
             ``num_tokens``, the real tokens, and ``model_flops`` counts them in the result).
         config: the models' TransformerConfig.

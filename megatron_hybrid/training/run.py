@@ -42,10 +42,11 @@ from megatron_hybrid.training.inputs import (
     data_record,
     resolve_data,
 )
-from megatron_hybrid.training.loop import build_model_chunks, build_optimizer, train_step
+from megatron_hybrid.training.loop import build_model_chunks, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
 from megatron_hybrid.training.metrics import MetricsLog, ProgressLine
+from megatron_hybrid.training.optimizers import build_optimizer
 from megatron_hybrid.training.save_target import (
     SaveTarget,
     check_save_sources,

@@ -142,7 +142,8 @@ def test_gpt_and_grouped_train_the_same_from_one_checkpoint(world, shared_dir):
     from megatron_hybrid.data.synthetic import SyntheticTokens
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_gpt_twin, build_hybrid
-    from megatron_hybrid.training.loop import build_optimizer, train_step
+    from megatron_hybrid.training.loop import train_step
+    from megatron_hybrid.training.optimizers import build_optimizer
 
     rank, world_size, device = world
     pattern = "[*E]{4}"

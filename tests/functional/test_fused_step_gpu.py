@@ -42,7 +42,8 @@ def _setup(pg):
 
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.config import config_from_flags
-    from megatron_hybrid.training.loop import _build_optimizer, build_model_chunks, build_optimizer
+    from megatron_hybrid.training.loop import build_model_chunks
+    from megatron_hybrid.training.optimizers import _build_optimizer, build_optimizer
 
     flags = ("--hidden-size", "128", "--num-attention-heads", "4", "--swiglu", "--bf16",
              "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",

@@ -177,7 +177,7 @@ def _poison(model) -> str:
 
 def _train_saver(model, root):
     from megatron_hybrid.training.checkpoint import save_checkpoint
-    from megatron_hybrid.training.loop import CPUOptimizer
+    from megatron_hybrid.training.optimizers import CPUOptimizer
 
     optimizer = CPUOptimizer([model], lr=1e-3, weight_decay=0.0, clip_grad=0.0, pg_collection=None)
     return save_checkpoint(root, 1, [model], optimizer, pattern="[*-]")

@@ -65,7 +65,7 @@ def test_checkpoint_records_the_real_vocabulary(pg, tmp_path):
     from megatron_hybrid.logprobs import forward_logprobs
     from megatron_hybrid.testing.models import build_hybrid, small_config
     from megatron_hybrid.training.checkpoint import apply_recorded_vocab, save_checkpoint
-    from megatron_hybrid.training.loop import CPUOptimizer
+    from megatron_hybrid.training.optimizers import CPUOptimizer
 
     model = _padded_model(pg)
     optimizer = CPUOptimizer([model], lr=1e-3, weight_decay=0.0, clip_grad=0.0, pg_collection=None)

@@ -24,7 +24,8 @@ def tiny_training(pg, pattern: str = "[*E]", *, micro_batches: int = 2, clip_gra
     from megatron_hybrid.padding import padding_config_from
     from megatron_hybrid.runtime.cpu import cpu_config_overrides
     from megatron_hybrid.training.config import config_from_flags
-    from megatron_hybrid.training.loop import build_model_chunks, build_optimizer
+    from megatron_hybrid.training.loop import build_model_chunks
+    from megatron_hybrid.training.optimizers import build_optimizer
 
     config = config_from_flags(pattern, *FLAGS, **cpu_config_overrides())
     torch.manual_seed(seed)

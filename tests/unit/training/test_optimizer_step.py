@@ -12,8 +12,8 @@ import pytest
 import torch
 from support.adamw_reference import EXACT, adamw_float64, gamma, rounding_bound
 
-from megatron_hybrid.training.loop import CPUOptimizer
 from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics, use_fused_adam
+from megatron_hybrid.training.optimizers import CPUOptimizer
 
 CLIP = EXACT.clip
 SHAPES = ((48, 32), (32,), (8, 4, 16))  # the last one an expert weight (allreduce False)

@@ -126,7 +126,7 @@ def test_the_first_save_of_an_overwrite_replaces_the_root_whole(model_parallel, 
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.testing.models import build_hybrid, small_config
     from megatron_hybrid.training.checkpoint import save_checkpoint
-    from megatron_hybrid.training.loop import CPUOptimizer
+    from megatron_hybrid.training.optimizers import CPUOptimizer
 
     root = tmp_path / "run"
     checkpoint(root, 4, run="run-b", hidden_size=32)

@@ -1,0 +1,195 @@
+"""The optimizer of a training step: megatron-core's on GPUs (distributed for Adam), and on
+the CPU, where megatron's distributed optimizer cannot run (its implementation hard-codes CUDA),
+a ``torch.optim.AdamW`` (or SGD) over the same main gradients, with the gradient norm computed
+over model-parallel shards as megatron computes it. Their AdamW runs torch's fused kernel unless
+``MEGATRON_HYBRID_FUSED_STEP=0`` (:mod:`megatron_hybrid.training.optimizer_step`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_hybrid.training.optimizer_step import NormGroup, fused_step_enabled, use_fused_adam
+
+__all__ = [
+    "OPTIMIZERS",
+    "CPUOptimizer",
+    "build_optimizer",
+    "check_optimizer",
+    "distributed_optimizer",
+]
+
+
+#: The optimizers a step can use (megatron-core's ``OptimizerConfig.optimizer`` names).
+OPTIMIZERS = ("adam", "sgd")
+
+
+def check_optimizer(optimizer) -> str:
+    """``optimizer`` if it names one of :data:`OPTIMIZERS`, else ValueError saying which exist."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return optimizer
+
+
+class CPUOptimizer:
+    """AdamW (or plain SGD) over megatron's ``main_grad`` buffers, with global-norm clipping
+    (CPU runs). SGD has no momentum, as megatron's is set up here: one step is
+    ``w - lr * (grad + weight_decay * w)``."""
+
+    def __init__(
+        self,
+        chunks,
+        *,
+        lr: float,
+        weight_decay: float,
+        clip_grad: float,
+        pg_collection,
+        optimizer: str = "adam",
+    ):
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+        self.clip_grad = clip_grad
+        self.pg_collection = pg_collection
+        if check_optimizer(optimizer) == "sgd":
+            self.optimizer = torch.optim.SGD(self.params, lr=lr, weight_decay=weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+
+    def _grad_norm(self) -> float:
+        """The global norm of :meth:`norm_groups`, in float64 (the reference step's)."""
+        total = 0.0
+        for group in self.norm_groups():
+            square = torch.zeros(1, dtype=torch.float64)
+            for grad in group.norm_grads:
+                square += grad.double().pow(2).sum()
+            torch.distributed.all_reduce(square, group=group.process_group)
+            total += float(square)
+        return math.sqrt(total)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """AdamW's parameter groups (the learning-rate scheduler sets their ``lr``)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def prepare_grads(self) -> bool:
+        """Copy the main gradients to ``.grad`` (megatron's optimizer's name for it)."""
+        for p in self.params:
+            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else None
+        return False
+
+    def norm_groups(self) -> list[NormGroup]:
+        """The dense and the expert gradients, each summed once over its model-parallel group
+        (shared and tensor-parallel duplicate parameters left out of the norm)."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        groups = {
+            True: NormGroup([], [], self.pg_collection.mp),
+            False: NormGroup([], [], self.pg_collection.tp_ep_pp),
+        }
+        for p in self.params:
+            if p.grad is None:
+                continue
+            group = groups[getattr(p, "allreduce", True)]
+            group.clip_grads.append(p.grad)
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                group.norm_grads.append(p.grad)
+        return list(groups.values())
+
+    def step_with_ready_grads(self) -> bool:
+        """Update with the (clipped) gradients."""
+        self.optimizer.step()
+        return True
+
+    def step(self) -> float:
+        """Copy main grads, clip by global norm, update; return the norm before clipping (the
+        reference path, ``MEGATRON_HYBRID_FUSED_STEP=0``)."""
+        self.prepare_grads()
+        norm = self._grad_norm()
+        if self.clip_grad and norm > self.clip_grad:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.clip_grad / (norm + 1e-6))
+        self.optimizer.step()
+        return norm
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(
+    chunks,
+    config,
+    *,
+    lr: float,
+    weight_decay: float,
+    clip_grad: float,
+    pg,
+    min_lr: float = 0.0,
+    optimizer: str = "adam",
+):
+    """megatron-core's optimizer on GPU (distributed for Adam), :class:`CPUOptimizer` on CPU (a
+    learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
+    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``).
+
+    ``optimizer`` is ``"adam"`` (train's) or ``"sgd"`` (no momentum: with ``clip_grad=0`` and
+    no weight decay one step is ``w - lr * grad``, the check a user can do).
+    """
+    check_optimizer(optimizer)
+    built = _build_optimizer(
+        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg,
+        min_lr=min_lr, optimizer=optimizer,
+    )  # fmt: skip
+    if fused_step_enabled():
+        use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
+    return built
+
+
+def _build_optimizer(
+    chunks,
+    config,
+    *,
+    lr: float,
+    weight_decay: float,
+    clip_grad: float,
+    pg,
+    min_lr: float = 0.0,
+    optimizer: str = "adam",
+):
+    if not torch.cuda.is_available():
+        return CPUOptimizer(
+            chunks,
+            lr=lr,
+            weight_decay=weight_decay,
+            clip_grad=clip_grad,
+            pg_collection=pg,
+            optimizer=optimizer,
+        )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_config = OptimizerConfig(
+        optimizer=optimizer,
+        sgd_momentum=0.0,
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=distributed_optimizer(optimizer),
+    )
+    return get_megatron_optimizer(optimizer_config, chunks)
+
+
+def distributed_optimizer(optimizer: str) -> bool:
+    """Whether ``optimizer`` runs as megatron-core's distributed optimizer: Adam on GPUs (its
+    sharded states); SGD never (0.19's distributed optimizer asserts on it), nor anything on
+    the CPU (:class:`CPUOptimizer`)."""
+    return torch.cuda.is_available() and optimizer == "adam"
