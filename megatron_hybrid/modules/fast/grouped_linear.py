@@ -198,5 +198,11 @@ def _into_grads(weights, grad_weight: torch.Tensor) -> list:
 
 
 def grouped_linear(tokens: torch.Tensor, offsets: torch.Tensor, weights) -> torch.Tensor:
-    """``[rows, out]``: each expert's rows of ``tokens`` times its weight (transposed)."""
+    """``[rows, out]``: each expert's rows of ``tokens`` times its weight (transposed).
+
+    Without autograd (``no_grad`` or ``inference_mode``: log-probs, sampling) the grouped GEMM
+    runs alone: no autograd function over every expert weight, none of its gradient bookkeeping.
+    """
+    if not torch.is_grad_enabled():
+        return torch._grouped_mm(tokens, stack_weights(weights).transpose(1, 2), offs=offsets)
     return GroupedLinearFunction.apply(tokens, offsets, *weights)

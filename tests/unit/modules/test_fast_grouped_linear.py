@@ -273,6 +273,29 @@ def test_weights_changed_before_the_backward_are_refused():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
+def test_forward_only_skips_the_autograd_function(mode, monkeypatch):
+    """Without autograd the grouped GEMM runs alone and equals the per-expert products; with it
+    (control) the autograd function runs, so the check would see the shortcut taken there."""
+    from megatron_hybrid.modules.fast import grouped_linear as module
+
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(8, 12, generator=gen).requires_grad_() for _ in range(4)]
+    tokens = torch.randn(12, 12, generator=gen)
+    counts = [3, 0, 5, 4]
+    offsets = torch.tensor(counts).cumsum(0, dtype=torch.int32)
+    calls = []
+    apply = module.GroupedLinearFunction.apply
+    monkeypatch.setattr(module.GroupedLinearFunction, "apply",
+                        lambda *args: calls.append(len(args)) or apply(*args))  # fmt: skip
+    with getattr(torch, mode)():
+        out = module.grouped_linear(tokens, offsets, weights)
+    assert calls == ([] if mode != "enable_grad" else [2 + len(weights)])
+    assert out.requires_grad == (mode == "enable_grad")
+    with torch.no_grad():
+        torch.testing.assert_close(out, _reference_linear(tokens, counts, weights))
+
+
 def _reference_linear(tokens, counts, weights):
     parts = torch.split(tokens, counts)
     return torch.cat([part @ w.t() for part, w in zip(parts, weights, strict=True)])
