@@ -132,7 +132,7 @@ def varlen_reason(query: torch.Tensor, value: torch.Tensor, *, causal: bool, dro
     real token sees them). Whether the kernel then computes what the per-sequence calls compute
     on this GPU is :func:`~megatron_hybrid.modules.fast.attention.varlen_probe`'s question.
     ``MEGATRON_HYBRID_VARLEN=0`` keeps the per-sequence calls (for comparisons; the GPU suite's
-    ``test_varlen_packed_attention`` checks the two against float32 on 1, 2 and 4 x H200).
+    ``test_varlen_packed_attention`` checks both against float32).
     """
     if os.environ.get("MEGATRON_HYBRID_VARLEN", "1") == "0":
         return "turned off (MEGATRON_HYBRID_VARLEN=0)"
