@@ -66,8 +66,10 @@
 #                did not end within 110 s on one H200); the closing lines (median step,
 #                tok/s, TFLOP/s, MFU) last ($TRAIN_PERF_ARGS last, e.g. --packed;
 #                $TRAIN_PERF_TIMEOUT per run, default 240 s)
-#   perf-ep4     all GPUs of the machine (4), about 5 minutes: mfu.py --quick at EP = GPUs for
-#                [*E] and [GE] fast, plain and --overlap (32 sequences per step on 4 GPUs)
+#   perf-ep4     all GPUs of the machine (4), up to 9 minutes: mfu.py --quick at EP = GPUs for
+#                [*E] and [GE] fast, plain and --overlap (32 sequences per step on 4 GPUs);
+#                $MFU_TIMEOUT per job, default 270 s ([GE]'s first step autotunes fla: 150 s
+#                ended it on 4 x H200); $MFU_ARGS last, e.g. --packed (one token budget)
 #   mfu-large    benchmarks/mfu.py --quick --shape large, fast runs only ($MFU_ARGS last)
 #   mfu-fla      benchmarks/mfu.py --quick ge/fast and star_e/fast with fla's kernels on
 #                /tmp/tsite's Triton (the triton part first), eager and with CUDA graphs, then
@@ -323,7 +325,7 @@ for part in "$@"; do
       grep -E '^== train|^training |^done:' "$OUT/train_perf.log" ;;
     perf-ep4)
       for extra in "" "--overlap"; do
-        timeout "${MFU_TIMEOUT:-140}" torchrun --standalone --nproc_per_node "$NGPU" benchmarks/mfu.py \
+        timeout "${MFU_TIMEOUT:-270}" torchrun --standalone --nproc_per_node "$NGPU" benchmarks/mfu.py \
           --out "$OUT/ep$NGPU" --quick --ep "$NGPU" --runs star_e/fast ge/fast $extra \
           ${MFU_ARGS:-} 2>&1 | quiet | tee -a "$OUT/perf_ep.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
