@@ -576,6 +576,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['tokens_per_s']:,.0f} tokens/s, {r['peak_gib']:.2f} GiB, "
                   f"{r['throughput'] or 'no TFLOP/s on a CPU'}, GPU busy "
                   f"{_fmt(r.get('gpu_busy'))}", flush=True)  # fmt: skip
+            # Every timed step: a median hides steps that pay work others do not (EP4, 4 x H200:
+            # 0.60, 1.86, 0.88 and 1.94 s).
+            print("   steps s: " + ", ".join(f"{t:.3f}" for t in r["steps_s"]), flush=True)
             write(args, args.shape, meta, results)  # after every run: a cut-off job keeps figures
     torch.distributed.destroy_process_group()
 

@@ -34,6 +34,8 @@ def test_tiny_run_of_trains_step(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "skipped (TransformerEngine not importable): star_e/te" in result.stdout
+    steps = [line for line in result.stdout.splitlines() if line.startswith("   steps s: ")]
+    assert len(steps) == 3 and all(len(line.split(",")) == 1 for line in steps)  # one step each
     data = json.loads((tmp_path / "mfu_tiny_CPU_full.json").read_text())
     assert list(data["results"]) == ["star_e/fast", "ge/fast", "star_e/reference"]
     assert data["meta"]["peak_tflops"] == 0.5
