@@ -20,6 +20,7 @@ from megatron_hybrid.hf.weights import (
     LORA_DELTA,
     QUANTIZE_MODES,
     HFWeightsError,
+    ShardBox,
     expert_index,
     model_chunks,
     sharded_leaves,
@@ -27,16 +28,6 @@ from megatron_hybrid.hf.weights import (
 )
 
 __all__ = ["iter_hf_weights"]
-
-
-@dataclass(frozen=True)
-class _Piece:
-    key: str
-    expert: int | None
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rank: int
 
 
 def _target_dtype(name: str, plan: Plan, conversion, dtype, source_dtypes, piece_dtype):
@@ -127,7 +118,7 @@ def _export_state(chunks, conversion, group, world: bool, rank: int) -> _ExportS
     if cached is not None and cached[0] is conversion and cached[1].valid():
         return cached[1]
     local: dict[tuple, torch.Tensor] = {}
-    meta: list[_Piece] = []
+    meta: list[ShardBox] = []
     key_shapes: dict[str, tuple[int, ...]] = {}
     for chunk in chunks:
         sharded, _ = sharded_tensors(chunk)
@@ -140,13 +131,15 @@ def _export_state(chunks, conversion, group, world: bool, rank: int) -> _ExportS
             if (st.key, expert, offset) in local or not is_main_replica(st.replica_id):
                 continue
             local[(st.key, expert, offset)] = st.data
-            meta.append(_Piece(st.key, expert, offset, tuple(st.local_shape), st.data.dtype, rank))
+            meta.append(
+                ShardBox(st.key, expert, offset, tuple(st.local_shape), st.data.dtype, rank)
+            )
     if world:
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (meta, key_shapes), group=group)
     else:
         gathered = [(meta, key_shapes)]
-    pieces: dict[tuple[str, int | None], dict[tuple, _Piece]] = {}
+    pieces: dict[tuple[str, int | None], dict[tuple, ShardBox]] = {}
     key_shapes = {}
     for rank_meta, rank_shapes in gathered:
         key_shapes.update(rank_shapes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "LORA_DELTA",
     "QUANTIZE_MODES",
     "HFWeightsError",
+    "ShardBox",
     "carried_names",
     "expert_index",
     "load_hf_weights",
@@ -49,6 +51,20 @@ SHARDED_METADATA = {"non_homogeneous_layers": True}
 
 class HFWeightsError(ValueError):
     """Hugging Face weights that do not fit the model."""
+
+
+@dataclass(frozen=True)
+class ShardBox:
+    """Where one rank's box of a checkpoint tensor lies (what ranks exchange before gathering
+    a Hugging Face tensor from boxes): its sharded key, global expert (or None), offset and
+    shape in the global tensor, dtype, and the rank that holds it."""
+
+    key: str
+    expert: int | None
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rank: int
 
 
 def model_chunks(model) -> list:

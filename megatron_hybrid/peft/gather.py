@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hybrid.hf.plan import FusedExperts
-from megatron_hybrid.hf.weights import model_chunks
+from megatron_hybrid.hf.weights import ShardBox, model_chunks
 from megatron_hybrid.peft.apply import lora_parameters, lora_state
 from megatron_hybrid.peft.layout import adapter_entries
 
@@ -51,16 +51,6 @@ class AdapterRecord:
     def block(self, piece: str) -> int:
         """The ``A`` block of ``piece``."""
         return 0 if self.shared_a else self.pieces.index(piece)
-
-
-@dataclass(frozen=True)
-class _Box:
-    key: str
-    expert: int | None
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rank: int
 
 
 def _local_boxes(state, tp_rank_of) -> tuple[dict, list[AdapterRecord]]:
@@ -126,7 +116,7 @@ class AdapterTensors:
             records += recs
         meta = (
             [
-                _Box(k, e, o, tuple(t.shape), t.dtype, self.rank)
+                ShardBox(k, e, o, tuple(t.shape), t.dtype, self.rank)
                 for (k, e, o), t in self.local.items()
             ],
             records,
@@ -135,7 +125,7 @@ class AdapterTensors:
         if self.world:
             gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, meta, group=group)
-        self.boxes: dict[tuple[str, int | None], dict[tuple, _Box]] = {}
+        self.boxes: dict[tuple[str, int | None], dict[tuple, ShardBox]] = {}
         self.records: dict[tuple[str, int | None], AdapterRecord] = {}
         for boxes, recs in gathered:
             for box in boxes:  # lowest rank wins among replicas

@@ -134,37 +134,19 @@ def build_optimizer(
     pg,
     min_lr: float = 0.0,
     optimizer: str = "adam",
+    fused: bool | None = None,
 ):
     """megatron-core's optimizer on GPU (distributed for Adam), :class:`CPUOptimizer` on CPU (a
     learning-rate scheduler then sets the rate of every step); their AdamW runs torch's fused
-    kernel unless ``MEGATRON_HYBRID_FUSED_STEP=0`` (``training/optimizer_step.py``).
+    kernel where ``fused`` (default: unless ``MEGATRON_HYBRID_FUSED_STEP=0``,
+    ``training/optimizer_step.py``), else as megatron builds it.
 
     ``optimizer`` is ``"adam"`` (train's) or ``"sgd"`` (no momentum: with ``clip_grad=0`` and
     no weight decay one step is ``w - lr * grad``, the check a user can do).
     """
     check_optimizer(optimizer)
-    built = _build_optimizer(
-        chunks, config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, pg=pg,
-        min_lr=min_lr, optimizer=optimizer,
-    )  # fmt: skip
-    if fused_step_enabled():
-        use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
-    return built
-
-
-def _build_optimizer(
-    chunks,
-    config,
-    *,
-    lr: float,
-    weight_decay: float,
-    clip_grad: float,
-    pg,
-    min_lr: float = 0.0,
-    optimizer: str = "adam",
-):
     if not torch.cuda.is_available():
-        return CPUOptimizer(
+        built = CPUOptimizer(
             chunks,
             lr=lr,
             weight_decay=weight_decay,
@@ -172,20 +154,26 @@ def _build_optimizer(
             pg_collection=pg,
             optimizer=optimizer,
         )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    else:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    optimizer_config = OptimizerConfig(
-        optimizer=optimizer,
-        sgd_momentum=0.0,
-        lr=lr,
-        min_lr=min_lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=distributed_optimizer(optimizer),
-    )
-    return get_megatron_optimizer(optimizer_config, chunks)
+        optimizer_config = OptimizerConfig(
+            optimizer=optimizer,
+            sgd_momentum=0.0,
+            lr=lr,
+            min_lr=min_lr,
+            weight_decay=weight_decay,
+            clip_grad=clip_grad,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distributed_optimizer(optimizer),
+        )
+        built = get_megatron_optimizer(optimizer_config, chunks)
+    if fused is None:
+        fused = fused_step_enabled()
+    if fused:
+        use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
+    return built
 
 
 def distributed_optimizer(optimizer: str) -> bool:

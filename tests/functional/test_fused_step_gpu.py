@@ -43,7 +43,7 @@ def _setup(pg):
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.config import config_from_flags
     from megatron_hybrid.training.loop import build_model_chunks
-    from megatron_hybrid.training.optimizers import _build_optimizer, build_optimizer
+    from megatron_hybrid.training.optimizers import build_optimizer
 
     flags = ("--hidden-size", "128", "--num-attention-heads", "4", "--swiglu", "--bf16",
              "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
@@ -55,7 +55,7 @@ def _setup(pg):
     unwrap_model(chunks[1])[0].load_state_dict(unwrap_model(chunks[0])[0].state_dict())
     args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
     fused = build_optimizer(chunks[0], config, **args)
-    megatron = _build_optimizer(chunks[1], config, **args)  # megatron's AdamW, as it builds it
+    megatron = build_optimizer(chunks[1], config, fused=False, **args)  # megatron's AdamW
     for optimizer in (fused, megatron):
         for group in optimizer.param_groups:
             group.update(betas=EXACT.betas, eps=EXACT.eps)
