@@ -265,6 +265,10 @@ def _summarise(phases, gpus, device, notes, total, out: Path, console: Console) 
     slowest = sorted((e.get("seconds") or 0.0, e["nodeid"]) for p in phases
                      for e in p["ends"].values())[-8:]  # fmt: skip
     lines.append("slowest: " + "; ".join(f"{n.split('/')[-1]} {t:.0f} s" for t, n in slowest[::-1]))
+    hungriest = sorted((e.get("peak_gib") or 0.0, e["nodeid"]) for p in phases
+                       for e in p["ends"].values())[-5:]  # fmt: skip
+    lines.append("most GPU memory (one rank's peak, reserved): " + "; ".join(
+        f"{n.split('/')[-1]} {g:.1f} GiB" for g, n in hungriest[::-1]))  # fmt: skip
     # What suite_plan.FILE_SECONDS (the in-process lanes' split) is refreshed from.
     by_file = collections.Counter()
     for phase in phases:

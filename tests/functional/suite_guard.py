@@ -74,6 +74,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0
     ranks_failed: list[int] = field(default_factory=list)
+    peak_gib: float = 0.0  # the most GPU memory this test's ranks held (the caching allocator's)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -136,6 +137,27 @@ def kill_tree(pid: int, grace: float = 5.0) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=grace)
+
+
+def _release_gpu_memory() -> float:
+    """Returns this process's peak reserved GPU memory (GiB) since the last test and hands its
+    cached blocks back to the driver.
+
+    The runner's lanes put several processes on every GPU; memory one test's process keeps cached
+    is memory a neighbour's test cannot get (on 4 x H100, 2026-11-28: a Triton launch and an
+    NCCL all-to-all failed with CUDA out of memory while the neighbours held their caches).
+    """
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    import gc
+
+    gc.collect()
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return round(peak, 2)
 
 
 def _kill_children() -> None:
@@ -314,6 +336,7 @@ class SuiteGuard:
             self.deadline = self.started + self.limit_now
         result = yield
         self.current.seconds = round(time.monotonic() - self.started, 1)
+        self.current.peak_gib = _release_gpu_memory()
         outcome = self._agree(self.current)
         with self.lock:
             self.deadline = None
@@ -401,7 +424,11 @@ class SuiteGuard:
                 )
             time.sleep(_POLL)  # the watchdog's deadline still covers this wait
         outcomes = [Outcome(**json.loads(p.read_text())) for p in paths]
-        worst = Outcome(mine.nodeid, seconds=max(o.seconds for o in outcomes))
+        worst = Outcome(
+            mine.nodeid,
+            seconds=max(o.seconds for o in outcomes),
+            peak_gib=max(o.peak_gib for o in outcomes),
+        )
         failed = [r for r, o in enumerate(outcomes) if o.outcome == "failed"]
         if failed:
             worst.outcome, worst.ranks_failed = "failed", failed
