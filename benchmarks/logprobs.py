@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from common import recorded_command, sync
 from routing_flips import RoutingRecorder, flip_report
-from trace_summary import profile_call
+from trace_summary import profile_call, sync_sites
 
 #: Qwen3.5-35B-A3B's text config (Qwen3.5-MoE), the shape the benchmark model takes.
 QWEN35_MOE = {
@@ -141,7 +141,8 @@ def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
     )
     if args.profile and torch.cuda.is_available():
         summary, breakdown, host = profile_call(call, sync, top=12)
-        row["profile"] = dict(summary=summary, kernels=breakdown, host=host)
+        row["profile"] = dict(summary=summary, kernels=breakdown, host=host,
+                              syncs=sync_sites(call))  # fmt: skip
     return row, result
 
 
@@ -170,6 +171,10 @@ def _profile_lines(row: dict) -> list[str]:
         "| --- | ---: | ---: |",
         *(f"| `{h['name'][:80]}` | {h['self_cpu_ms']:.1f} | {h['count']} |"
           for h in row["profile"]["host"]),  # fmt: skip
+        "",
+        "| host-GPU synchronisation site (one more call, sync debug mode) | count |",
+        "| --- | ---: |",
+        *(f"| `{x['site']}` | {x['count']} |" for x in row["profile"]["syncs"]),
         "",
     ]
     return lines

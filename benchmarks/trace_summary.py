@@ -32,9 +32,12 @@ work fast enough, and hiding communication cannot shorten it.
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import statistics
+import traceback
+import warnings
 from collections.abc import Iterable
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "profile_call",
     "record_trace",
     "summarize_trace",
+    "sync_sites",
 ]
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -271,6 +275,58 @@ def profile_call(call, sync, *, top: int = 15) -> tuple[dict, dict, list[dict]]:
         if a.key != "mh_step"
     ][:top]
     return summarize_trace(events), kernel_breakdown(events, top=top), host
+
+
+#: Source folders whose frames name a synchronisation's site.
+_OWN_FRAMES = ("/megatron_hybrid/", "/megatron/core/", "/fla/")
+
+
+def _short(frame) -> str:
+    name = frame.filename
+    for folder in _OWN_FRAMES:
+        if folder in name:
+            name = folder.strip("/") + "/" + name.split(folder)[-1]
+    return f"{name}:{frame.lineno}"
+
+
+def sync_sites(call, *, top: int = 12) -> list[dict]:
+    """``call()`` once with torch's CUDA sync debug mode on: every operation that synchronises
+    the host with the GPU (``.item()``, ``.tolist()``, a copy to the host, ``nonzero``, ...)
+    counted by its site, ``[{"site", "count"}, ...]``, most frequent first.
+
+    A site is the innermost frame of this package, megatron-core or fla that led to the
+    operator (a sync inside torch's own Python names the caller that asked for it), with this
+    package's innermost frame after it where that is another one.
+    """
+    import torch
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(folder in f.filename for folder in _OWN_FRAMES)]  # fmt: skip
+        if not frames:
+            sites[f"{filename}:{lineno}"] += 1
+            return
+        site = _short(frames[-1])
+        ours = [f for f in frames if _OWN_FRAMES[0] in f.filename]
+        if ours and ours[-1] is not frames[-1]:
+            site += f" (from {_short(ours[-1])})"
+        sites[site] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [{"site": site, "count": n} for site, n in sites.most_common(top)]
 
 
 def main() -> None:

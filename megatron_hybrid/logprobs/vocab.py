@@ -8,9 +8,11 @@ sums), as megatron-core's vocab-parallel cross-entropy does (``tensor_parallel/c
 
 The math is float32 whatever the logits' dtype. Vocabulary rows at and past ``vocab_size``
 (megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``) are left out
-of the softmax. The work runs over blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory
-beyond the input is a few float32 blocks, at most one logits-sized buffer. Both functions are
-differentiable: the backward pass recomputes the softmax block by block from the saved logits.
+of the softmax. On CUDA the forward statistics are one Triton pass over each row
+(:mod:`~megatron_hybrid.logprobs.vocab_kernel`); elsewhere, and in the backward pass, the work
+runs over blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory beyond the input is a few
+float32 blocks, at most one logits-sized buffer. Both functions are differentiable: the backward
+pass recomputes the softmax block by block from the saved logits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import math
 import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
+
+from megatron_hybrid.logprobs.vocab_kernel import combine_shards, kernel_reason, row_statistics
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -99,8 +103,17 @@ def _shifted(flat: Tensor, block: slice, valid: int, temperature: float, shift: 
 
 
 def _softmax_statistics(flat: Tensor, valid: int, temperature: float, tp_group, entropy: bool):
-    """Per row: the global max of ``logits / T``, ``S = sum exp(z)`` and, if ``entropy``,
-    ``sum exp(z) * z`` (``z = logits / T - max``), all reduced over the TP group."""
+    """Per row: the global max of ``logits / T``, ``log S`` with ``S = sum exp(z)`` and, if
+    ``entropy``, ``sum exp(z) * z / S`` (``z = logits / T - max``), all reduced over the TP
+    group. On CUDA one Triton pass per row (:mod:`~megatron_hybrid.logprobs.vocab_kernel`);
+    elsewhere, and as its reference, :func:`_softmax_statistics_blocks`."""
+    if kernel_reason(flat) is None:
+        return combine_shards(*row_statistics(flat, valid, temperature, entropy), tp_group)
+    return _softmax_statistics_blocks(flat, valid, temperature, tp_group, entropy)
+
+
+def _softmax_statistics_blocks(flat, valid: int, temperature: float, tp_group, entropy: bool):
+    """:func:`_softmax_statistics` in torch, over float32 blocks of rows."""
     rows = flat.size(0)
     shift = torch.full((rows,), -math.inf, dtype=torch.float32, device=flat.device)
     for block in _blocks(rows, valid) if valid else ():

@@ -459,3 +459,54 @@ def test_grouped_add_on_device(world, dest_dtype):
         piece.copy_((piece.float() + addend.float().view(-1)).to(dest_dtype))
     grouped_add_(dests, source, use_triton=device.type == "cuda")
     assert torch.equal(buffer, expected)
+
+
+def test_vocab_statistics_kernel(world, monkeypatch):
+    """Log-probs and entropies of a Qwen3.5-sized vocabulary through the Triton statistics
+    kernel (CUDA's path) and through the torch blocks, each against float64 ``log_softmax``.
+
+    The bound is the float32 summation bound of ``tests/unit/logprobs/test_vocab_kernel.py``
+    (``2 (n + 16) u`` on ``log S`` for ``n`` columns); the control leaves the padding columns
+    in the softmax."""
+    from megatron_hybrid.logprobs import vocab
+    from megatron_hybrid.logprobs.vocab import token_logprobs_and_entropy
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("times CUDA kernels (the CPU runs the torch blocks only)")
+    vocab_size, padded, rows = 248_320, 248_576, 512
+    gen = torch.Generator().manual_seed(5)
+    logits = (4 * torch.randn(rows, padded, generator=gen)).to(device, torch.bfloat16)
+    logits[:, vocab_size:] = 30.0
+    labels = torch.randint(0, vocab_size, (rows,), generator=gen).to(device)
+    log_p = torch.log_softmax(logits[:, :vocab_size].double() / 0.9, -1)
+    want_lp = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    want_h = -(log_p.exp() * log_p).sum(-1)
+    del log_p
+    bound = 2 * (vocab_size + 16) * 2.0**-24
+    h_bound = bound * (1 + 2 * torch.log(torch.tensor(float(vocab_size))).item())
+
+    def run() -> tuple[float, float, float]:
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        lp, h = token_logprobs_and_entropy(logits, labels, temperature=0.9,
+                                           vocab_size=vocab_size, check_labels=False)  # fmt: skip
+        end.record()
+        torch.cuda.synchronize()
+        return ((lp.double() - want_lp).abs().max().item(),
+                (h.double() - want_h).abs().max().item(), start.elapsed_time(end))  # fmt: skip
+
+    run()  # compiles the kernel
+    kernel = run()
+    monkeypatch.setattr(vocab, "kernel_reason", lambda flat: "the torch blocks, for comparison")
+    blocks = run()
+    report("vocab statistics, 512 rows x 248,320 columns, bf16, T = 0.9",
+           [("path", "max lp error", "max H error", "ms"),
+            ("Triton kernel", *(f"{v:.2e}" for v in kernel[:2]), f"{kernel[2]:.2f}"),
+            ("torch blocks", *(f"{v:.2e}" for v in blocks[:2]), f"{blocks[2]:.2f}"),
+            ("bound", f"{bound:.2e}", f"{h_bound:.2e}", "")])  # fmt: skip
+    assert kernel[0] <= bound and kernel[1] <= h_bound, kernel
+    wrong, _ = token_logprobs_and_entropy(logits, labels, temperature=0.9)  # padding counted
+    assert (wrong.double() - want_lp).abs().max().item() > 100 * bound

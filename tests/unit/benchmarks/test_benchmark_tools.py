@@ -141,6 +141,37 @@ def test_rounds_merge_and_pair_by_round(tools):
     assert ep_overlap.round_ratios(results) == {"gpt_overlap_speedup": pytest.approx([1.2, 1.0])}
 
 
+def test_sync_sites_names_the_package_frame_and_restores_the_mode(tools, monkeypatch):
+    """Warnings of torch's sync debug mode are counted by the innermost package frame (with
+    ours after a megatron-core one); other warnings are not counted; the mode is put back."""
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    source = (
+        "import warnings\n"
+        "def sync(message='called a synchronizing CUDA operation'):\n"
+        "    warnings.warn(message)\n"
+    )
+    core, ours = {}, {}
+    exec(compile(source, "/x/megatron/core/moe/dispatch.py", "exec"), core)
+    exec(compile("def dispatch(core):\n    core()\n", "/x/megatron_hybrid/moe.py", "exec"), ours)
+
+    def call():
+        for _ in range(3):
+            ours["dispatch"](core["sync"])
+        core["sync"]()
+        core["sync"]("not about synchronisation")
+
+    sites = tools[0].sync_sites(call)
+    assert sites == [
+        {"site": "megatron/core/moe/dispatch.py:3 (from megatron_hybrid/moe.py:2)", "count": 3},
+        {"site": "megatron/core/moe/dispatch.py:3", "count": 1},
+    ]
+    assert modes == ["warn", "default"]
+
+
 @pytest.mark.parametrize(
     "content", [None, "not json", '{"traceEvents": []}'], ids=["missing", "not-json", "no-kernels"]
 )

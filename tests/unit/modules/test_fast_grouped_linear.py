@@ -273,14 +273,22 @@ def test_weights_changed_before_the_backward_are_refused():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("layout", ["apart", "one-storage"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
-def test_forward_only_skips_the_autograd_function(mode, monkeypatch):
+def test_forward_only_skips_the_autograd_function(mode, layout, monkeypatch):
     """Without autograd the grouped GEMM runs alone and equals the per-expert products; with it
-    (control) the autograd function runs, so the check would see the shortcut taken there."""
+    (control) the autograd function runs, so the check would see the shortcut taken there.
+    Weights apart are stacked; weights in one storage are multiplied where they lie."""
     from megatron_hybrid.modules.fast import grouped_linear as module
 
     gen = torch.Generator().manual_seed(5)
-    weights = [torch.randn(8, 12, generator=gen).requires_grad_() for _ in range(4)]
+    if layout == "apart":
+        weights = [torch.randn(8, 12, generator=gen).requires_grad_() for _ in range(4)]
+    else:
+        stack = torch.randn(4, 8, 12, generator=gen)
+        weights = [torch.nn.Parameter(stack[e]) for e in range(4)]
+        assert module.stacked_view(weights) is not None
+    monkeypatch.setattr(module.torch, "stack", _refuse_stack if layout != "apart" else torch.stack)
     tokens = torch.randn(12, 12, generator=gen)
     counts = [3, 0, 5, 4]
     offsets = torch.tensor(counts).cumsum(0, dtype=torch.int32)
@@ -294,6 +302,10 @@ def test_forward_only_skips_the_autograd_function(mode, monkeypatch):
     assert out.requires_grad == (mode == "enable_grad")
     with torch.no_grad():
         torch.testing.assert_close(out, _reference_linear(tokens, counts, weights))
+
+
+def _refuse_stack(*args, **kwargs):
+    raise AssertionError("weights in one storage were copied into a stack")
 
 
 def _reference_linear(tokens, counts, weights):
