@@ -66,12 +66,15 @@ def init_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-# The gloo groups the last initialize_model_parallel made, in creation order. megatron's
+# The groups the last initialize_model_parallel made, in creation order. megatron's
 # destroy_model_parallel destroys only the groups it created as gloo side groups and forgets the
-# rest; on a gloo world (the CPU) each forgotten group keeps its threads, about 60 per layout, so
-# a process that sets up many layouts (the CPU test suite, a few hundred) would pile up
-# thousands of threads.
-_GLOO_GROUPS: list[torch.distributed.ProcessGroup] = []
+# rest, which torch.distributed's registry keeps alive: on a gloo world (the CPU) each forgotten
+# group keeps its threads, about 60 per layout, so a process that sets up many layouts (the CPU
+# test suite, a few hundred) would pile up thousands of threads; on NCCL each keeps its
+# communicator's device buffers, outside PyTorch's allocator (2 x H100, 2026-11-28: the GPU
+# suite's test processes grew to 25 GiB of such memory each, 2.2 GiB of it PyTorch's, until
+# tests failed with CUDA out of memory).
+_MADE_GROUPS: list[torch.distributed.ProcessGroup] = []
 
 
 def _registered_groups() -> list:
@@ -83,31 +86,41 @@ def _registered_groups() -> list:
     return list(getattr(world, "pg_map", {}))
 
 
-def _destroy_gloo_groups() -> None:
+def _destroy_made_groups() -> None:
+    """Destroy the groups of :data:`_MADE_GROUPS` that still exist, newest first. Every rank
+    resets at the same point of its program, so each destroys the same groups in the same
+    order (NCCL's communicator teardown may wait for the group's peers)."""
     import torch.distributed as dist
 
     registered = set(_registered_groups())
-    for group in _GLOO_GROUPS:
-        if group in registered:  # not already destroyed by megatron
-            dist.destroy_process_group(group)
-    _GLOO_GROUPS.clear()
+    alive = [group for group in _MADE_GROUPS if group in registered]  # not destroyed by megatron
+    if alive and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # no collective of theirs may still be in flight
+    for group in reversed(alive):
+        dist.destroy_process_group(group)
+    _MADE_GROUPS.clear()
 
 
 def reset_megatron_state() -> None:
     """Destroy every piece of megatron-core global state this package's code touches.
 
-    On a gloo world this also destroys the process groups the last
-    :func:`initialize_model_parallel` made, so models and ``ProcessGroupCollection`` objects
-    from before the reset are unusable afterwards (megatron's own globals they rely on are gone
-    too); the groups' threads end once nothing refers to them any more.
+    This also destroys the process groups the last :func:`initialize_model_parallel` made (gloo
+    and NCCL alike), so models and ``ProcessGroupCollection`` objects from before the reset are
+    unusable afterwards (megatron's own globals they rely on are gone too); a gloo group's threads
+    end and an NCCL group's device buffers are freed once nothing refers to them any more. Every
+    rank of the world must reset at the same point.
     """
     from megatron.core import num_microbatches_calculator, parallel_state
     from megatron.core.pipeline_parallel import utils as pp_utils
     from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_logging, moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import fused_a2a, moe_logging, moe_utils, token_dispatcher
 
     parallel_state.destroy_model_parallel()
-    _destroy_gloo_groups()
+    _destroy_made_groups()
+    # DeepEP's and HybridEP's buffers are bound to a group destroyed above; megatron-core 0.19.2
+    # (transformer/moe/fused_a2a.py) reuses a HybridEP buffer whatever group asks next.
+    fused_a2a.reset_hybrid_ep_buffer()
+    fused_a2a._buffer = None
     moe_logging.destroy_moe_metrics_tracker()
     moe_utils.clear_aux_losses_tracker()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
@@ -164,11 +177,7 @@ def initialize_model_parallel(
             expert_tensor_parallel_size=etp,
         )
     finally:  # also the groups of a setup that failed halfway
-        _GLOO_GROUPS.extend(
-            group
-            for group in _registered_groups()
-            if group not in before and torch.distributed.get_backend(group) == "gloo"
-        )
+        _MADE_GROUPS.extend(group for group in _registered_groups() if group not in before)
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return ProcessGroupCollection.use_mpu_process_groups()

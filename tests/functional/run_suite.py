@@ -100,6 +100,42 @@ def _gpus() -> tuple[int, str]:
     return torch.cuda.device_count(), torch.cuda.get_device_name()
 
 
+class MemorySampler(threading.Thread):
+    """Samples every visible GPU's used memory (``nvidia-smi``, device-wide: all processes,
+    PyTorch's caches and NCCL's or Triton's own allocations alike) until :meth:`stop`."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        super().__init__(name="gpu-memory", daemon=True)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        self.only = {v.strip() for v in visible.split(",") if v.strip()}
+        self.every, self.peaks, self.total = every, {}, {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        query = ["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                 "--format=csv,noheader,nounits"]  # fmt: skip
+        while not self.done.wait(self.every):
+            try:
+                text = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            for line in text.splitlines():
+                index, used, total = (part.strip() for part in line.split(","))
+                if self.only and index not in self.only:
+                    continue
+                self.peaks[index] = max(self.peaks.get(index, 0.0), float(used) / 1024)
+                self.total[index] = float(total) / 1024
+
+    def stop(self) -> str | None:
+        """Ends sampling; the note for the summary, or None without samples."""
+        self.done.set()
+        if not self.peaks:
+            return None
+        return "GPU memory used at most (device-wide, sampled): " + "; ".join(
+            f"GPU {i} {self.peaks[i]:.1f} of {self.total[i]:.0f} GiB" for i in sorted(self.peaks)
+        )
+
+
 def _read_record(path: Path, collected: list | None = None) -> tuple[dict[str, dict], list[str]]:
     """Ends by node id, and node ids started (in order); ``collected`` gets the node ids the
     jobs collected."""
@@ -417,10 +453,14 @@ def main(argv=None) -> int:
                                       console=console, prefix=prefix)  # fmt: skip
 
         threads = [threading.Thread(target=run, args=job, name=job[0]) for job in jobs]
+        sampler = MemorySampler()
+        sampler.start()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        if (memory := sampler.stop()) is not None:
+            notes.append(memory)
         phases = [results[name] for name, *_ in jobs]
     extra = [_rank_logs(ranks / p["name"], p) for p in phases if p["name"] in in_process_names]
     if maker is not None:

@@ -32,3 +32,15 @@ def test_reset_keeps_groups_it_did_not_make(model_parallel):
     dist.all_reduce(value, group=mine)  # still usable
     assert value.item() == 1.0
     dist.destroy_process_group(mine)
+
+
+def test_reset_forgets_the_expert_dispatch_buffers(model_parallel):
+    """DeepEP's and HybridEP's buffers hold a group the reset destroys; megatron-core reuses a
+    HybridEP buffer whatever group asks next, so a buffer left behind would serve a new layout
+    over a destroyed group."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    model_parallel()
+    fused_a2a._hybrid_ep_buffer = fused_a2a._buffer = object()  # stand-ins for the buffers
+    reset_megatron_state()
+    assert fused_a2a._hybrid_ep_buffer is None and fused_a2a._buffer is None

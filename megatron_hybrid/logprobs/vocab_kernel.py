@@ -1,0 +1,134 @@
+"""One pass over a vocabulary shard's logits per row: the softmax statistics as a Triton kernel.
+
+:func:`~megatron_hybrid.logprobs.vocab.token_logprobs` needs, per row of logits, the maximum of
+``x / T``, ``S = sum exp(z)`` and (for the entropy) ``sum exp(z) z`` with ``z = x / T - max``. The
+torch reference (``vocab._softmax_statistics_blocks``) reads the logits in float32 blocks of
+rows, twice (the maximum, then the sums) with a handful of kernels per block: for a vocabulary of
+248,320 that is about ten kernels per 67 rows, over a thousand launches and 3-4 passes over the
+logits per micro-batch of 16k tokens. :func:`row_statistics` reads each row once, in its own
+dtype, with an online maximum (as FlashAttention's softmax rescales its running sum when the
+maximum grows):
+
+* ``m' = max(m, max_j z_j)``; ``S' = S e^{m - m'} + sum_j e^{z_j - m'}``;
+* ``U = sum e^{z - m} (z - m)`` rescales as ``U' = e^{m - m'} (U + (m - m') S) + sum_j
+  e^{z_j - m'} (z_j - m')``, since ``z - m' = (z - m) + (m - m')``.
+
+The statistics are local to this rank's shard; :func:`combine_shards` turns every rank's
+``(m, S, U)`` into the global ones with the same rescaling (one MAX and one SUM all-reduce, as the
+torch path needs). Accumulation is float32, as in the reference; the two differ by the order of
+float32 additions only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+__all__ = ["combine_shards", "kernel_reason", "row_statistics"]
+
+#: Columns of a row per loop iteration of the kernel.
+_BLOCK = 4096
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, or None where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def row_statistics_kernel(
+        logits_ptr, row_stride, valid, inv_temperature,  # noqa: N803
+        max_ptr, sum_ptr, zsum_ptr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * row_stride
+        columns = tl.arange(0, BLOCK)
+        # Per-lane running statistics, merged across lanes at the end: one rescale per lane
+        # and block instead of a reduction of the whole block per step.
+        m = tl.full((BLOCK,), -float("inf"), tl.float32)
+        s = tl.zeros((BLOCK,), tl.float32)
+        u = tl.zeros((BLOCK,), tl.float32)
+        for start in range(0, valid, BLOCK):
+            index = start + columns
+            x = tl.load(base + index, mask=index < valid, other=-float("inf")).to(tl.float32)
+            z = x * inv_temperature
+            new_m = tl.maximum(m, z, propagate_nan=tl.PropagateNan.ALL)
+            # Lanes that have seen nothing yet keep -inf: exp(-inf - -inf) would be NaN; a
+            # column past the shard (or a logit of -inf) adds exp(-inf) = 0 to S and nothing
+            # (not 0 * -inf) to U.
+            alpha = tl.where(new_m == -float("inf"), 0.0, tl.exp(m - new_m))
+            live = z != -float("inf")
+            shifted = tl.where(live, z - new_m, 0.0)
+            e = tl.where(live, tl.exp(shifted), 0.0)
+            if ENTROPY:
+                delta = tl.where(m == -float("inf"), 0.0, m - new_m)
+                u = alpha * (u + delta * s) + e * shifted
+            s = alpha * s + e
+            m = new_m
+        row_max = tl.max(m, axis=0)
+        scale = tl.where(m == -float("inf"), 0.0, tl.exp(m - row_max))
+        total = tl.sum(s * scale, axis=0)
+        tl.store(max_ptr + row, row_max)
+        tl.store(sum_ptr + row, total)
+        if ENTROPY:
+            delta = tl.where(m == -float("inf"), 0.0, m - row_max)
+            tl.store(zsum_ptr + row, tl.sum(scale * (u + delta * s), axis=0))
+
+    return row_statistics_kernel
+
+
+def kernel_reason(flat: Tensor) -> str | None:
+    """Why :func:`row_statistics` cannot take ``flat`` (``[rows, columns]``), or None."""
+    # Triton's CPU interpreter (TRITON_INTERPRET=1, as the tests run it) takes host tensors.
+    if not flat.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "logits not on a CUDA device (the torch blocks run)"
+    if flat.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"logits in {flat.dtype}"
+    if flat.dim() != 2 or flat.stride(-1) != 1:
+        return "logits whose vocabulary dimension is not contiguous"
+    if _kernel() is None:
+        return "Triton is not importable"
+    return None
+
+
+def row_statistics(flat: Tensor, valid: int, temperature: float, entropy: bool):
+    """Per row of ``flat[:, :valid]``: ``(m, S, U)`` in float32, with ``m`` the maximum of
+    ``x / T``, ``S = sum exp(x / T - m)`` and (``entropy``; else None) ``U = sum exp(x / T - m)
+    (x / T - m)``. Rows without a column get ``(-inf, 0, 0)``."""
+    rows = flat.size(0)
+    device = flat.device
+    m = torch.full((rows,), -math.inf, dtype=torch.float32, device=device)
+    s = torch.zeros(rows, dtype=torch.float32, device=device)
+    u = torch.zeros(rows, dtype=torch.float32, device=device) if entropy else None
+    if rows and valid:
+        _kernel()[(rows,)](
+            flat, flat.stride(0), valid, 1.0 / temperature, m, s, s if u is None else u,
+            ENTROPY=entropy, BLOCK=_BLOCK, num_warps=8,
+        )  # fmt: skip
+    return m, s, u
+
+
+def combine_shards(m: Tensor, s: Tensor, u: Tensor | None, tp_group):
+    """The global ``(shift, log S, U / S)`` of a row from every rank's :func:`row_statistics`:
+    ``shift`` the maximum over ranks, each rank's sums rescaled to it and summed."""
+    shift = m.clone()
+    if tp_group is not None and tp_group.size() > 1:
+        torch.distributed.all_reduce(shift, op=ReduceOp.MAX, group=tp_group)
+    seen = s != 0  # a shard without columns (or of -inf logits only) adds nothing
+    delta = torch.where(seen, m - shift, torch.zeros_like(m))
+    scale = torch.where(seen, delta.exp(), torch.zeros_like(m))
+    parts = [s * scale] if u is None else [s * scale, (u + delta * s) * scale]
+    sums = torch.stack(parts)
+    if tp_group is not None and tp_group.size() > 1:
+        torch.distributed.all_reduce(sums, op=ReduceOp.SUM, group=tp_group)
+    mean_z = sums[1] / sums[0] if u is not None else None
+    return shift, sums[0].log(), mean_z
