@@ -35,6 +35,7 @@ from megatron_hybrid.padding import (
     packed_seq_params_to,
     pad_bshd,
 )
+from megatron_hybrid.padding.batch import to_device
 
 __all__ = ["PAD_TOKEN_ID", "MicroBatch", "build_micro_batch", "packed_token_budget"]
 
@@ -82,12 +83,11 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.inputs["packed_seq_params"] is not None
 
-    def to(self, device, *, non_blocking: bool = False) -> MicroBatch:
-        """The same micro-batch with its tensors on ``device``."""
-        moved = {
-            k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
-            for k, v in self.inputs.items()
-        }
+    def to(self, device) -> MicroBatch:
+        """The same micro-batch with its tensors on ``device`` (from the host without waiting:
+        :func:`~megatron_hybrid.padding.batch.to_device`)."""
+        moved = {k: to_device(v, device) if torch.is_tensor(v) else v
+                 for k, v in self.inputs.items()}  # fmt: skip
         if moved["packed_seq_params"] is not None:
             moved["packed_seq_params"] = packed_seq_params_to(moved["packed_seq_params"], device)
         return MicroBatch(moved, self.spans, self.seq_length, self.rows, self.num_tokens)

@@ -39,6 +39,7 @@ from megatron_hybrid.padding import (
     padding_config_from,
     thd_unsupported_reason_for,
 )
+from megatron_hybrid.padding.batch import to_device
 from megatron_hybrid.schedule.steps import run_schedule
 
 __all__ = ["choose_packed", "evaluating", "forward_logprobs", "model_device", "real_vocab_size"]
@@ -107,8 +108,8 @@ def _collect(batch: MicroBatch, reduce, output: torch.Tensor):
     """Loss function of the last stage: the per-token results of ``batch``'s spans, in one
     ``[parts, predictions]`` tensor."""
     logits = output.reshape(-1, output.size(-1))
-    rows = batch.span_rows.to(logits.device, non_blocking=True)
-    batch.results = torch.stack(reduce(logits, batch.labels.to(logits.device)))[:, rows]
+    rows = to_device(batch.span_rows, logits.device)
+    batch.results = torch.stack(reduce(logits, to_device(batch.labels, logits.device)))[:, rows]
     zero = torch.zeros((), device=logits.device)
     return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
 
@@ -243,7 +244,7 @@ def _gather(tokens, batches, pg, device, with_entropy):
                 where = torch.cat(
                     [torch.arange(starts[i], starts[i] + n) for i, _, n in batch.spans]
                 )
-                flat.index_copy_(1, where.to(device, non_blocking=True), batch.results.float())
+                flat.index_copy_(1, to_device(where, device), batch.results.float())
     if pg.pp.size() > 1:
         source = torch.distributed.get_global_rank(pg.pp, pg.pp.size() - 1)
         torch.distributed.broadcast(flat, src=source, group=pg.pp)

@@ -8,7 +8,8 @@ that ``exp(sum g)`` then carries through the recurrence, and its backward rounds
 twice more. transformers (``-self.A_log.float().exp() * softplus(a.float() + self.dt_bias)`` in
 its Qwen3.5 / Qwen3-Next modeling code) and fla's own fused gate (``use_gate_in_kernel``) take
 ``exp`` in float32. :class:`HybridGatedDeltaNet` does the same; nothing else differs, so
-checkpoints, THD handling and the kernels are megatron-core's, except that where fla's kernels
+checkpoints, THD handling and the kernels are megatron-core's (its checks of packed boundaries
+read them on the host once per micro-batch, not per layer), except that where fla's kernels
 run (on GPUs without ``deterministic_mode``) the package's gated ``chunk_bwd_dqkwg`` is
 registered with fla: fla refuses its own on Hopper with Triton 3.4-3.7.0
 (:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
@@ -22,6 +23,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 from torch.nn.functional import softplus
 
 from megatron_hybrid.modules.fla_backend import register_fla_backend
+from megatron_hybrid.padding.batch import host_values
 
 __all__ = ["HybridGatedDeltaNet"]
 
@@ -46,3 +48,30 @@ class HybridGatedDeltaNet(GatedDeltaNet):
         decay = A_log_local_cp.float().exp()
         g = -decay * softplus(alpha.float() + dt_bias_local_cp.float())
         return g, beta.sigmoid()
+
+    def _resolve_cu_seqlens(
+        self, cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size: int = 1
+    ) -> torch.Tensor:
+        """megatron-core's checks of a packed batch's boundaries (``_GDNBase``, 0.19.2's
+        ``ssm/gated_delta_net/common.py``) on host values read once per tensor.
+
+        megatron reads ``cu_seqlens[-1]`` and tests the lengths' divisibility on the device:
+        three host synchronisations per layer and micro-batch. The boundaries are one tensor
+        that every layer receives, so :func:`~megatron_hybrid.padding.batch.host_values` reads
+        them once (or never, where the batch came from the host).
+        """
+        cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
+        offsets = host_values(cu_seqlens)
+        if offsets[-1] != total_seq_len:
+            raise ValueError(
+                f"GDN: {name}[-1]={offsets[-1]} does not match total_sequence_length="
+                f"{total_seq_len} (cu_seqlens_padded={cu_seqlens_padded}, "
+                f"cu_seqlens_actual={cu_seqlens_actual})."
+            )
+        lengths = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+        if any(n % cp_size for n in lengths):
+            raise ValueError(
+                f"All per-sequence lengths in cu_seqlens must be divisible by cp_size={cp_size}, "
+                f"but got lengths: {lengths}"
+            )
+        return cu_seqlens

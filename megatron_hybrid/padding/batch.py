@@ -15,6 +15,7 @@ code reads it), ``position_ids`` continue each row, a 2D (HF-style, 1 = real) ``
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,9 @@ __all__ = [
     "pack_thd",
     "pad_bshd",
     "packed_seq_params_from",
+    "host_values",
     "packed_seq_params_to",
+    "to_device",
     "unpack_thd",
     "unpad_seq",
 ]
@@ -241,13 +244,61 @@ def packed_seq_params_from(
     )
 
 
+_HOST_VALUES: dict[int, tuple[weakref.ref, list]] = {}
+
+
+def _remember(tensor: torch.Tensor, values: list) -> list:
+    key = id(tensor)
+    _HOST_VALUES[key] = (weakref.ref(tensor, lambda _, key=key: _HOST_VALUES.pop(key, None)),
+                         values)  # fmt: skip
+    return values
+
+
+def host_values(tensor: torch.Tensor) -> list:
+    """``tensor.tolist()``, read once for as long as that tensor lives (never changed in place).
+
+    A packed batch's ``cu_seqlens`` is one tensor that every layer of a forward receives: the
+    device-to-host copy (a synchronisation) happens at most once per micro-batch, not once per
+    layer, and not at all for a tensor :func:`to_device` moved there from the host.
+    """
+    cached = _HOST_VALUES.get(id(tensor))
+    if cached is not None and cached[0]() is tensor:
+        return cached[1]
+    return _remember(tensor, tensor.tolist())
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host tensor goes to a GPU without the host waiting for it.
+
+    A copy from pageable host memory makes the host wait until the GPU has run everything queued
+    before it (a synchronisation per tensor: five per packed micro-batch of ``forward_logprobs``
+    on one H100, 2026-11-28). From pinned memory the copy is queued like a kernel; the pinned
+    buffer stays reserved until the copy has run (PyTorch's caching host allocator records it).
+    A small host tensor's values are kept for :func:`host_values`.
+    """
+    device = torch.device(device)
+    if tensor.device.type != "cpu" or device.type != "cuda":
+        return tensor.to(device)
+    moved = tensor.pin_memory().to(device, non_blocking=True)
+    if tensor.dim() == 1 and tensor.numel() <= 4096 and not tensor.is_floating_point():
+        _remember(moved, tensor.tolist())
+    return moved
+
+
 def packed_seq_params_to(params: PackedSeqParams, device) -> PackedSeqParams:
-    """``params`` with every tensor field (``cu_seqlens*``, ``seq_idx``) moved to ``device``."""
-    moved = {
-        f.name: getattr(params, f.name).to(device)
-        for f in dataclasses.fields(params)
-        if torch.is_tensor(getattr(params, f.name))
-    }
+    """``params`` with every tensor field (``cu_seqlens*``, ``seq_idx``) moved to ``device``.
+
+    Fields that are one tensor stay one tensor (``cu_seqlens_q`` is ``cu_seqlens_kv``):
+    ``torch.equal`` of a tensor with itself, which megatron-core's GatedDeltaNet asks, needs no
+    synchronisation."""
+    moved_by_id: dict[int, torch.Tensor] = {}
+    moved = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if torch.is_tensor(value):
+            if id(value) not in moved_by_id:
+                moved_by_id[id(value)] = to_device(value, device)
+            moved[f.name] = moved_by_id[id(value)]
     copy = dataclasses.replace(params)
     for name, value in moved.items():  # after replace: __post_init__ must not rebuild seq_idx
         setattr(copy, name, value)

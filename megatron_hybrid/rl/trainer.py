@@ -505,7 +505,7 @@ class PolicyTrainer:
     def _micro_batch(self, batch: MicroBatch, tokens, inputs: dict) -> dict:
         """The dict ``policy_forward_step`` reads, on the model's device."""
         device = self.device
-        item = dict(batch.to(device, non_blocking=True).inputs)
+        item = dict(batch.to(device).inputs)
         item["labels"] = item["labels"].reshape(-1)  # MicroBatch.labels' shape
         for name in ("mask", "weights", "advantages", "old", "ref"):
             values = inputs[name]

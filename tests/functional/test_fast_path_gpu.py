@@ -510,3 +510,38 @@ def test_vocab_statistics_kernel(world, monkeypatch):
     assert kernel[0] <= bound and kernel[1] <= h_bound, kernel
     wrong, _ = token_logprobs_and_entropy(logits, labels, temperature=0.9)  # padding counted
     assert (wrong.double() - want_lp).abs().max().item() > 100 * bound
+
+
+def test_a_packed_micro_batch_reaches_the_gpu_without_host_syncs(world):
+    """A packed micro-batch moved from the host, its boundaries read by the fast attention and
+    checked by GatedDeltaNet (``_resolve_cu_seqlens``, ``torch.equal``), with torch's sync debug
+    mode raising on any host synchronisation; the control reads a boundary with ``.item()``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
+    from megatron_hybrid.padding.batch import host_values, packed_seq_params_to, to_device
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("host synchronisations exist on CUDA only")
+    real = torch.tensor([0, 300, 1000], dtype=torch.int32)
+    padded = torch.tensor([0, 304, 1008], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                             max_seqlen_q=704, max_seqlen_kv=704)  # fmt: skip
+    tokens = torch.arange(1008).view(1, -1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moved = packed_seq_params_to(params, device)
+        on_gpu = to_device(tokens, device)
+        assert host_values(moved.cu_seqlens_q) == [0, 300, 1000]
+        resolve = HybridGatedDeltaNet._resolve_cu_seqlens
+        q = resolve(None, moved.cu_seqlens_q_padded, moved.cu_seqlens_q, 1008, "cu_seqlens_q")
+        kv = resolve(None, moved.cu_seqlens_kv_padded, moved.cu_seqlens_kv, 1008, "cu_seqlens_kv")
+        assert torch.equal(q, kv)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            moved.cu_seqlens_q[-1].item()  # control: the mode does catch a sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), tokens)

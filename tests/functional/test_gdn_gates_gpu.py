@@ -19,9 +19,10 @@ fla's other float32 dots IEEE; the solve kernel's TTIR for this GPU must ask for
 Cauchy-Schwarz bound of the ``dg`` and ``g`` its kernel had, else the gates reach the kernel
 wrongly), and each path's ``dg`` must be within its precision's bound: IEEE float32 fla within
 ``max(1e-3, 8 x`` the float32 torch path's own ``dg`` error ``)``, bf16 fla within 8x the bf16
-torch path's ``dg`` error + 1e-2, and the bf16 torch path within 5e-2 + twice the float32 torch
-rule's own ``dg`` error against float64 (the reference's rule and the bf16 run's, both float32,
-each cancel that much at strong decays).
+torch path's ``dg`` error + 1e-2 plus the float32 cancellation of fla's chunked formula and of
+the reference's rule (each measured by its replay against float64), and the bf16 torch path
+within 5e-2 + twice the float32 torch rule's own ``dg`` error against float64 (the reference's
+rule and the bf16 run's, both float32, each cancel that much at strong decays).
 
 The float32 model's GatedDeltaNet calls are replayed rule by rule (same inputs and output
 gradients) against a float64 step-by-step recurrence: megatron's torch rule, fla in IEEE float32,
@@ -406,9 +407,18 @@ def test_gated_delta_net_group_forward_backward(world):
                     else [5e-2] * layers)  # fmt: skip
     reports = {"torch bf16": (gate_check("torch", 2**-7), torch_bounds)}
     torch_dg = max(r.dg_error for r in reports["torch bf16"][0])
+    # bf16 fla against the float32 model, by the triangle inequality: its bf16 rounding (up to
+    # 8x the bf16 torch path's dg error, + 1e-2), plus its chunked formula's own float32
+    # cancellation (the IEEE float32 fla replay against float64: 0.26 at a strongly decaying
+    # layer on one H100, 2026-11-28, where the torch rule's is 0.077), plus the reference rule's.
+    # The fla float32 paths are held to the torch rule's cancellation below, so a fault in
+    # fla's formula cannot hide in its own term.
+    fla_bounds = [8 * torch_dg + 1e-2 + e.get("fla float32 ieee", {}).get("g", 0.0)
+                  + e["torch float32"]["g"] for e in errors] if errors else (
+                  [8 * torch_dg + 1e-2] * layers)  # fmt: skip
     for path, name in (("fla", "fla bf16"), ("fla ieee", "fla bf16 ieee")):
         if path in gates:
-            reports[name] = (gate_check(path, 2**-7), [8 * torch_dg + 1e-2] * layers)
+            reports[name] = (gate_check(path, 2**-7), fla_bounds)
     # Two float32 kernels agree to 1e-3, or to a few times the torch path's own dg error where
     # its chunked formula cancels more (strong decays).
     fp32_bounds = ([max(1e-3, 8 * e["torch float32"]["g"]) for e in errors] if errors

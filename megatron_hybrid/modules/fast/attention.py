@@ -32,7 +32,6 @@ from torch.nn import functional
 from megatron_hybrid.modules.attention import LocalCoreAttention, MLACoreAttention
 from megatron_hybrid.modules.fast.rope import apply_rope, apply_rope_thd
 from megatron_hybrid.modules.fast.selection import (
-    host_values,
     is_causal_mask,
     probing_backward,
     rope_reason,
@@ -40,6 +39,7 @@ from megatron_hybrid.modules.fast.selection import (
     varlen_parameters,
     varlen_reason,
 )
+from megatron_hybrid.padding.batch import host_values
 
 __all__ = [
     "FastSelfAttention",

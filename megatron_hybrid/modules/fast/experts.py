@@ -11,12 +11,13 @@ waits for the host.
 It *is* a ``SequentialMLP``: the same submodules (``local_experts.{e}.linear_fc1/fc2``), the
 same parameters, state dict and sharded state dict (megatron's expert-axis keys, identical to
 ``TEGroupedMLP``'s), so checkpoints, the distributed optimizer, Hugging Face conversion and
-anything that walks the experts by name see no difference. Each forward stacks the local
-experts' weights (``[E, out, in]``, one copy kernel per linear, none where they already lie
-evenly spaced in one storage); the backward computes the input gradient and all experts' weight
-gradients with one grouped GEMM each and adds the weight gradients with one kernel per linear,
-into megatron DDP's ``main_grad`` or into one stacked ``.grad``
-(:mod:`~megatron_hybrid.modules.fast.grouped_linear`).
+anything that walks the experts by name see no difference. Each linear's local expert weights
+are built into one storage (``[E, out, in]``, each expert's parameter a view of its row), which
+the grouped GEMM multiplies in place; where something has moved them apart since (megatron's
+DDP buffer), each call stacks them (one copy kernel per linear). The backward computes the input
+gradient and all experts' weight gradients with one grouped GEMM each and adds the weight
+gradients with one kernel per linear, into megatron DDP's ``main_grad`` or into one stacked
+``.grad`` (:mod:`~megatron_hybrid.modules.fast.grouped_linear`).
 
 The seam for adapters: every expert linear goes through :meth:`GroupedGemmExperts.grouped_linear`
 ``(name, tokens, offsets)``. A LoRA implementation that wraps ``local_experts.{e}.linear_fc1``
@@ -33,7 +34,7 @@ from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch.nn import functional
 
-from megatron_hybrid.modules.fast.grouped_linear import grouped_linear
+from megatron_hybrid.modules.fast.grouped_linear import grouped_linear, pack_weights
 from megatron_hybrid.modules.fast.selection import grouped_gemm_reason
 
 __all__ = ["GroupedGemmExperts", "expert_activation", "group_offsets"]
@@ -92,6 +93,13 @@ class GroupedGemmExperts(SequentialMLP):
     #: with a dispatcher that keeps them there its inputs have fixed shapes and CUDA graphs may
     #: capture it (``modules/layer_types/moe.py``).
     takes_device_counts = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Each linear's expert weights in one storage: the grouped GEMM multiplies them where
+        # they lie instead of stacking a copy on every call (grouped_linear.pack_weights).
+        for name in ("linear_fc1", "linear_fc2"):
+            pack_weights([getattr(e, name).weight for e in self.local_experts])
 
     def grouped_linear(
         self, name: str, tokens: torch.Tensor, offsets: torch.Tensor

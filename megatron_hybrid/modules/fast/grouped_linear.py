@@ -28,7 +28,8 @@ the weight gradient itself:
   does: CUDA-graph capture records it through ``torch.autograd.grad``.)
 
 Weights that require no gradient (frozen under LoRA) get no weight-gradient GEMM. Weights that
-already lie evenly spaced in one storage are multiplied in place, without the stacking copy.
+already lie evenly spaced in one storage are multiplied in place, without the stacking copy; the
+experts put theirs there when they are built (:func:`pack_weights`).
 A stack that is a copy is not saved for the backward pass, which stacks the weights again (one
 more copy kernel per linear): saved, it would hold a second copy of every local expert weight
 from each forward to its backward, for every micro-batch in flight (all MoE layers at the end
@@ -45,7 +46,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from megatron_hybrid.modules.fast.grouped_add import grouped_add_, stacked_view
 
-__all__ = ["GroupedLinearFunction", "grouped_linear", "stack_weights"]
+__all__ = ["GroupedLinearFunction", "grouped_linear", "pack_weights", "stack_weights"]
 
 
 def stack_weights(weights) -> torch.Tensor:
@@ -54,6 +55,30 @@ def stack_weights(weights) -> torch.Tensor:
     detached = [w.detach() for w in weights]
     view = stacked_view(detached)
     return view if view is not None else torch.stack(detached)
+
+
+def pack_weights(weights) -> bool:
+    """Move the weights (parameters of one shape, dtype and device) into one storage, in order,
+    so that :func:`stack_weights` is a view and no forward copies them; True if it moved them.
+
+    Only ``.data`` changes: each weight stays its own parameter, under its own name, with its
+    own gradient. Whatever later gives the parameters new storage (megatron's DDP puts them in
+    its buffer, ``module.to`` a copy) undoes the packing; the grouped GEMM then stacks them again
+    on every call, one copy per linear (256 experts of a Qwen3.5-MoE layer's ``linear_fc1``: 1
+    GiB in bf16, copied per micro-batch).
+    """
+    if len(weights) < 2 or stacked_view(weights) is not None:
+        return False
+    first = weights[0]
+    same = all(w.shape == first.shape and w.dtype == first.dtype and w.device == first.device
+               and w.is_contiguous() and type(w) is type(first) for w in weights)  # fmt: skip
+    if not same or first.device.type == "meta":
+        return False
+    with torch.no_grad():
+        stack = torch.stack([w.detach() for w in weights])
+    for weight, row in zip(weights, stack, strict=True):
+        weight.data = row
+    return True
 
 
 @functools.cache

@@ -20,12 +20,12 @@ import contextlib
 import functools
 import inspect
 import os
-import weakref
 from typing import Any
 
 import torch
 
 from megatron_hybrid.modules.fla_backend import dqkwg_choice
+from megatron_hybrid.padding.batch import host_values
 
 __all__ = [
     "LOCAL_IMPLS",
@@ -33,7 +33,6 @@ __all__ = [
     "gather_permutation_reason",
     "gdn_rule_choice",
     "grouped_gemm_reason",
-    "host_values",
     "is_causal_mask",
     "resolve_local_impl",
     "rope_reason",
@@ -176,25 +175,6 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     if inference_context is not None:
         return "inference (megatron's key-value cache path)"
     return None
-
-
-_HOST_VALUES: dict[int, tuple[weakref.ref, list[int]]] = {}
-
-
-def host_values(tensor: torch.Tensor) -> list[int]:
-    """``tensor.tolist()``, read once for as long as that tensor lives.
-
-    A packed batch's ``cu_seqlens`` is one tensor that every layer of a forward receives, so the
-    device-to-host copy (a synchronisation) happens once per micro-batch, not once per layer.
-    """
-    key = id(tensor)
-    cached = _HOST_VALUES.get(key)
-    if cached is not None and cached[0]() is tensor:
-        return cached[1]
-    values = tensor.tolist()
-    _HOST_VALUES[key] = (weakref.ref(tensor, lambda _, key=key: _HOST_VALUES.pop(key, None)),
-                         values)  # fmt: skip
-    return values
 
 
 def is_causal_mask(mask_type) -> bool:

@@ -14,7 +14,16 @@ def tokenizer_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def generation_tokenizer_dir(tmp_path_factory):
-    """The same tokenizer, its template marking the assistant's tokens with {% generation %}."""
+def generation_tokenizer_dir(tmp_path_factory, tokenizer_dir):
+    """The same tokenizer, its template marking the assistant's tokens with {% generation %}.
+
+    The same one, not one trained again: BPE training breaks ties between equally frequent
+    pairs in no fixed order, so two trainings on one corpus can merge differently (seen once:
+    two token ids apart)."""
+    from transformers import PreTrainedTokenizerFast
+
     folder = tmp_path_factory.mktemp("tokenizer") / "generation"
-    return build_tokenizer(folder, chat_template=CHATML_GENERATION)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = CHATML_GENERATION
+    tokenizer.save_pretrained(str(folder))
+    return folder

@@ -462,3 +462,24 @@ def test_a_damaged_adapter_is_one_message_naming_its_file(
     code, _, err = run(capsys, "train", "--load-hf", str(served), "--load-peft", str(adapter),
                        "--train-iters", "1")  # fmt: skip
     _one_message(code, err, str(adapter))
+
+
+@pytest.mark.parametrize("views", [True, False], ids=["expert-rows", "own-storage"])
+def test_the_writer_saves_rows_of_one_storage_each_on_its_own(tmp_path, views):
+    """Expert weights built into one storage (``GroupedGemmExperts``) reach the safetensors
+    writer as views of it: each is written as itself (safetensors refuses only overlapping
+    memory), and the file holds no more than the tensors."""
+    from safetensors.torch import load_file
+
+    from megatron_hybrid.hf.io import HFCheckpointWriter
+
+    stack = torch.arange(4 * 6 * 8, dtype=torch.float32).view(4, 6, 8)
+    tensors = {f"experts.{e}.w": stack[e] if views else stack[e].clone() for e in range(4)}
+    writer = HFCheckpointWriter(tmp_path / "out")
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    (name,) = writer.close()
+    loaded = load_file(tmp_path / "out" / name)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert (tmp_path / "out" / name).stat().st_size < stack.nbytes + 1024

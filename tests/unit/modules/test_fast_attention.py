@@ -205,7 +205,7 @@ def test_plain_causal_call_takes_the_fast_path(pg):
 
 
 def test_host_offsets_are_read_once_per_tensor():
-    from megatron_hybrid.modules.fast.selection import host_values
+    from megatron_hybrid.padding.batch import host_values
 
     first = torch.tensor([0, 3, 5])
     assert host_values(first) == [0, 3, 5]

@@ -174,6 +174,39 @@ def test_same_parameters_and_checkpoint_keys_as_sequential_mlp(pg):
         assert all(getattr(other, f, None) == getattr(entry, f, None) for f in fields), key
 
 
+@pytest.mark.parametrize("layout", ["built", "moved-apart"])
+def test_expert_weights_are_built_into_one_storage(pg, layout, monkeypatch):
+    """Each linear's expert weights are rows of one storage (separate parameters still), which
+    the grouped GEMM multiplies without a stacking copy; weights moved apart afterwards (as
+    megatron's DDP moves them) are stacked and give the same numbers."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_hybrid.modules.fast import grouped_linear as module
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.modules.fast.grouped_add import stacked_view
+
+    config = _config(gated_linear_unit=True, activation_func=F.silu)
+    fast, ref = _experts(pg, GroupedGemmExperts, config), _experts(pg, SequentialMLP, config)
+    params = list(fast.parameters())
+    assert len(params) == len(list(ref.parameters())) == len({id(q) for q in params})
+    if layout == "moved-apart":
+        for q in params:
+            q.data = q.data.clone()
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = [getattr(e, name).weight for e in fast.local_experts]
+        assert (stacked_view(weights) is not None) == (layout == "built")
+    stacks = []
+    stack = torch.stack
+    monkeypatch.setattr(module.torch, "stack", lambda *a, **k: stacks.append(1) or stack(*a, **k))
+    fast_run = _run(fast, *_inputs(torch.float32))
+    monkeypatch.setattr(module.torch, "stack", stack)
+    ref_run = _run(ref, *_inputs(torch.float32))
+    # Forward and backward stack nothing when built; moved apart, each linear is stacked.
+    assert len(stacks) == (0 if layout == "built" else 4), stacks
+    for name, value in ref_run.items():
+        assert rel_error(fast_run[name], value) < 1e-5, name
+
+
 @pytest.mark.parametrize(
     "overrides, reason",
     [

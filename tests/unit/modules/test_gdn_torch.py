@@ -127,3 +127,29 @@ def test_rule_refuses_unknown_kernel_options():
     inputs, bounds = _row()
     with pytest.raises(ValueError, match="has no"):
         gdn_torch.chunk_gated_delta_rule(**inputs, cu_seqlens=bounds, use_gate_in_kernel=True)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "total", "cp", "error"),
+    [
+        ([0, 4, 10, 16], 16, 1, None),
+        ([0, 4, 10, 16], 16, 2, None),
+        ([0, 4, 10, 16], 15, 1, "does not match total_sequence_length=15"),
+        ([0, 3, 10, 16], 16, 2, r"divisible by cp_size=2, but got lengths: \[3, 7, 6\]"),
+    ],
+    ids=["ok", "ok-cp2", "total", "cp2-odd"],
+)
+def test_packed_boundary_checks_are_megatrons_on_the_host(offsets, total, cp, error):
+    """HybridGatedDeltaNet reads the boundaries once on the host and decides as megatron-core's
+    ``_GDNBase._resolve_cu_seqlens`` does (the same tensor back, the same errors)."""
+    from megatron.core.ssm.gated_delta_net.common import _GDNBase
+
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
+
+    padded = torch.tensor(offsets, dtype=torch.int32)
+    for method in (_GDNBase._resolve_cu_seqlens, HybridGatedDeltaNet._resolve_cu_seqlens):
+        if error is None:
+            assert method(None, padded, None, total, "cu_seqlens_q", cp_size=cp) is padded
+        else:
+            with pytest.raises(ValueError, match=error):
+                method(None, padded, None, total, "cu_seqlens_q", cp_size=cp)

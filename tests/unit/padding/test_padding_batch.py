@@ -223,3 +223,21 @@ def test_unpack_thd_checks_length():
     plan = thd_pack([3, 2], tp=1, cp=2, sp=False)
     with pytest.raises(ValueError, match="the plan packs 8 tokens"):
         unpack_thd(torch.zeros(1, 6), plan)
+
+
+def test_moving_packed_params_keeps_shared_tensors_shared():
+    """``cu_seqlens_q`` and ``cu_seqlens_kv`` are one tensor before and after the move (megatron's
+    GatedDeltaNet compares them with ``torch.equal``, free for a tensor and itself)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.padding.batch import packed_seq_params_to
+
+    real = torch.tensor([0, 3, 8], dtype=torch.int32)
+    padded = torch.tensor([0, 4, 8], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                             max_seqlen_q=5, max_seqlen_kv=5)  # fmt: skip
+    moved = packed_seq_params_to(params, torch.device("cpu"))
+    assert moved.cu_seqlens_q is moved.cu_seqlens_kv
+    assert moved.cu_seqlens_q_padded is moved.cu_seqlens_kv_padded
+    assert moved.cu_seqlens_q.tolist() == [0, 3, 8] and moved is not params
