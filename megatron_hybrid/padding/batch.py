@@ -4,7 +4,8 @@ The planners in :mod:`~megatron_hybrid.padding.multiples` (BSHD) and
 :mod:`~megatron_hybrid.padding.thd` (THD) decide lengths; this module only moves tensors. Both
 directions are exact: padding then unpadding (or packing then unpacking) returns the caller's
 tensors bit for bit, because pads only ever go *after* real tokens and the real tokens are
-copied, never recomputed.
+copied, never recomputed. A batch goes to the GPU through :func:`to_device` (from pinned memory,
+the host not waiting), and its boundaries are read on the host once through :func:`host_values`.
 
 Pad values (as Megatron-Bridge's ``training/utils/padding_utils.py`` uses them): tokens the pad
 id, ``labels`` -100, ``loss_mask`` 0, ``padding_mask`` True (True = pad, as megatron-core's MoE
@@ -29,10 +30,10 @@ __all__ = [
     "IGNORE_INDEX",
     "PackedBatch",
     "PaddedBatch",
+    "host_values",
     "pack_thd",
     "pad_bshd",
     "packed_seq_params_from",
-    "host_values",
     "packed_seq_params_to",
     "to_device",
     "unpack_thd",

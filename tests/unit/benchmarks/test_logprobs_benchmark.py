@@ -72,9 +72,12 @@ def test_profile_lines_name_the_costliest_kernels_and_host_operators():
                      "count": 200, "mean_us": 500.0}],  # fmt: skip
     }
     host = [{"name": "aten::item", "self_cpu_ms": 40.0, "count": 64}]
-    row = dict(layout="packed", profile=dict(summary=summary, kernels=kernels, host=host))
+    syncs = [{"site": "megatron/core/ssm/gated_delta_net/common.py:457", "count": 108}]
+    row = dict(layout="packed",
+               profile=dict(summary=summary, kernels=kernels, host=host, syncs=syncs))  # fmt: skip
     text = "\n".join(benchmark._profile_lines(row))
     assert "profiled packed call: 700 ms, GPU busy 210 ms, idle 490 ms" in text
     assert "| gemm | 120.0 | 300 |" in text and "| triton | 90.0 | 800 |" in text
     assert "| `sm90_xmma_gemm_bf16` | gemm | 100.0 | 200 | 500 |" in text
     assert "| `aten::item` | 40.0 | 64 |" in text
+    assert "| `megatron/core/ssm/gated_delta_net/common.py:457` | 108 |" in text
