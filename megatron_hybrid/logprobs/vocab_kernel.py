@@ -126,8 +126,9 @@ def combine_shards(m: Tensor, s: Tensor, u: Tensor | None, tp_group):
     seen = s != 0  # a shard without columns (or of -inf logits only) adds nothing
     delta = torch.where(seen, m - shift, torch.zeros_like(m))
     scale = torch.where(seen, delta.exp(), torch.zeros_like(m))
-    parts = [s * scale] if u is None else [s * scale, (u + delta * s) * scale]
-    sums = torch.stack(parts)
+    sums = (s * scale).unsqueeze(0)
+    if u is not None:
+        sums = torch.cat([sums, ((u + delta * s) * scale).unsqueeze(0)])
     if tp_group is not None and tp_group.size() > 1:
         torch.distributed.all_reduce(sums, op=ReduceOp.SUM, group=tp_group)
     mean_z = sums[1] / sums[0] if u is not None else None

@@ -51,8 +51,9 @@ __all__ = ["GroupedLinearFunction", "grouped_linear", "pack_weights", "stack_wei
 
 def stack_weights(weights) -> torch.Tensor:
     """The ``[E, out, in]`` stack of the expert weights, outside autograd: a view where
-    :func:`stacked_view` finds one, else one copy."""
-    detached = [w.detach() for w in weights]
+    :func:`stacked_view` finds one, else one copy. Under ``no_grad`` nothing records the stack,
+    so the weights need no detach each (256 experts: 256 operators fewer per linear)."""
+    detached = weights if not torch.is_grad_enabled() else [w.detach() for w in weights]
     view = stacked_view(detached)
     return view if view is not None else torch.stack(detached)
 
@@ -75,7 +76,7 @@ def pack_weights(weights) -> bool:
     if not same or first.device.type == "meta":
         return False
     with torch.no_grad():
-        stack = torch.stack([w.detach() for w in weights])
+        stack = stack_weights(weights)
     for weight, row in zip(weights, stack, strict=True):
         weight.data = row
     return True
@@ -229,8 +230,5 @@ def grouped_linear(tokens: torch.Tensor, offsets: torch.Tensor, weights) -> torc
     runs alone: no autograd function over every expert weight, none of its gradient bookkeeping.
     """
     if not torch.is_grad_enabled():
-        # No detach per expert weight either (256 experts: 256 more operators per linear).
-        stacked = stacked_view(weights)
-        stacked = torch.stack(weights) if stacked is None else stacked
-        return torch._grouped_mm(tokens, stacked.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(tokens, stack_weights(weights).transpose(1, 2), offs=offsets)
     return GroupedLinearFunction.apply(tokens, offsets, *weights)
