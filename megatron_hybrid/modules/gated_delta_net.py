@@ -8,33 +8,94 @@ that ``exp(sum g)`` then carries through the recurrence, and its backward rounds
 twice more. transformers (``-self.A_log.float().exp() * softplus(a.float() + self.dt_bias)`` in
 its Qwen3.5 / Qwen3-Next modeling code) and fla's own fused gate (``use_gate_in_kernel``) take
 ``exp`` in float32. :class:`HybridGatedDeltaNet` does the same; nothing else differs, so
-checkpoints, THD handling and the kernels are megatron-core's (its checks of packed boundaries
-read them on the host once per micro-batch, not per layer), except that where fla's kernels
-run (on GPUs without ``deterministic_mode``) the package's gated ``chunk_bwd_dqkwg`` is
-registered with fla: fla refuses its own on Hopper with Triton 3.4-3.7.0
-(:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
+checkpoints, THD handling and the kernels are megatron-core's, except where the host would
+wait for the GPU or fla's backward cannot run:
+
+* megatron's checks of a packed batch's boundaries read them on the host once per micro-batch,
+  not three times per layer (:meth:`HybridGatedDeltaNet._resolve_cu_seqlens`);
+* fla's kernels get their chunk indices (which chunk of which sequence each program computes)
+  built from those host values and copied without a wait (:func:`fla_chunk_indices`): given only
+  ``cu_seqlens`` on the GPU, fla 0.6.0 builds them on the device with a ``repeat_interleave``
+  whose output size the host must read (``fla/ops/utils/index.py``, ``_segmented_arange``),
+  once for the conv and once for the rule of every micro-batch;
+* where fla's kernels run (on GPUs without ``deterministic_mode``) the package's gated
+  ``chunk_bwd_dqkwg`` is registered with fla: fla refuses its own on Hopper with Triton
+  3.4-3.7.0 (:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
 """
 
 from __future__ import annotations
 
+import functools
+from itertools import pairwise
+
 import torch
 from megatron.core.jit import jit_fuser
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
 from torch.nn.functional import softplus
 
 from megatron_hybrid.modules.fla_backend import register_fla_backend
-from megatron_hybrid.padding.batch import host_values
+from megatron_hybrid.padding.batch import derived, host_values, to_device
 
-__all__ = ["HybridGatedDeltaNet"]
+__all__ = ["FLA_CHUNK_SIZE", "HybridGatedDeltaNet", "fla_chunk_indices"]
+
+#: The chunk size of fla 0.6.0's ``chunk_gated_delta_rule`` and ``causal_conv1d`` (both default
+#: to 64 and megatron-core passes none).
+FLA_CHUNK_SIZE = 64
+
+
+def fla_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE) -> torch.Tensor:
+    """fla's ``prepare_chunk_indices(cu_seqlens, chunk_size)`` without the host waiting.
+
+    Row ``r`` is ``(sequence, chunk within it)`` of the ``r``-th chunk of ``chunk_size`` tokens,
+    sequences in order, a sequence of ``n`` tokens owning ``ceil(n / chunk_size)`` chunks (none if
+    empty); dtype and device are ``cu_seqlens``'. Made from the boundaries' host values, copied
+    from pinned memory and kept for as long as ``cu_seqlens`` lives, so every layer of a
+    micro-batch shares one copy.
+    """
+
+    def make() -> torch.Tensor:
+        offsets = host_values(cu_seqlens)
+        rows = [
+            (sequence, chunk)
+            for sequence, (start, end) in enumerate(pairwise(offsets))
+            for chunk in range(-(-(end - start) // chunk_size))
+        ]
+        host = torch.tensor(rows, dtype=cu_seqlens.dtype).reshape(-1, 2)
+        return to_device(host, cu_seqlens.device)
+
+    return derived(cu_seqlens, ("fla_chunk_indices", chunk_size), make)
+
+
+def _with_chunk_indices(kernel):
+    """``kernel`` (fla's conv or rule) given :func:`fla_chunk_indices` with GPU ``cu_seqlens``."""
+    if getattr(kernel, "_mh_chunk_indices", False):
+        return kernel
+
+    @functools.wraps(kernel)
+    def call(*args, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None and cu_seqlens.is_cuda and kwargs.get("chunk_indices") is None:
+            kwargs["chunk_indices"] = fla_chunk_indices(cu_seqlens)
+        return kernel(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    call._mh_chunk_indices = True
+    return call
 
 
 class HybridGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` with ``g`` computed in float32 (see the module doc)."""
 
     def __init__(self, config, *args, **kwargs):
-        if torch.cuda.is_available() and not config.deterministic_mode:
+        fla_kernels = torch.cuda.is_available() and not config.deterministic_mode
+        if fla_kernels:
             register_fla_backend()  # fla's backward on Hopper with Triton 3.4-3.7.0
+            # megatron-core 0.19.2's gdn.py calls the conv it imported from fla by that module
+            # name at run time; the rule it binds to the layer in _setup_variant_attrs.
+            if megatron_gdn.causal_conv1d is not None:
+                megatron_gdn.causal_conv1d = _with_chunk_indices(megatron_gdn.causal_conv1d)
         super().__init__(config, *args, **kwargs)
+        if fla_kernels and self.gated_delta_rule is megatron_gdn.chunk_gated_delta_rule:
+            self.gated_delta_rule = _with_chunk_indices(self.gated_delta_rule)
 
     @jit_fuser
     def _compute_g_and_beta(

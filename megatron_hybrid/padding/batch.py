@@ -30,6 +30,7 @@ __all__ = [
     "IGNORE_INDEX",
     "PackedBatch",
     "PaddedBatch",
+    "derived",
     "host_values",
     "pack_thd",
     "pad_bshd",
@@ -245,14 +246,25 @@ def packed_seq_params_from(
     )
 
 
-_HOST_VALUES: dict[int, tuple[weakref.ref, list]] = {}
+_DERIVED: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def _remember(tensor: torch.Tensor, values: list) -> list:
-    key = id(tensor)
-    _HOST_VALUES[key] = (weakref.ref(tensor, lambda _, key=key: _HOST_VALUES.pop(key, None)),
-                         values)  # fmt: skip
-    return values
+def derived(tensor: torch.Tensor, key, make):
+    """``make()``, computed once per ``key`` for as long as ``tensor`` lives.
+
+    For facts of a tensor that is never changed in place (a packed batch's boundaries), which
+    every layer of a forward asks for again. ``make``'s result must not refer to ``tensor``
+    (it would keep it alive).
+    """
+    ident = id(tensor)
+    entry = _DERIVED.get(ident)
+    if entry is None or entry[0]() is not tensor:
+        entry = (weakref.ref(tensor, lambda _, ident=ident: _DERIVED.pop(ident, None)), {})
+        _DERIVED[ident] = entry
+    memo = entry[1]
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 def host_values(tensor: torch.Tensor) -> list:
@@ -262,10 +274,7 @@ def host_values(tensor: torch.Tensor) -> list:
     device-to-host copy (a synchronisation) happens at most once per micro-batch, not once per
     layer, and not at all for a tensor :func:`to_device` moved there from the host.
     """
-    cached = _HOST_VALUES.get(id(tensor))
-    if cached is not None and cached[0]() is tensor:
-        return cached[1]
-    return _remember(tensor, tensor.tolist())
+    return derived(tensor, "host_values", tensor.tolist)
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -282,7 +291,8 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
         return tensor.to(device)
     moved = tensor.pin_memory().to(device, non_blocking=True)
     if tensor.dim() == 1 and tensor.numel() <= 4096 and not tensor.is_floating_point():
-        _remember(moved, tensor.tolist())
+        values = tensor.tolist()
+        derived(moved, "host_values", lambda: values)
     return moved
 
 

@@ -329,3 +329,57 @@ def test_causal_conv1d_matches_reference(world, shape):
     for label in ("fla bf16", "fla bf16 strided x"):
         failures += _failures(label, errors.get(label, {}), fla_bound)
     assert not failures, failures
+
+
+@pytest.mark.time_limit(240)  # fla compiles its varlen kernels on first use
+def test_fla_kernels_get_chunk_indices_without_host_syncs(world):
+    """fla's conv and rule as ``HybridGatedDeltaNet`` calls them (``_with_chunk_indices``) on a
+    packed batch moved from the host: no host synchronisation (torch's sync debug mode raises on
+    any), chunk indices equal to fla's own, outputs equal to fla's unwrapped call bit for bit;
+    the control runs fla unwrapped under the same mode and must meet its synchronisation."""
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("fla's Triton kernels and host synchronisations exist on CUDA only")
+    pytest.importorskip("fla")
+    from fla.modules.convolution import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from megatron_hybrid.modules.gated_delta_net import _with_chunk_indices, fla_chunk_indices
+    from megatron_hybrid.padding.batch import to_device
+
+    torch.manual_seed(0)
+    heads, dim, width = 2, 64, CONV_WIDTH
+    host = torch.tensor([0, 100, 100, 357, 1024], dtype=torch.int32)  # an empty sequence too
+    total = int(host[-1])
+    x = torch.randn(1, total, heads * dim, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(heads * dim, width, device=device, dtype=torch.bfloat16) / width
+    q, k, v = (torch.nn.functional.normalize(torch.randn(1, total, heads, dim, device=device),
+                                             dim=-1).bfloat16() for _ in range(3))  # fmt: skip
+    g = -torch.rand(1, total, heads, device=device)
+    beta = torch.rand(1, total, heads, device=device).bfloat16()
+    conv, rule = _with_chunk_indices(causal_conv1d), _with_chunk_indices(chunk_gated_delta_rule)
+
+    def both(conv_fn, rule_fn, cu_seqlens):
+        y, _ = conv_fn(x=x, weight=weight, bias=None, activation="silu", cu_seqlens=cu_seqlens)
+        o, _ = rule_fn(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens)
+        return y, o
+
+    with _progress("fla varlen conv and rule (compiles on first use)"):
+        want = both(causal_conv1d, chunk_gated_delta_rule, host.to(device))
+    torch.cuda.synchronize()
+    cu_seqlens = to_device(host, device)  # a fresh batch: nothing of it cached by fla or us
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = both(conv, rule, cu_seqlens)
+        with pytest.raises(RuntimeError, match="synchroniz"):  # control: fla's own indices
+            both(causal_conv1d, chunk_gated_delta_rule, to_device(host, device))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ours, fla_own = fla_chunk_indices(cu_seqlens), prepare_chunk_indices(cu_seqlens, 64)
+    report("fla chunk indices from the host", [
+        ("chunks", "ours == fla's", "conv output bitwise", "rule output bitwise"),
+        (len(ours), torch.equal(ours, fla_own), torch.equal(got[0], want[0]),
+         torch.equal(got[1], want[1]))])  # fmt: skip
+    assert ours.dtype == fla_own.dtype and torch.equal(ours, fla_own)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -8,6 +8,8 @@ the negative control.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from support.gdn_reference import (
@@ -153,3 +155,60 @@ def test_packed_boundary_checks_are_megatrons_on_the_host(offsets, total, cp, er
         else:
             with pytest.raises(ValueError, match=error):
                 method(None, padded, None, total, "cu_seqlens_q", cp_size=cp)
+
+
+def _floor_chunk_indices(offsets: list[int], chunk_size: int) -> torch.Tensor:
+    """A deliberate bug for the control: a sequence's last, partial chunk left out."""
+    rows = [(s, c) for s, (a, b) in enumerate(pairwise(offsets))
+            for c in range((b - a) // chunk_size)]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize(
+    ("offsets", "chunk_size"),
+    [
+        ([0, 100, 100, 357, 1024], 64),
+        ([0, 64, 128], 64),
+        ([0, 1, 65, 129, 130], 64),
+        ([0, 3, 70, 71, 135, 164], 16),
+        ([0], 64),
+    ],
+    ids=["empty-sequence", "whole-chunks", "single-steps", "chunk16", "no-sequence"],
+)
+def test_chunk_indices_are_fla_s(offsets, chunk_size, dtype):
+    """``fla_chunk_indices`` (made on the host, kept per tensor) equals fla 0.6.0's
+    ``prepare_chunk_indices`` (made on the tensor's device); the control drops partial chunks."""
+    fla_index = pytest.importorskip("fla.ops.utils.index")
+
+    from megatron_hybrid.modules.gated_delta_net import fla_chunk_indices
+
+    cu_seqlens = torch.tensor(offsets, dtype=dtype)
+    ours = fla_chunk_indices(cu_seqlens, chunk_size)
+    want = fla_index.prepare_chunk_indices(cu_seqlens, chunk_size)
+    assert ours.dtype == want.dtype == dtype and ours.shape == want.shape
+    assert torch.equal(ours, want)
+    assert fla_chunk_indices(cu_seqlens, chunk_size) is ours  # once per tensor and chunk size
+    if any((b - a) % chunk_size for a, b in pairwise(offsets)):
+        wrong = _floor_chunk_indices(offsets, chunk_size)
+        assert wrong.shape != want.shape or not torch.equal(wrong.to(dtype), want)
+
+
+def test_chunk_indices_reach_fla_only_for_gpu_boundaries():
+    """The wrapper around fla's kernels adds ``chunk_indices`` only where ``cu_seqlens`` is on a
+    GPU (fla then skips its synchronising ``repeat_interleave``), keeps a caller's own, and wraps
+    once."""
+    from megatron_hybrid.modules.gated_delta_net import _with_chunk_indices
+
+    seen = []
+
+    def kernel(x, *, cu_seqlens=None, **kwargs):
+        seen.append(sorted(kwargs))
+        return x
+
+    wrapped = _with_chunk_indices(kernel)
+    assert _with_chunk_indices(wrapped) is wrapped
+    assert wrapped(1, cu_seqlens=torch.tensor([0, 5])) == 1
+    assert wrapped(2) == 2
+    assert wrapped(3, cu_seqlens=torch.tensor([0, 5]), chunk_indices="given") == 3
+    assert seen == [[], [], ["chunk_indices"]]
