@@ -4,7 +4,8 @@ small sampler, over the models :func:`~megatron_hybrid.hf.load_hf_model` builds.
 * :class:`PolicyTrainer` (``rl/trainer.py``): ``step`` (one optimizer step on the clipped
   policy loss with KL and entropy terms, through megatron-core's schedule and DDP),
   ``logprobs`` and ``iter_hf_weights``;
-* the loss itself as pure tensor math (``rl/losses.py``);
+* the loss itself as pure tensor math (``rl/losses.py``), and the forward step and loss function
+  megatron-core's schedule calls (``rl/forward_step.py``);
 * :func:`sample` (``rl/sampler.py``): greedy / temperature / top-p sampling for examples, tests
   and engine-free runs (weight sync into its model: ``load_hf_weights(model,
   dict(trainer.iter_hf_weights()))``).

@@ -9,7 +9,8 @@ micro-batches through the padding planners (padded rows where a layer type canno
 :func:`~megatron_hybrid.logprobs.batches.plan_micro_batches`), runs them through megatron-core's
 schedule (no pipelining, PP or interleaved VPP) with the policy loss of
 :mod:`megatron_hybrid.rl.losses` as the loss function
-(:func:`~megatron_hybrid.training.loop.train_step` with :func:`policy_forward_step`), and applies
+(:func:`~megatron_hybrid.training.loop.train_step` with
+:func:`~megatron_hybrid.rl.forward_step.policy_forward_step`), and applies
 one optimizer step.
 
 The loss is exact over the global batch: each micro-batch's loss function returns megatron's
@@ -42,24 +43,14 @@ from megatron_hybrid.logprobs.batches import (
     replica_error,
 )
 from megatron_hybrid.logprobs.forward import choose_packed, forward_logprobs, model_device
-from megatron_hybrid.logprobs.vocab import check_temperature, token_logprobs_and_entropy
+from megatron_hybrid.logprobs.vocab import check_temperature
 from megatron_hybrid.padding import padding_config_from
-from megatron_hybrid.rl.losses import PolicyLoss, sequence_weights, token_terms
+from megatron_hybrid.rl.forward_step import POLICY_LOSS, micro_batch_loss, policy_forward_step
+from megatron_hybrid.rl.losses import PolicyLoss, sequence_weights
 from megatron_hybrid.training.loop import train_step, wrap_model_chunks
 from megatron_hybrid.training.optimizers import build_optimizer, check_optimizer
 
-__all__ = [
-    "POLICY_LOSS",
-    "PolicyTrainer",
-    "StepMetrics",
-    "TrainerSettings",
-    "micro_batch_loss",
-    "policy_forward_step",
-]
-
-#: The report key of the policy loss (entries: loss sum, count, policy, KL and entropy sums,
-#: clipped tokens, loss-masked tokens).
-POLICY_LOSS = "policy loss"
+__all__ = ["PolicyTrainer", "StepMetrics", "TrainerSettings"]
 
 
 @dataclass(frozen=True)
@@ -120,77 +111,6 @@ class StepMetrics:
     def as_dict(self) -> dict:
         """The metrics as a plain dict (for loggers)."""
         return asdict(self)
-
-
-def micro_batch_loss(batch: dict, output: torch.Tensor, *, settings: PolicyLoss, options: dict):
-    """The loss function of one micro-batch (last pipeline stage): megatron's three-tuple.
-
-    Args:
-        batch: the micro-batch (:meth:`PolicyTrainer.step` builds it): ``labels`` and, per
-            output row, ``mask``, ``weights`` (:func:`~megatron_hybrid.rl.losses.sequence_weights`),
-            ``advantages`` and ``old``/``ref`` log-probs (or None); ``count``.
-        output: this rank's vocab-parallel logits.
-        settings: the loss's coefficients.
-        options: ``tp_group``, ``temperature``, ``vocab_size`` of the vocab-parallel reduction.
-
-    Returns:
-        ``(sum of weights x token losses, count, {POLICY_LOSS: report})``.
-    """
-    logits = output.reshape(-1, output.size(-1))
-    logp, entropy = token_logprobs_and_entropy(logits, batch["labels"], **options)
-    mask = batch["mask"]
-    live = mask > 0
-    current = logp.detach()
-    # Outside the loss mask the inputs may be anything (padding): there they become the values
-    # that make every term zero with finite derivatives.
-    old = None if batch["old"] is None else torch.where(live, batch["old"], current)
-    ref = None if batch["ref"] is None else torch.where(live, batch["ref"], current)
-    advantages = torch.where(live, batch["advantages"], torch.zeros_like(current))
-    terms = token_terms(
-        logp, advantages, settings, old_logprobs=old, ref_logprobs=ref, entropy=entropy
-    )
-    weights = batch["weights"]
-    loss_sum = (weights * terms.loss(settings)).sum()
-    count = batch["count"]
-    report = torch.stack(
-        [
-            loss_sum.detach(),
-            count.float(),
-            (weights * terms.policy).sum().detach(),
-            (weights * terms.kl).sum().detach(),
-            (weights * terms.entropy).sum().detach(),
-            (mask * terms.clipped).sum(),
-            mask.sum(),
-        ]
-    )
-    return loss_sum, count, {POLICY_LOSS: report}
-
-
-def policy_forward_step(data_iterator, model, return_schedule_plan: bool = False, *, loss):
-    """``forward_step_func`` of the policy step for megatron-core's schedules.
-
-    Args:
-        data_iterator: yields the micro-batch dicts :meth:`PolicyTrainer.step` builds.
-        model: a model chunk.
-        return_schedule_plan: refused (the combined-1F1B EP overlap schedule has no policy
-            loss yet).
-        loss: ``micro_batch_loss`` with the step's settings bound.
-    """
-    if return_schedule_plan:
-        raise ValueError(
-            "PolicyTrainer: overlap_moe_expert_parallel_comm is not supported; build the model "
-            "without it"
-        )
-    batch = next(data_iterator)
-    output = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        attention_mask=None,
-        packed_seq_params=batch["packed_seq_params"],
-        padding_mask=batch["padding_mask"],
-        runtime_gather_output=False,  # vocab-parallel logits, reduced without gathering them
-    )
-    return output, partial(loss, batch)
 
 
 def _configure_for_policy(inner: list, config, settings: TrainerSettings) -> None:

@@ -1,5 +1,5 @@
 """What a ``train`` run writes about itself: progress lines, metrics.jsonl, TensorBoard events,
-loss_curve.png.
+loss_curve.png, and the :class:`TrainingSummary` it returns.
 
 Rank 0 prints a progress line every ``--log-interval`` steps (:class:`ProgressLine`) and
 writes, into ``--log-dir`` (default: the ``--save`` folder; nothing without either):
@@ -18,12 +18,23 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_hybrid.checkpointing.store import LOG_FILES
+from megatron_hybrid.training.throughput import DevicePeak, tflops_per_gpu, throughput_text
 
-__all__ = ["LOSS_CURVE_FILE", "METRICS_FILE", "MetricsLog", "ProgressLine", "read_metrics"]
+__all__ = [
+    "LOSS_CURVE_FILE",
+    "METRICS_FILE",
+    "WARMUP_STEPS",
+    "MetricsLog",
+    "ProgressLine",
+    "TrainingSummary",
+    "read_metrics",
+]
 
 # The checkpoint store's names: a save root may hold them beside its checkpoints.
 METRICS_FILE, LOSS_CURVE_FILE = LOG_FILES
@@ -186,3 +197,68 @@ class ProgressLine:
     def close(self) -> None:
         if self.tty:
             print()
+
+
+#: Steps at the start of a run that pay for one-time work (kernel autotuning and compilation,
+#: lazy allocations, the first collectives) and are timed apart from the rest.
+WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """What a run did, returned by :func:`run_training`.
+
+    Attributes:
+        first_iteration, last_iteration: the iterations the run went from and to.
+        losses, grad_norms: per applied step (skipped non-finite steps left out).
+        saved: the last checkpoint folder written, if any.
+        step_seconds, step_tokens: wall time and real tokens of each applied step.
+        step_flops: model FLOPs of each applied step (real tokens; ``training.throughput``).
+        gpus: GPUs the run used (0 on the CPU: no TFLOP/s or MFU reported).
+        peak: the peak MFU divides by (None: unknown, no MFU).
+        learning_rates: the rate of each applied step.
+        validation_losses: ``(iteration, loss)`` of each evaluation.
+    """
+
+    first_iteration: int
+    last_iteration: int
+    losses: list[float]
+    grad_norms: list[float]
+    saved: str | None
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_flops: list[float] = field(default_factory=list)
+    gpus: int = 0
+    peak: DevicePeak | None = None
+    learning_rates: list[float] = field(default_factory=list)
+    validation_losses: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def warmup_seconds(self) -> float:
+        """Wall time of the first :data:`WARMUP_STEPS` applied steps."""
+        return sum(self.step_seconds[:WARMUP_STEPS])
+
+    @property
+    def median_step_seconds(self) -> float | None:
+        """Median time of the steps after warm-up (None: the run had none)."""
+        timed = self.step_seconds[WARMUP_STEPS:]
+        return statistics.median(timed) if timed else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Median tokens/s of the steps after warm-up (the warm-up's own rate if none came
+        after it; 0 without steps)."""
+        pairs = list(zip(self.step_tokens, self.step_seconds, strict=True))
+        timed = pairs[WARMUP_STEPS:] or pairs
+        return statistics.median(t / s for t, s in timed) if timed else 0.0
+
+    @property
+    def throughput(self) -> str | None:
+        """Median TFLOP/s per GPU and MFU of the steps after warm-up (the warm-up's if none came
+        after it), as ``train`` prints them; None on the CPU or without FLOPs."""
+        if not self.gpus or len(self.step_flops) != len(self.step_seconds):
+            return None
+        flops, seconds = self.step_flops[WARMUP_STEPS:], self.step_seconds[WARMUP_STEPS:]
+        if not seconds:
+            flops, seconds = self.step_flops, self.step_seconds
+        return throughput_text(tflops_per_gpu(flops, seconds, self.gpus), self.peak)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +44,7 @@ from megatron_hybrid.training.inputs import (
 from megatron_hybrid.training.loop import build_model_chunks, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
-from megatron_hybrid.training.metrics import MetricsLog, ProgressLine
+from megatron_hybrid.training.metrics import MetricsLog, ProgressLine, TrainingSummary
 from megatron_hybrid.training.optimizers import build_optimizer
 from megatron_hybrid.training.save_target import (
     SaveTarget,
@@ -72,7 +71,6 @@ from megatron_hybrid.training.validation import validate_settings
 
 __all__ = [
     "TrainingError",
-    "TrainingSummary",
     "build_chunks",
     "check_resume_compatible",
     "model_config",
@@ -84,71 +82,6 @@ __all__ = [
 
 class TrainingError(ValueError):
     """A setting or input that prevents training; printed as one message (exit code 2)."""
-
-
-#: Steps at the start of a run that pay for one-time work (kernel autotuning and compilation,
-#: lazy allocations, the first collectives) and are timed apart from the rest.
-WARMUP_STEPS = 1
-
-
-@dataclass(frozen=True)
-class TrainingSummary:
-    """What a run did, returned by :func:`run_training`.
-
-    Attributes:
-        first_iteration, last_iteration: the iterations the run went from and to.
-        losses, grad_norms: per applied step (skipped non-finite steps left out).
-        saved: the last checkpoint folder written, if any.
-        step_seconds, step_tokens: wall time and real tokens of each applied step.
-        step_flops: model FLOPs of each applied step (real tokens; ``training.throughput``).
-        gpus: GPUs the run used (0 on the CPU: no TFLOP/s or MFU reported).
-        peak: the peak MFU divides by (None: unknown, no MFU).
-        learning_rates: the rate of each applied step.
-        validation_losses: ``(iteration, loss)`` of each evaluation.
-    """
-
-    first_iteration: int
-    last_iteration: int
-    losses: list[float]
-    grad_norms: list[float]
-    saved: str | None
-    step_seconds: list[float] = field(default_factory=list)
-    step_tokens: list[int] = field(default_factory=list)
-    step_flops: list[float] = field(default_factory=list)
-    gpus: int = 0
-    peak: DevicePeak | None = None
-    learning_rates: list[float] = field(default_factory=list)
-    validation_losses: list[tuple[int, float]] = field(default_factory=list)
-
-    @property
-    def warmup_seconds(self) -> float:
-        """Wall time of the first :data:`WARMUP_STEPS` applied steps."""
-        return sum(self.step_seconds[:WARMUP_STEPS])
-
-    @property
-    def median_step_seconds(self) -> float | None:
-        """Median time of the steps after warm-up (None: the run had none)."""
-        timed = self.step_seconds[WARMUP_STEPS:]
-        return statistics.median(timed) if timed else None
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Median tokens/s of the steps after warm-up (the warm-up's own rate if none came
-        after it; 0 without steps)."""
-        pairs = list(zip(self.step_tokens, self.step_seconds, strict=True))
-        timed = pairs[WARMUP_STEPS:] or pairs
-        return statistics.median(t / s for t, s in timed) if timed else 0.0
-
-    @property
-    def throughput(self) -> str | None:
-        """Median TFLOP/s per GPU and MFU of the steps after warm-up (the warm-up's if none came
-        after it), as ``train`` prints them; None on the CPU or without FLOPs."""
-        if not self.gpus or len(self.step_flops) != len(self.step_seconds):
-            return None
-        flops, seconds = self.step_flops[WARMUP_STEPS:], self.step_seconds[WARMUP_STEPS:]
-        if not seconds:
-            flops, seconds = self.step_flops, self.step_seconds
-        return throughput_text(tflops_per_gpu(flops, seconds, self.gpus), self.peak)
 
 
 def check_resume_compatible(chunks, folder, args: TrainSettings | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_hybrid.cli.train import closing_line
-from megatron_hybrid.training.run import TrainingSummary
+from megatron_hybrid.training.metrics import TrainingSummary
 
 
 def _summary(seconds, tokens, saved=None) -> TrainingSummary:

@@ -102,7 +102,7 @@ def test_rates_and_text():
 
 def test_summary_reports_the_steps_after_warm_up():
     from megatron_hybrid.cli.train import closing_line
-    from megatron_hybrid.training.run import TrainingSummary
+    from megatron_hybrid.training.metrics import TrainingSummary
 
     summary = TrainingSummary(
         first_iteration=0, last_iteration=3, losses=[3.0, 2.0, 1.0], grad_norms=[1.0] * 3,
