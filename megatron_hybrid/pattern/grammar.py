@@ -59,6 +59,7 @@ from megatron_hybrid.pattern.tokenizer import (
     SEGMENT_SEP,
     Token,
     lexicon,
+    read_literal,
     tokenize,
 )
 
@@ -228,7 +229,7 @@ class _Parser:
         text, at = token.text, token.position
         if part == _MTP and GROUP_OPEN in text:
             raise self.group_in_mtp(at + text.index(GROUP_OPEN))
-        read = _read_literal(text)
+        read = read_literal(text)
         if read is None:  # some group breaks a slot rule: find it and raise with its position
             for match in lexicon().element.finditer(text):
                 filled: dict[Slot, tuple[str, int]] = {}
@@ -236,7 +237,7 @@ class _Parser:
                     self.add_member(
                         at + match.start(), symbol, at + match.start() + 1 + offset, filled
                     )
-            raise AssertionError("_read_literal and add_member disagree")  # pragma: no cover
+            raise AssertionError("read_literal and add_member disagree")  # pragma: no cover
         items, offsets, physical = read
         return _Unit(LITERAL, (items, offsets), at, physical)
 
@@ -341,54 +342,6 @@ class _Parser:
             )
         physical = min(sum(node.physical for node in nodes), COUNT_CAP)
         return _Unit(RUN_START, tuple(nodes), opening.position, physical)
-
-
-@functools.lru_cache(maxsize=256)
-def _follows_slot_rules(members: str, version: int) -> bool:
-    """At most one member per slot, the MLP-slot member last (cached: groups repeat a lot).
-
-    ``version`` is the alphabet version: a cache key, so a re-registered symbol is re-read.
-    """
-    slots = [SLOT_OF_SYMBOL[symbol] for symbol in members]
-    return len(set(slots)) == len(slots) and Slot.MLP not in slots[:-1]
-
-
-#: Longest literal kept in the cache below: repeated short literals are the common case, and
-#: caching long ones would keep the text of rejected patterns alive.
-_CACHED_LITERAL_LENGTH = 256
-
-
-def _read_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
-    """Items of a literal, their offsets in it and its physical count; None if a group is bad."""
-    version = alphabet_version()
-    if len(text) <= _CACHED_LITERAL_LENGTH:
-        return _read_short_literal(text, version)
-    return _read_literal_uncached(text, version)
-
-
-@functools.lru_cache(maxsize=256)
-def _read_short_literal(
-    text: str, version: int
-) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
-    return _read_literal_uncached(text, version)
-
-
-def _read_literal_uncached(
-    text: str, version: int
-) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
-    items: list[Item] = []
-    offsets: list[int] = []
-    for match in lexicon().element.finditer(text):
-        element = match.group()
-        if element[0] == GROUP_OPEN:
-            members = element[1:-1]
-            if not _follows_slot_rules(members, version):
-                return None
-            items.append(tuple(members))
-        else:
-            items.append(element)
-        offsets.append(match.start())
-    return tuple(items), tuple(offsets), len(text) - 2 * text.count(GROUP_OPEN)
 
 
 _INSIDE_GROUP_HINTS = {

@@ -23,7 +23,8 @@ import re
 from typing import NamedTuple
 
 from megatron_hybrid.pattern.errors import HybridPatternError, display_char
-from megatron_hybrid.pattern.layer_types import alphabet_version, layer_symbols
+from megatron_hybrid.pattern.layer_types import SLOT_OF_SYMBOL, alphabet_version, layer_symbols
+from megatron_hybrid.pattern.layout import Item
 from megatron_hybrid.pattern.symbols import (
     GROUP_CLOSE,
     GROUP_OPEN,
@@ -33,6 +34,7 @@ from megatron_hybrid.pattern.symbols import (
     REPEAT_OPEN,
     RUN_CLOSE,
     RUN_OPEN,
+    Slot,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "SEGMENT_SEP",
     "Token",
     "lexicon",
+    "read_literal",
     "tokenize",
 ]
 
@@ -245,3 +248,53 @@ def _invalid_char(pattern: str, position: int, lex: Lexicon) -> HybridPatternErr
     elif char.isdigit() or char in "xX":
         hint = "repeat a unit with {N} right after it, e.g. '[*E]{4}' or '(M*){3}'"
     return HybridPatternError(message, pattern, position, lex.expected, hint)
+
+
+@functools.lru_cache(maxsize=256)
+def _follows_slot_rules(members: str, version: int) -> bool:
+    """At most one member per slot, the MLP-slot member last (cached: groups repeat a lot).
+
+    ``version`` is the alphabet version: a cache key, so a re-registered symbol is re-read.
+    """
+    slots = [SLOT_OF_SYMBOL[symbol] for symbol in members]
+    return len(set(slots)) == len(slots) and Slot.MLP not in slots[:-1]
+
+
+#: Longest literal kept in the cache below: repeated short literals are the common case, and
+#: caching long ones would keep the text of rejected patterns alive.
+_CACHED_LITERAL_LENGTH = 256
+
+
+def read_literal(text: str) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+    """Items of a literal token, their offsets in it and its physical count; None if a group
+    breaks a slot rule (at most one member per slot, the MLP-slot member last), which the parser
+    then finds and reports with its position."""
+    version = alphabet_version()
+    if len(text) <= _CACHED_LITERAL_LENGTH:
+        return _read_short_literal(text, version)
+    return _read_literal_uncached(text, version)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_short_literal(
+    text: str, version: int
+) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+    return _read_literal_uncached(text, version)
+
+
+def _read_literal_uncached(
+    text: str, version: int
+) -> tuple[tuple[Item, ...], tuple[int, ...], int] | None:
+    items: list[Item] = []
+    offsets: list[int] = []
+    for match in lexicon().element.finditer(text):
+        element = match.group()
+        if element[0] == GROUP_OPEN:
+            members = element[1:-1]
+            if not _follows_slot_rules(members, version):
+                return None
+            items.append(tuple(members))
+        else:
+            items.append(element)
+        offsets.append(match.start())
+    return tuple(items), tuple(offsets), len(text) - 2 * text.count(GROUP_OPEN)

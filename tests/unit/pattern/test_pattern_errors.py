@@ -257,18 +257,18 @@ def test_pattern_length_is_bounded():
 def test_long_literals_are_not_cached():
     """Rejected long patterns must not stay alive in the literal cache (cache_clear cannot
     reach it); short literals, the common case, are cached."""
-    from megatron_hybrid.pattern import grammar
+    from megatron_hybrid.pattern import tokenizer
 
-    grammar._read_short_literal.cache_clear()
+    tokenizer._read_short_literal.cache_clear()
     with pytest.raises(HybridPatternError):
         parse_pattern("*E" * 20_000 + "X")
     with pytest.raises(HybridPatternError):
         parse_pattern("*" * 20_000 + "[E*]")
-    assert grammar._read_short_literal.cache_info().currsize == 0  # both literals were long
-    grammar._read_literal("M" * 1000)
-    assert grammar._read_short_literal.cache_info().currsize == 0
+    assert tokenizer._read_short_literal.cache_info().currsize == 0  # both literals were long
+    tokenizer.read_literal("M" * 1000)
+    assert tokenizer._read_short_literal.cache_info().currsize == 0
     parse_pattern("[*E]{3}M-")
-    assert grammar._read_short_literal.cache_info().currsize > 0  # short ones are cached
+    assert tokenizer._read_short_literal.cache_info().currsize > 0  # short ones are cached
 
 
 def test_error_window_in_a_huge_pattern():
