@@ -39,7 +39,7 @@ from megatron.core.transformer.utils import (
 from torch import nn
 
 from megatron_hybrid.modules.registry import layer_runtime
-from megatron_hybrid.modules.ssd import causal_conv1d, gated_rms_norm, ssd_chunk_scan
+from megatron_hybrid.modules.ssd import gated_rms_norm, mamba2_scan
 from megatron_hybrid.pattern import MAMBA
 
 __all__ = [
@@ -47,7 +47,6 @@ __all__ = [
     "MEGATRON_GATED_NORM_EPS",
     "GatedRMSNorm",
     "TorchMambaMixer",
-    "mamba2_scan",
     "mamba_kernels_available",
     "resolve_mamba_impl",
     "with_mixer_params",
@@ -421,51 +420,6 @@ class TorchMambaMixer(MegatronModule):
             dt_limit=self.dt_limit,
             d_has_hdim=self.D_has_hdim,
         )
-
-
-def mamba2_scan(
-    zxbcdt: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    a_log: torch.Tensor,
-    d: torch.Tensor,
-    seq_idx: torch.Tensor | None = None,
-    *,
-    heads: int,
-    groups: int,
-    state: int,
-    head_dim: int,
-    chunk_size: int,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    d_has_hdim: bool = False,
-) -> torch.Tensor:
-    """Mamba2's mixer between its projections: ``[B, L, z|x|B|C|dt]`` -> ``[B, L, d_inner]``.
-
-    What ``mamba_split_conv1d_scan_combined`` computes without its norm: conv + SiLU on
-    ``x|B|C``, the scan with ``dt = softplus(dt + dt_bias)`` and the ``D`` skip (per head, or
-    per channel with ``d_has_hdim``), then the gate ``y * silu(z)``
-    (mamba_ssm 2.x, ``ssd_combined.py``); rounded to the input dtype like the kernel's output.
-    A pure function of its arguments, so it can be compiled as one piece.
-    """
-    d_inner = heads * head_dim
-    z, xbc, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * groups * state, heads], -1)
-    xbc = causal_conv1d(xbc, conv_weight, conv_bias, seq_idx)
-    x, b, c = torch.split(xbc, [d_inner, groups * state, groups * state], -1)
-    dt = torch.nn.functional.softplus(dt.float() + dt_bias.float())
-    if tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    y = ssd_chunk_scan(
-        x.unflatten(-1, (heads, head_dim)),
-        dt,
-        -torch.exp(a_log.float()),
-        b.unflatten(-1, (groups, state)),
-        c.unflatten(-1, (groups, state)),
-        chunk_size,
-        d=d.unflatten(0, (heads, head_dim)) if d_has_hdim else d,
-        seq_idx=seq_idx,
-    ).flatten(-2)
-    return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)
 
 
 def _check_numerics(dt_limit, norm_eps) -> None:

@@ -4,7 +4,7 @@
 are missing) computes the causal conv, the chunked SSD scan and the gated norm with plain torch
 operations: masks, exponentials, cumulative sums and float32 casts around a few einsums, each a
 kernel of its own and a pass over memory. :class:`FastTorchMambaMixer` runs the same two pure
-functions (:func:`~megatron_hybrid.modules.mamba_torch.mamba2_scan` and
+functions (:func:`~megatron_hybrid.modules.ssd.mamba2_scan` and
 :func:`~megatron_hybrid.modules.ssd.gated_rms_norm`) through
 :class:`~megatron_hybrid.modules.fast.compiled.CompiledPiece`, so inductor fuses the steps
 between the einsums; packed batches (``seq_idx``) and context parallelism keep the eager path
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from megatron_hybrid.modules.fast.compiled import CompiledPiece
-from megatron_hybrid.modules.mamba_torch import GatedRMSNorm, TorchMambaMixer, mamba2_scan
-from megatron_hybrid.modules.ssd import gated_rms_norm
+from megatron_hybrid.modules.mamba_torch import GatedRMSNorm, TorchMambaMixer
+from megatron_hybrid.modules.ssd import gated_rms_norm, mamba2_scan
 
 __all__ = ["FastGatedRMSNorm", "FastTorchMambaMixer"]
 
