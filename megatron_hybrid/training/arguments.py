@@ -15,8 +15,6 @@ from typing import Any
 from megatron_hybrid.pattern import (
     ParsedPattern,
     parse_pattern,
-    virtual_stages,
-    with_option_names,
 )
 
 __all__ = [
@@ -36,7 +34,6 @@ __all__ = [
     "model_setting_dests",
     "required_pattern",
     "spec_backend",
-    "vpp_size_from_pattern",
 ]
 
 
@@ -485,25 +482,6 @@ def required_pattern(args: Any) -> ParsedPattern:
     if not args.hybrid_layer_pattern:
         raise ValueError(PATTERN_REQUIRED)
     return parse_pattern(args.hybrid_layer_pattern)
-
-
-def vpp_size_from_pattern(pattern: str | ParsedPattern, pp_size: int) -> int | None:
-    """Virtual pipeline size implied by the pattern's ``|`` segments (None without pipes).
-
-    Raises:
-        ValueError: the segment count is not a multiple of ``pp_size``, or pipes without PP.
-    """
-    parsed = parse_pattern(pattern)
-    try:
-        vpp = virtual_stages(parsed, pp_size)
-    except ValueError as error:
-        raise with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}) from None
-    if vpp > 1 and pp_size == 1:
-        raise ValueError(
-            f"the pattern has {parsed.num_segments} '|'-separated segments but there is no "
-            "pipeline parallelism; drop the '|' or set --pipeline-model-parallel-size"
-        )
-    return vpp if vpp > 1 else None
 
 
 def spec_backend(args) -> str:

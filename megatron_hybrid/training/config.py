@@ -14,11 +14,8 @@ from typing import Any
 
 from megatron_hybrid.pattern import GDN, MAMBA, MLA, MOE, ParsedPattern
 from megatron_hybrid.schedule.p2p import pipeline_p2p_fields
-from megatron_hybrid.training.arguments import (
-    add_hybrid_args,
-    required_pattern,
-    vpp_size_from_pattern,
-)
+from megatron_hybrid.training.arguments import add_hybrid_args, required_pattern
+from megatron_hybrid.training.parallel_rules import vpp_size_from_pattern
 from megatron_hybrid.training.train_settings import TrainSettings, settings_from_args
 from megatron_hybrid.training.validation import validate_settings
 

@@ -7,13 +7,37 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from megatron_hybrid.pattern import MOE, pipeline_segments
-from megatron_hybrid.pattern.pipeline import with_option_names
+from megatron_hybrid.pattern import (
+    MOE,
+    ParsedPattern,
+    parse_pattern,
+    pipeline_segments,
+    virtual_stages,
+    with_option_names,
+)
 from megatron_hybrid.training import capabilities
-from megatron_hybrid.training.arguments import vpp_size_from_pattern
 from megatron_hybrid.training.settings import Rule, Settings, rule
 
-__all__ = ["PARALLEL_RULES", "TRAIN_RULES"]
+__all__ = ["PARALLEL_RULES", "TRAIN_RULES", "vpp_size_from_pattern"]
+
+
+def vpp_size_from_pattern(pattern: str | ParsedPattern, pp_size: int) -> int | None:
+    """Virtual pipeline size implied by the pattern's ``|`` segments (None without pipes).
+
+    Raises:
+        ValueError: the segment count is not a multiple of ``pp_size``, or pipes without PP.
+    """
+    parsed = parse_pattern(pattern)
+    try:
+        vpp = virtual_stages(parsed, pp_size)
+    except ValueError as error:
+        raise with_option_names(error, {"pp_size": "--pipeline-model-parallel-size"}) from None
+    if vpp > 1 and pp_size == 1:
+        raise ValueError(
+            f"the pattern has {parsed.num_segments} '|'-separated segments but there is no "
+            "pipeline parallelism; drop the '|' or set --pipeline-model-parallel-size"
+        )
+    return vpp if vpp > 1 else None
 
 
 def _tp_divides(s: Settings) -> str | None:
