@@ -68,13 +68,26 @@ def fla_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
 
 
 def _with_chunk_indices(kernel):
-    """``kernel`` (fla's conv or rule) given :func:`fla_chunk_indices` with GPU ``cu_seqlens``."""
+    """``kernel`` (fla's conv or rule) given :func:`fla_chunk_indices` with GPU ``cu_seqlens``.
+
+    Only where the indices are the ones fla would make: chunks of :data:`FLA_CHUNK_SIZE` over
+    the ``cu_seqlens`` passed. With a ``cp_context`` fla takes the boundaries from it instead,
+    and another ``chunk_size`` needs other indices (megatron-core 0.19.2 passes neither: its
+    context parallelism hands each rank whole sequences by all-to-all); a caller's own
+    ``chunk_indices`` stay.
+    """
     if getattr(kernel, "_mh_chunk_indices", False):
         return kernel
 
     @functools.wraps(kernel)
     def call(*args, cu_seqlens=None, **kwargs):
-        if cu_seqlens is not None and cu_seqlens.is_cuda and kwargs.get("chunk_indices") is None:
+        if (
+            cu_seqlens is not None
+            and cu_seqlens.is_cuda
+            and kwargs.get("chunk_indices") is None
+            and kwargs.get("cp_context") is None
+            and kwargs.get("chunk_size", FLA_CHUNK_SIZE) == FLA_CHUNK_SIZE
+        ):
             kwargs["chunk_indices"] = fla_chunk_indices(cu_seqlens)
         return kernel(*args, cu_seqlens=cu_seqlens, **kwargs)
 
@@ -94,8 +107,9 @@ class HybridGatedDeltaNet(GatedDeltaNet):
             if megatron_gdn.causal_conv1d is not None:
                 megatron_gdn.causal_conv1d = _with_chunk_indices(megatron_gdn.causal_conv1d)
         super().__init__(config, *args, **kwargs)
-        if fla_kernels and self.gated_delta_rule is megatron_gdn.chunk_gated_delta_rule:
-            self.gated_delta_rule = _with_chunk_indices(self.gated_delta_rule)
+        rule = self.gated_delta_rule
+        if fla_kernels and rule is not None and rule is megatron_gdn.chunk_gated_delta_rule:
+            self.gated_delta_rule = _with_chunk_indices(rule)
 
     @jit_fuser
     def _compute_g_and_beta(

@@ -194,21 +194,73 @@ def test_chunk_indices_are_fla_s(offsets, chunk_size, dtype):
         assert wrong.shape != want.shape or not torch.equal(wrong.to(dtype), want)
 
 
-def test_chunk_indices_reach_fla_only_for_gpu_boundaries():
-    """The wrapper around fla's kernels adds ``chunk_indices`` only where ``cu_seqlens`` is on a
-    GPU (fla then skips its synchronising ``repeat_interleave``), keeps a caller's own, and wraps
-    once."""
-    from megatron_hybrid.modules.gated_delta_net import _with_chunk_indices
+class _GpuBoundaries:
+    """Stands in for GPU ``cu_seqlens`` (the wrapper asks only ``is_cuda``)."""
 
+    is_cuda = True
+
+
+@pytest.mark.parametrize(
+    ("cu_seqlens", "options", "added"),
+    [
+        (_GpuBoundaries(), {}, True),
+        (_GpuBoundaries(), {"chunk_size": 64}, True),
+        (torch.tensor([0, 5]), {}, False),
+        (None, {}, False),
+        (_GpuBoundaries(), {"chunk_indices": "given"}, False),
+        (_GpuBoundaries(), {"chunk_size": 32}, False),
+        (_GpuBoundaries(), {"cp_context": object()}, False),
+    ],
+    ids=["gpu", "gpu-chunk64", "host", "none", "given", "chunk32", "cp-context"],
+)
+def test_chunk_indices_reach_fla_only_where_they_are_fla_s(monkeypatch, cu_seqlens, options, added):
+    """The wrapper around fla's kernels adds ``chunk_indices`` only for GPU boundaries, fla's
+    chunk size and no ``cp_context`` (fla then reads other boundaries), keeps a caller's own,
+    and wraps once."""
+    from megatron_hybrid.modules import gated_delta_net
+
+    monkeypatch.setattr(gated_delta_net, "fla_chunk_indices", lambda cu: "ours")
     seen = []
 
     def kernel(x, *, cu_seqlens=None, **kwargs):
-        seen.append(sorted(kwargs))
+        seen.append(kwargs.get("chunk_indices"))
         return x
 
-    wrapped = _with_chunk_indices(kernel)
-    assert _with_chunk_indices(wrapped) is wrapped
-    assert wrapped(1, cu_seqlens=torch.tensor([0, 5])) == 1
-    assert wrapped(2) == 2
-    assert wrapped(3, cu_seqlens=torch.tensor([0, 5]), chunk_indices="given") == 3
-    assert seen == [[], [], ["chunk_indices"]]
+    wrapped = gated_delta_net._with_chunk_indices(kernel)
+    assert gated_delta_net._with_chunk_indices(wrapped) is wrapped
+    assert wrapped(1, cu_seqlens=cu_seqlens, **options) == 1
+    want = "ours" if added else options.get("chunk_indices")
+    assert seen == [want]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fla", "deterministic"])
+def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, deterministic):
+    """Built where fla's kernels run (a GPU, no ``deterministic_mode``), the layer's rule and
+    megatron's module-level conv are the wrapped ones; in ``deterministic_mode`` neither is."""
+    import megatron.core.ssm.gated_delta_net.gdn as megatron_gdn
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from megatron_hybrid.modules import gated_delta_net
+    from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
+    from megatron_hybrid.testing.models import small_config
+
+    conv, rule = megatron_gdn.causal_conv1d, megatron_gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(megatron_gdn, "causal_conv1d", conv)  # restored after the test
+    monkeypatch.setattr(gated_delta_net.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gated_delta_net, "register_fla_backend", lambda: True)
+    config = small_config("G", deterministic_mode=deterministic)
+    submodules = GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear,
+        out_norm=plain_gamma_norm(local_norm_impl()),
+        out_proj=RowParallelLinear,
+    )
+    spec = ModuleSpec(module=gated_delta_net.HybridGatedDeltaNet, submodules=submodules)
+    layer = build_module(spec, config=config, layer_number=1, pg_collection=pg)
+    wrapped = not deterministic
+    assert getattr(megatron_gdn.causal_conv1d, "_mh_chunk_indices", False) == wrapped
+    assert getattr(layer.gated_delta_rule, "_mh_chunk_indices", False) == wrapped
+    if wrapped:
+        assert megatron_gdn.causal_conv1d.__wrapped__ is conv
+        assert layer.gated_delta_rule.__wrapped__ is rule
