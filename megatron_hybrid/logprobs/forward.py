@@ -42,7 +42,14 @@ from megatron_hybrid.padding import (
 from megatron_hybrid.padding.batch import to_device
 from megatron_hybrid.schedule.steps import run_schedule
 
-__all__ = ["choose_packed", "evaluating", "forward_logprobs", "model_device", "real_vocab_size"]
+__all__ = [
+    "choose_packed",
+    "evaluating",
+    "forward_logprobs",
+    "model_device",
+    "model_logits",
+    "real_vocab_size",
+]
 
 
 def _chunks(model) -> list:
@@ -114,17 +121,24 @@ def _collect(batch: MicroBatch, reduce, output: torch.Tensor):
     return zero, torch.ones((), dtype=torch.int, device=logits.device), {}
 
 
-def _forward_step(data_iterator, model, *, reduce, device):
-    batch: MicroBatch = next(data_iterator)
-    inputs = batch.to(device).inputs
-    output = model(
+def model_logits(model, inputs: dict, *, gather_output: bool) -> torch.Tensor:
+    """A model chunk's logits for a micro-batch's inputs (``MicroBatch.inputs``: token ids,
+    positions, packed-sequence parameters, padding mask; no attention mask), vocab-parallel or
+    gathered over the tensor-parallel ranks (``gather_output``)."""
+    return model(
         input_ids=inputs["input_ids"],
         position_ids=inputs["position_ids"],
         attention_mask=None,
         packed_seq_params=inputs["packed_seq_params"],
         padding_mask=inputs["padding_mask"],
-        runtime_gather_output=False,  # vocab-parallel logits: reduced without gathering them
+        runtime_gather_output=gather_output,
     )
+
+
+def _forward_step(data_iterator, model, *, reduce, device):
+    batch: MicroBatch = next(data_iterator)
+    inputs = batch.to(device).inputs
+    output = model_logits(model, inputs, gather_output=False)  # reduced without gathering
     return output, partial(_collect, batch, reduce)
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "host_values",
     "pack_thd",
     "pad_bshd",
+    "per_tensor",
     "packed_seq_params_from",
     "packed_seq_params_to",
     "to_device",
@@ -249,19 +250,25 @@ def packed_seq_params_from(
 _DERIVED: dict[int, tuple[weakref.ref, dict]] = {}
 
 
+def per_tensor(cache: dict, tensor: torch.Tensor) -> dict:
+    """``tensor``'s own dict in ``cache``, dropped when the tensor is (keyed by identity, so a
+    new tensor at a freed tensor's address starts empty). What goes in it must not refer to
+    ``tensor`` (it would keep it alive)."""
+    ident = id(tensor)
+    entry = cache.get(ident)
+    if entry is None or entry[0]() is not tensor:
+        entry = (weakref.ref(tensor, lambda _, ident=ident: cache.pop(ident, None)), {})
+        cache[ident] = entry
+    return entry[1]
+
+
 def derived(tensor: torch.Tensor, key, make):
     """``make()``, computed once per ``key`` for as long as ``tensor`` lives.
 
     For facts of a tensor that is never changed in place (a packed batch's boundaries), which
-    every layer of a forward asks for again. ``make``'s result must not refer to ``tensor``
-    (it would keep it alive).
+    every layer of a forward asks for again (:func:`per_tensor`).
     """
-    ident = id(tensor)
-    entry = _DERIVED.get(ident)
-    if entry is None or entry[0]() is not tensor:
-        entry = (weakref.ref(tensor, lambda _, ident=ident: _DERIVED.pop(ident, None)), {})
-        _DERIVED[ident] = entry
-    memo = entry[1]
+    memo = per_tensor(_DERIVED, tensor)
     if key not in memo:
         memo[key] = make()
     return memo[key]

@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from megatron_hybrid.logprobs.forward import model_logits
 from megatron_hybrid.logprobs.vocab import token_logprobs_and_entropy
 from megatron_hybrid.rl.losses import PolicyLoss, token_terms
 
@@ -87,12 +88,5 @@ def policy_forward_step(data_iterator, model, return_schedule_plan: bool = False
             "without it"
         )
     batch = next(data_iterator)
-    output = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        attention_mask=None,
-        packed_seq_params=batch["packed_seq_params"],
-        padding_mask=batch["padding_mask"],
-        runtime_gather_output=False,  # vocab-parallel logits, reduced without gathering them
-    )
+    output = model_logits(model, batch, gather_output=False)  # reduced without gathering
     return output, partial(loss, batch)

@@ -25,7 +25,12 @@ from megatron_hybrid.logprobs.batches import (
     sequences_batch,
     world_max,
 )
-from megatron_hybrid.logprobs.forward import choose_packed, evaluating, model_device
+from megatron_hybrid.logprobs.forward import (
+    choose_packed,
+    evaluating,
+    model_device,
+    model_logits,
+)
 from megatron_hybrid.padding import padding_config_from
 
 __all__ = ["choose_tokens", "sample"]
@@ -82,14 +87,7 @@ def _last_logits(chunk, tokens, padding, packed: bool, pg, vocab: int, device) -
         extended, range(len(extended)), padding, packed=packed, equalize_group=pg.tp_ep
     )
     inputs = batch.to(device).inputs
-    output = chunk(
-        input_ids=inputs["input_ids"],
-        position_ids=inputs["position_ids"],
-        attention_mask=None,
-        packed_seq_params=inputs["packed_seq_params"],
-        padding_mask=inputs["padding_mask"],
-        runtime_gather_output=True,  # the whole vocabulary on every rank
-    )
+    output = model_logits(chunk, inputs, gather_output=True)  # the whole vocabulary everywhere
     last = torch.tensor([first + n - 1 for _, first, n in batch.spans], device=device)
     return output.reshape(-1, output.size(-1))[last, :vocab].float()
 

@@ -30,6 +30,8 @@ import weakref
 
 import torch
 
+from megatron_hybrid.padding.batch import per_tensor
+
 __all__ = ["apply_rope", "apply_rope_thd", "rope_tables", "thd_positions"]
 
 _TABLES: dict[int, tuple[weakref.ref, dict]] = {}
@@ -49,12 +51,7 @@ def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0):
     them from the graph's input)."""
     if freqs.is_cuda and torch.cuda.is_current_stream_capturing():
         return _build(freqs, dtype, mscale)
-    key = id(freqs)
-    entry = _TABLES.get(key)
-    if entry is None or entry[0]() is not freqs:
-        entry = (weakref.ref(freqs, lambda _, key=key: _TABLES.pop(key, None)), {})
-        _TABLES[key] = entry
-    tables = entry[1]
+    tables = per_tensor(_TABLES, freqs)
     spec = (dtype, float(mscale), freqs._version)
     if spec not in tables:
         tables.clear()  # a new version or dtype replaces the old tables
@@ -95,16 +92,6 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> tor
     return _rotate(t, *rope_tables(freqs, t.dtype, mscale))
 
 
-def _per_tensor(cache: dict, tensor: torch.Tensor) -> dict:
-    """The cache entry of ``tensor``, dropped when the tensor is."""
-    key = id(tensor)
-    entry = cache.get(key)
-    if entry is None or entry[0]() is not tensor:
-        entry = (weakref.ref(tensor, lambda _, key=key: cache.pop(key, None)), {})
-        cache[key] = entry
-    return entry[1]
-
-
 def thd_positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool = True) -> torch.Tensor:
     """The RoPE position of each of ``tokens`` packed tokens, on ``cu_seqlens``' device without
     a host read: its index in its sequence (``restart``), or in the packed row.
@@ -115,7 +102,7 @@ def thd_positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool = True) -
         tokens: the row's length (megatron requires the offsets to end there).
         restart: positions restart at 0 in every sequence.
     """
-    entries = _per_tensor(_THD, cu_seqlens)
+    entries = per_tensor(_THD, cu_seqlens)
     key = ("positions", tokens, restart, cu_seqlens._version)
     if key not in entries:
         index = torch.arange(tokens, device=cu_seqlens.device)
@@ -137,7 +124,7 @@ def apply_rope_thd(
     parallelism computes it (see the module doc)."""
     tokens = t.shape[0]
     restart = freqs.shape[0] != tokens  # megatron's exact mapping: one frequency per token
-    entries = _per_tensor(_THD, cu_seqlens)
+    entries = per_tensor(_THD, cu_seqlens)
     key = ("tables", id(freqs), freqs._version, t.dtype, float(mscale), tokens, restart)
     found = entries.get(key)
     if found is None or found[0]() is not freqs:
