@@ -18,6 +18,11 @@ wait for the GPU or fla's backward cannot run:
   ``cu_seqlens`` on the GPU, fla 0.6.0 builds them on the device with a ``repeat_interleave``
   whose output size the host must read (``fla/ops/utils/index.py``, ``_segmented_arange``),
   once for the conv and once for the rule of every micro-batch;
+* fla's rule gets the query/key heads as they are: it shares each among ``HV // H`` value heads
+  itself (fla 0.6.0's grouped value attention), so megatron's ``repeat_interleave`` of queries
+  and keys to one per value head (``_prepare_input_for_gated_delta_rule``) is a copy of
+  ``HV / H`` times their size per layer that the rule does not need
+  (:meth:`HybridGatedDeltaNet._prepare_input_for_gated_delta_rule`);
 * where fla's kernels run (on GPUs without ``deterministic_mode``) the package's gated
   ``chunk_bwd_dqkwg`` is registered with fla: fla refuses its own on Hopper with Triton
   3.4-3.7.0 (:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
@@ -31,6 +36,7 @@ from itertools import pairwise
 import torch
 from megatron.core.jit import jit_fuser
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import common as megatron_gdn_common
 from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
 from torch.nn.functional import softplus
 
@@ -108,8 +114,40 @@ class HybridGatedDeltaNet(GatedDeltaNet):
                 megatron_gdn.causal_conv1d = _with_chunk_indices(megatron_gdn.causal_conv1d)
         super().__init__(config, *args, **kwargs)
         rule = self.gated_delta_rule
-        if fla_kernels and rule is not None and rule is megatron_gdn.chunk_gated_delta_rule:
+        # megatron binds fla's rule here (the CPU runtime's stand-in in its place, which takes the
+        # same grouped heads); the torch paths of deterministic_mode need one key head per value
+        # head.
+        self.rule_takes_key_heads = rule is not None and rule is megatron_gdn.chunk_gated_delta_rule
+        if fla_kernels and self.rule_takes_key_heads:
             self.gated_delta_rule = _with_chunk_indices(rule)
+
+    def _prepare_input_for_gated_delta_rule(
+        self, qkv: torch.Tensor, gate: torch.Tensor, batch: int, seq_len: int, *gate_feats
+    ) -> tuple[torch.Tensor, ...]:
+        """megatron-core's split, reshape and l2 norm of the convolved ``qkv`` (0.19.2's
+        ``ssm/gated_delta_net/common.py``), without repeating the query/key heads where the rule
+        shares them among the value heads itself (:attr:`rule_takes_key_heads`).
+
+        Returns ``(query, key, value, gate, *gate_feats)``, contiguous: query and key
+        ``[batch, seq_len, H, K]`` with ``H`` this rank's key heads, value
+        ``[batch, seq_len, HV, V]``.
+        """
+        if not self.rule_takes_key_heads or self.num_value_heads == self.num_key_heads:
+            return super()._prepare_input_for_gated_delta_rule(
+                qkv, gate, batch, seq_len, *gate_feats
+            )
+        query_key, value = torch.split(
+            qkv,
+            [2 * self.qk_dim_local_tp // self.cp_size, self.v_dim_local_tp // self.cp_size],
+            dim=-1,
+        )
+        query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
+        if self.use_qk_l2norm:
+            # Looked up at call time: the CPU runtime installs its torch l2norm there.
+            query_key = megatron_gdn_common.l2norm(query_key.contiguous())
+        query, key = query_key.chunk(2, dim=2)
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+        return tuple(t.contiguous() for t in (query, key, value, gate, *gate_feats))
 
     @jit_fuser
     def _compute_g_and_beta(

@@ -11,7 +11,8 @@ with fla's signatures, in torch:
 * :func:`causal_conv1d`: a depthwise causal ``F.conv1d`` per packed sequence (zero history at
   each start), then the activation;
 * :func:`chunk_gated_delta_rule`: megatron's ``torch_chunk_gated_delta_rule`` once per packed
-  sequence (zero state at each start);
+  sequence (zero state at each start), with fla's grouped value heads (``HV`` value heads reading
+  ``H`` query/key heads, value head ``i`` reading key head ``i // (HV // H)``);
 * :func:`l2norm`: ``x / sqrt(sum(x^2) + eps)`` over the last dimension, in float32.
 
 Each packed sequence therefore gets exactly the computation it gets alone. The CPU runtime
@@ -136,7 +137,9 @@ def chunk_gated_delta_rule(
     """fla's ``chunk_gated_delta_rule``: megatron's torch chunked rule once per packed sequence.
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g (log decay), beta: ``[B, T, H]``.
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g (log decay), beta: ``[B, T, HV]``. With
+            ``HV > H`` (fla's grouped value attention, ``HV`` a multiple of ``H``) value head
+            ``i`` reads query/key head ``i // (HV // H)``, as fla 0.6.0's kernels index them.
         scale: factor on the queries (None: ``K ** -0.5``).
         initial_state: ``[N, H, K, V]`` per sequence (N = B, or the packed sequences), or None.
         output_final_state: also return the final state of every sequence.
@@ -145,11 +148,12 @@ def chunk_gated_delta_rule(
         **unused_kernel_options: fla's kernel choices (``cu_seqlens_cpu``, ``chunk_indices``).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, H, V]`` in q's dtype; ``final_state``
-        ``[N, H, K, V]`` (float32) or None.
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state``
+        ``[N, HV, K, V]`` (float32) or None.
 
     Raises:
-        ValueError: a kernel option the stand-in does not have, or bad ``cu_seqlens``.
+        ValueError: a kernel option the stand-in does not have, ``HV`` not a multiple of ``H``,
+            or bad ``cu_seqlens``.
     """
     from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 
@@ -161,6 +165,14 @@ def chunk_gated_delta_rule(
     if unsupported:
         raise ValueError(f"the torch chunk_gated_delta_rule stand-in has no {sorted(unsupported)}")
     _refuse_packed_batch(q, cu_seqlens, "chunk_gated_delta_rule")
+    heads, value_heads = q.shape[2], v.shape[2]
+    if value_heads % heads:
+        raise ValueError(
+            f"chunk_gated_delta_rule: {value_heads} value heads do not share {heads} query/key "
+            f"heads evenly (grouped value heads need a multiple of {heads})"
+        )
+    if value_heads > heads:  # megatron's torch rule takes one key head per value head
+        q, k = (t.repeat_interleave(value_heads // heads, dim=2) for t in (q, k))
     if scale is not None:
         # megatron's torch rule always scales by K ** -0.5.
         q = q * (scale * q.shape[-1] ** 0.5)

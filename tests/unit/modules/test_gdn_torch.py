@@ -233,34 +233,162 @@ def test_chunk_indices_reach_fla_only_where_they_are_fla_s(monkeypatch, cu_seqle
     assert seen == [want]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fla", "deterministic"])
-def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, deterministic):
-    """Built where fla's kernels run (a GPU, no ``deterministic_mode``), the layer's rule and
-    megatron's module-level conv are the wrapped ones; in ``deterministic_mode`` neither is."""
-    import megatron.core.ssm.gated_delta_net.gdn as megatron_gdn
+def _gated_delta_net(pg, layer_class=None, **overrides):
+    """One ``HybridGatedDeltaNet`` (or ``layer_class``) of ``small_config("G", **overrides)``."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    from megatron_hybrid.modules import gated_delta_net
+    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
     from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
     from megatron_hybrid.testing.models import small_config
 
-    conv, rule = megatron_gdn.causal_conv1d, megatron_gdn.chunk_gated_delta_rule
-    monkeypatch.setattr(megatron_gdn, "causal_conv1d", conv)  # restored after the test
-    monkeypatch.setattr(gated_delta_net.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(gated_delta_net, "register_fla_backend", lambda: True)
-    config = small_config("G", deterministic_mode=deterministic)
     submodules = GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear,
         out_norm=plain_gamma_norm(local_norm_impl()),
         out_proj=RowParallelLinear,
     )
-    spec = ModuleSpec(module=gated_delta_net.HybridGatedDeltaNet, submodules=submodules)
-    layer = build_module(spec, config=config, layer_number=1, pg_collection=pg)
+    spec = ModuleSpec(module=layer_class or HybridGatedDeltaNet, submodules=submodules)
+    config = small_config("G", **overrides)
+    return build_module(spec, config=config, layer_number=1, pg_collection=pg)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fla", "deterministic"])
+def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, deterministic):
+    """Built where fla's kernels run (a GPU, no ``deterministic_mode``), the layer's rule and
+    megatron's module-level conv are the wrapped ones; in ``deterministic_mode`` neither is."""
+    import megatron.core.ssm.gated_delta_net.gdn as megatron_gdn
+
+    from megatron_hybrid.modules import gated_delta_net
+
+    conv, rule = megatron_gdn.causal_conv1d, megatron_gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(megatron_gdn, "causal_conv1d", conv)  # restored after the test
+    monkeypatch.setattr(gated_delta_net.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gated_delta_net, "register_fla_backend", lambda: True)
+    layer = _gated_delta_net(pg, deterministic_mode=deterministic)
     wrapped = not deterministic
     assert getattr(megatron_gdn.causal_conv1d, "_mh_chunk_indices", False) == wrapped
     assert getattr(layer.gated_delta_rule, "_mh_chunk_indices", False) == wrapped
     if wrapped:
         assert megatron_gdn.causal_conv1d.__wrapped__ is conv
         assert layer.gated_delta_rule.__wrapped__ is rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped value heads: HV value heads sharing H query/key heads, as fla's rule takes them
+# ---------------------------------------------------------------------------------------------
+
+KEY_HEADS, VALUE_HEADS = 2, 4
+
+
+def _grouped_reference(bounds, key_head_of):
+    """Each value head ``i`` of each sequence through the step-by-step recurrence with query/key
+    head ``key_head_of(i)``: fla's grouped value heads written out head by head."""
+
+    def reference(q, k, v, g, beta):
+        heads = []
+        for i in range(v.shape[2]):
+            j = key_head_of(i)
+            per_head = {"q": q[:, :, j : j + 1], "k": k[:, :, j : j + 1], "v": v[:, :, i : i + 1],
+                        "g": g[:, :, i : i + 1], "beta": beta[:, :, i : i + 1]}  # fmt: skip
+            heads.append(_per_sequence_reference(bounds)(**per_head))
+        return torch.cat(heads, dim=2)
+
+    return reference
+
+
+def test_rule_shares_key_heads_among_value_heads_as_fla_does():
+    """fla 0.6.0's kernels give value head ``i`` query/key head ``i // (HV // H)``; the stand-in
+    (which the CPU runtime puts in fla's place) must compute the same, packed, with gradients
+    summed over each key head's group. The control is the other order a grouping could take
+    (``i % H``, what ``Tensor.repeat`` would make), which must not match."""
+    inputs = make_gdn_inputs(1, sum(LENGTHS), VALUE_HEADS, 8, 16, seed=5)
+    inputs["q"], inputs["k"] = inputs["q"][:, :, :KEY_HEADS], inputs["k"][:, :, :KEY_HEADS]
+    bounds = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    grad_out = torch.randn(1, sum(LENGTHS), VALUE_HEADS, 16,
+                           generator=torch.Generator().manual_seed(6))  # fmt: skip
+    group = VALUE_HEADS // KEY_HEADS
+    want = _run(_grouped_reference(bounds, lambda i: i // group), inputs, grad_out)
+
+    def packed(**t):
+        return gdn_torch.chunk_gated_delta_rule(**t, cu_seqlens=bounds)
+
+    got = _run(packed, inputs, grad_out)
+    assert [t.shape for t in got[1:3]] == [inputs["q"].shape] * 2
+    errors = [rel_error(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errors) < 1e-5, errors
+    tiled = _run(_grouped_reference(bounds, lambda i: i % KEY_HEADS), inputs, grad_out)
+    assert rel_error(got[0], tiled[0]) > 1e-2
+
+
+def test_rule_refuses_value_heads_that_do_not_group():
+    inputs = make_gdn_inputs(1, 8, 3, 8, 8)
+    inputs["q"], inputs["k"] = inputs["q"][:, :, :2], inputs["k"][:, :, :2]
+    with pytest.raises(ValueError, match="3 value heads do not share 2 query/key heads evenly"):
+        gdn_torch.chunk_gated_delta_rule(**inputs)
+
+
+def _layer_step(layer, hidden, packed_seq_params=None):
+    layer.zero_grad(set_to_none=True)
+    out, _ = layer(hidden, attention_mask=None, packed_seq_params=packed_seq_params)
+    out.backward(torch.ones_like(out))
+    return [out.detach(), *(p.grad.clone() for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("layer_class", ["hybrid", "fast"])
+def test_gated_delta_net_hands_the_rule_its_key_heads(pg, packed, layer_class):
+    """Where the layer's rule is fla's (here the CPU runtime's stand-in), the rule gets the
+    ``H`` query/key heads and shares them itself: the output and every gradient equal
+    megatron's preparation, which repeats them to one per value head, exactly. The control:
+    a rule that groups the heads in the other order changes the output, so the equality is not
+    one the head order cannot break."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.modules.fast.gdn import FastGatedDeltaNet
+
+    cls = FastGatedDeltaNet if layer_class == "fast" else None
+    heads = dict(linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
+    torch.manual_seed(3)
+    layer = _gated_delta_net(pg, cls, deterministic_mode=False, **heads)
+    assert layer.rule_takes_key_heads
+    seen = []
+    rule = layer.gated_delta_rule
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[2], k.shape[2], v.shape[2]))
+        return rule(q, k, v, **kwargs)
+
+    layer.gated_delta_rule = spy
+    seq, batch = (sum(LENGTHS), 1) if packed else (40, 2)
+    hidden = torch.randn(seq, batch, layer.config.hidden_size,
+                         generator=torch.Generator().manual_seed(4))  # fmt: skip
+    params = None
+    if packed:
+        bounds = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                 max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))  # fmt: skip
+    grouped = _layer_step(layer, hidden, params)
+    assert seen == [(KEY_HEADS, KEY_HEADS, VALUE_HEADS)]
+    layer.rule_takes_key_heads = False  # megatron's preparation: one key head per value head
+    repeated = _layer_step(layer, hidden, params)
+    assert seen[1] == (VALUE_HEADS, VALUE_HEADS, VALUE_HEADS)
+    for a, b in zip(grouped, repeated, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    def tiled(q, k, v, **kwargs):
+        return rule(q.repeat(1, 1, 2, 1), k.repeat(1, 1, 2, 1), v, **kwargs)
+
+    layer.gated_delta_rule, layer.rule_takes_key_heads = tiled, True
+    assert rel_error(_layer_step(layer, hidden, params)[0], grouped[0]) > 1e-2
+
+
+def test_torch_paths_get_one_key_head_per_value_head(pg):
+    """The torch rules of ``deterministic_mode`` (megatron's loop, the package's scan) take one
+    query/key head per value head, so the layer keeps megatron's repetition for them."""
+    from megatron_hybrid.modules.fast.gdn import FastGatedDeltaNet
+
+    heads = dict(linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
+    for cls in (None, FastGatedDeltaNet):
+        layer = _gated_delta_net(pg, cls, deterministic_mode=True, **heads)
+        assert not layer.rule_takes_key_heads
