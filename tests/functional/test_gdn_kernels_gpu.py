@@ -383,3 +383,87 @@ def test_fla_kernels_get_chunk_indices_without_host_syncs(world):
          torch.equal(got[1], want[1]))])  # fmt: skip
     assert ours.dtype == fla_own.dtype and torch.equal(ours, fla_own)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.time_limit(240)  # fla compiles the grouped and the float32 variants on first use
+def test_layer_hands_fla_s_rule_its_key_heads(world):
+    """``HybridGatedDeltaNet`` with 2 query/key heads shared by 4 value heads, on a packed batch,
+    through fla's conv and rule: the rule gets the key heads as they are (fla shares them among
+    the value heads itself). Against megatron's preparation, which repeats them to one per value
+    head: the forward is the same arithmetic (bit for bit); the gradients differ in where the
+    group's ``dq`` / ``dk`` are summed and rounded to bf16, so each must be as close to a float32
+    run of megatron's way as megatron's own bf16 run is, within twice that plus a floor
+    (``A_log`` and ``dt_bias`` take fla's ``dg``, whose atomic adds vary from run to run:
+    ``test_gdn_gates_gpu.py`` judges them). The control shares the heads in the tiled order,
+    which must change the output."""
+    from support.gdn_layer import (
+        KEY_HEADS,
+        VALUE_HEADS,
+        build_gated_delta_net,
+        layer_step,
+        packed_params,
+        tiled,
+    )
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("fla's Triton kernels need a GPU")
+    pytest.importorskip("fla")
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+    from megatron_hybrid.training.capabilities import fla_gated_backward_refused
+
+    refused = fla_gated_backward_refused()
+    if refused is not None:
+        pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
+    lengths = (3, 70, 1, 64, 29)
+    pg = initialize_model_parallel(seed=1)
+    try:
+        runs, weights = {}, None
+        for dtype in (torch.bfloat16, torch.float32):
+            torch.manual_seed(3)
+            layer = build_gated_delta_net(
+                pg, deterministic_mode=False, linear_num_key_heads=KEY_HEADS,
+                linear_num_value_heads=VALUE_HEADS, params_dtype=dtype,
+                bf16=dtype == torch.bfloat16,
+            ).to(device)  # fmt: skip
+            assert layer.rule_takes_key_heads
+            if weights is None:  # the float32 layer gets the bf16 layer's weights
+                weights = {k: v.float() for k, v in layer.state_dict().items() if v is not None}
+            else:
+                layer.load_state_dict(weights, strict=False)  # the linears' empty _extra_state
+            gen = torch.Generator().manual_seed(4)
+            hidden = torch.randn(sum(lengths), 1, layer.config.hidden_size, generator=gen)
+            hidden = hidden.to(device, dtype)
+            params = packed_params(lengths, device)
+            with exact_float32():
+                if dtype == torch.bfloat16:
+                    with _progress("grouped bf16 (fla compiles)"):
+                        runs["grouped"] = layer_step(layer, hidden, params)
+                    rule = layer.gated_delta_rule
+                    layer.gated_delta_rule = tiled(rule)
+                    runs["tiled"] = layer_step(layer, hidden, params)
+                    layer.gated_delta_rule = rule
+                layer.rule_takes_key_heads = False
+                label = "repeated" if dtype == torch.bfloat16 else "float32"
+                with _progress(f"{label} (megatron's preparation)"):
+                    runs[label] = layer_step(layer, hidden, params)
+    finally:
+        reset_megatron_state()
+    yardstick, gated = runs["float32"], ("A_log", "dt_bias")
+    rows, failures = [("tensor", "grouped", "repeated", "bound")], []
+    for name, want in yardstick.items():
+        ours, theirs = (
+            rel_error(runs[k][name].float(), want.float()) for k in ("grouped", "repeated")
+        )
+        bound = 2 * theirs + 1e-2
+        rows.append(
+            (name, f"{ours:.2e}", f"{theirs:.2e}", "fla's dg" if name in gated else f"{bound:.2e}")
+        )
+        if name not in gated and ours > bound:
+            failures.append((name, ours, bound))
+    control = rel_error(runs["tiled"]["out"].float(), runs["grouped"]["out"].float())
+    rows.append(("tiled-order control: out", f"{control:.2e}", "", "> 1.00e-02"))
+    report(f"key heads {KEY_HEADS} shared by {VALUE_HEADS} value heads, errors vs float32", rows)
+    assert torch.equal(runs["grouped"]["out"], runs["repeated"]["out"])
+    assert not failures, failures
+    assert control > 1e-2

@@ -12,6 +12,14 @@ from itertools import pairwise
 
 import pytest
 import torch
+from support.gdn_layer import (
+    KEY_HEADS,
+    VALUE_HEADS,
+    build_gated_delta_net,
+    layer_step,
+    packed_params,
+    tiled,
+)
 from support.gdn_reference import (
     depthwise_causal_conv1d,
     make_gdn_inputs,
@@ -233,26 +241,6 @@ def test_chunk_indices_reach_fla_only_where_they_are_fla_s(monkeypatch, cu_seqle
     assert seen == [want]
 
 
-def _gated_delta_net(pg, layer_class=None, **overrides):
-    """One ``HybridGatedDeltaNet`` (or ``layer_class``) of ``small_config("G", **overrides)``."""
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-
-    from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
-    from megatron_hybrid.modules.norms import local_norm_impl, plain_gamma_norm
-    from megatron_hybrid.testing.models import small_config
-
-    submodules = GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear,
-        out_norm=plain_gamma_norm(local_norm_impl()),
-        out_proj=RowParallelLinear,
-    )
-    spec = ModuleSpec(module=layer_class or HybridGatedDeltaNet, submodules=submodules)
-    config = small_config("G", **overrides)
-    return build_module(spec, config=config, layer_number=1, pg_collection=pg)
-
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fla", "deterministic"])
 def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, deterministic):
     """Built where fla's kernels run (a GPU, no ``deterministic_mode``), the layer's rule and
@@ -265,7 +253,7 @@ def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, determ
     monkeypatch.setattr(megatron_gdn, "causal_conv1d", conv)  # restored after the test
     monkeypatch.setattr(gated_delta_net.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gated_delta_net, "register_fla_backend", lambda: True)
-    layer = _gated_delta_net(pg, deterministic_mode=deterministic)
+    layer = build_gated_delta_net(pg, deterministic_mode=deterministic)
     wrapped = not deterministic
     assert getattr(megatron_gdn.causal_conv1d, "_mh_chunk_indices", False) == wrapped
     assert getattr(layer.gated_delta_rule, "_mh_chunk_indices", False) == wrapped
@@ -277,8 +265,6 @@ def test_gated_delta_net_hands_fla_s_kernels_the_indices(pg, monkeypatch, determ
 # ---------------------------------------------------------------------------------------------
 # Grouped value heads: HV value heads sharing H query/key heads, as fla's rule takes them
 # ---------------------------------------------------------------------------------------------
-
-KEY_HEADS, VALUE_HEADS = 2, 4
 
 
 def _grouped_reference(bounds, key_head_of):
@@ -328,13 +314,6 @@ def test_rule_refuses_value_heads_that_do_not_group():
         gdn_torch.chunk_gated_delta_rule(**inputs)
 
 
-def _layer_step(layer, hidden, packed_seq_params=None):
-    layer.zero_grad(set_to_none=True)
-    out, _ = layer(hidden, attention_mask=None, packed_seq_params=packed_seq_params)
-    out.backward(torch.ones_like(out))
-    return [out.detach(), *(p.grad.clone() for p in layer.parameters())]
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 @pytest.mark.parametrize("layer_class", ["hybrid", "fast"])
 def test_gated_delta_net_hands_the_rule_its_key_heads(pg, packed, layer_class):
@@ -343,14 +322,12 @@ def test_gated_delta_net_hands_the_rule_its_key_heads(pg, packed, layer_class):
     megatron's preparation, which repeats them to one per value head, exactly. The control:
     a rule that groups the heads in the other order changes the output, so the equality is not
     one the head order cannot break."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megatron_hybrid.modules.fast.gdn import FastGatedDeltaNet
 
     cls = FastGatedDeltaNet if layer_class == "fast" else None
     heads = dict(linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
     torch.manual_seed(3)
-    layer = _gated_delta_net(pg, cls, deterministic_mode=False, **heads)
+    layer = build_gated_delta_net(pg, cls, deterministic_mode=False, **heads)
     assert layer.rule_takes_key_heads
     seen = []
     rule = layer.gated_delta_rule
@@ -363,24 +340,16 @@ def test_gated_delta_net_hands_the_rule_its_key_heads(pg, packed, layer_class):
     seq, batch = (sum(LENGTHS), 1) if packed else (40, 2)
     hidden = torch.randn(seq, batch, layer.config.hidden_size,
                          generator=torch.Generator().manual_seed(4))  # fmt: skip
-    params = None
-    if packed:
-        bounds = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                                 max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))  # fmt: skip
-    grouped = _layer_step(layer, hidden, params)
+    params = packed_params(LENGTHS) if packed else None
+    grouped = layer_step(layer, hidden, params)
     assert seen == [(KEY_HEADS, KEY_HEADS, VALUE_HEADS)]
     layer.rule_takes_key_heads = False  # megatron's preparation: one key head per value head
-    repeated = _layer_step(layer, hidden, params)
+    repeated = layer_step(layer, hidden, params)
     assert seen[1] == (VALUE_HEADS, VALUE_HEADS, VALUE_HEADS)
-    for a, b in zip(grouped, repeated, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-    def tiled(q, k, v, **kwargs):
-        return rule(q.repeat(1, 1, 2, 1), k.repeat(1, 1, 2, 1), v, **kwargs)
-
-    layer.gated_delta_rule, layer.rule_takes_key_heads = tiled, True
-    assert rel_error(_layer_step(layer, hidden, params)[0], grouped[0]) > 1e-2
+    for name, value in grouped.items():
+        torch.testing.assert_close(value, repeated[name], rtol=0, atol=0, msg=name)
+    layer.gated_delta_rule, layer.rule_takes_key_heads = tiled(rule), True
+    assert rel_error(layer_step(layer, hidden, params)["out"], grouped["out"]) > 1e-2
 
 
 def test_torch_paths_get_one_key_head_per_value_head(pg):
@@ -390,5 +359,5 @@ def test_torch_paths_get_one_key_head_per_value_head(pg):
 
     heads = dict(linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS)
     for cls in (None, FastGatedDeltaNet):
-        layer = _gated_delta_net(pg, cls, deterministic_mode=True, **heads)
+        layer = build_gated_delta_net(pg, cls, deterministic_mode=True, **heads)
         assert not layer.rule_takes_key_heads
