@@ -130,6 +130,30 @@ def reset_megatron_state() -> None:
     pp_utils._COMM_STREAM = None
     if hasattr(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream"):
         token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+    _reset_transformer_engine_fp8()
+
+
+#: Where TransformerEngine keeps its FP8 global state: 2.x's ``pytorch/quantization.py``, and
+#: ``pytorch/fp8.py`` before it moved there.
+_TE_FP8_MODULES = ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8")
+
+
+def _reset_transformer_engine_fp8() -> None:
+    """Forget TransformerEngine's FP8 state, where TE is loaded.
+
+    TE's ``FP8GlobalStateManager`` remembers the amax-reduction group of every FP8 autocast it
+    has run and reduces the amaxes of all of them when a later autocast ends (TE 2.20's
+    ``quantization.py``): after the groups are destroyed above, the next FP8 step would reduce
+    over a destroyed group ("not initialized in the world group map"). Nothing is imported
+    here: a process without TE has no such state.
+    """
+    import sys
+
+    for name in _TE_FP8_MODULES:
+        manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
+        if manager is not None:
+            manager.reset()
+            return
 
 
 def initialize_model_parallel(

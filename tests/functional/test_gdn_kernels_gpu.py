@@ -385,14 +385,16 @@ def test_fla_kernels_get_chunk_indices_without_host_syncs(world):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.time_limit(240)  # fla compiles the grouped and the float32 variants on first use
-def test_layer_hands_fla_s_rule_its_key_heads(world):
+@pytest.mark.time_limit(240)  # fla compiles its grouped variants on first use
+def test_layer_hands_fla_s_rule_its_key_heads(world, monkeypatch):
     """``HybridGatedDeltaNet`` with 2 query/key heads shared by 4 value heads, on a packed batch,
     through fla's conv and rule: the rule gets the key heads as they are (fla shares them among
     the value heads itself). Against megatron's preparation, which repeats them to one per value
     head: the forward is the same arithmetic (bit for bit); the gradients differ in where the
     group's ``dq`` / ``dk`` are summed and rounded to bf16, so each must be as close to a float32
-    run of megatron's way as megatron's own bf16 run is, within twice that plus a floor
+    run of megatron's way as megatron's own bf16 run is, within twice that plus a floor (the
+    float32 run takes the package's torch stand-ins of fla's three functions, which compute the
+    same functions without compiling fla's float32 variants)
     (``A_log`` and ``dt_bias`` take fla's ``dg``, whose atomic adds vary from run to run:
     ``test_gdn_gates_gpu.py`` judges them). The control shares the heads in the tiled order,
     which must change the output."""
@@ -409,6 +411,10 @@ def test_layer_hands_fla_s_rule_its_key_heads(world):
     if device.type != "cuda":
         pytest.skip("fla's Triton kernels need a GPU")
     pytest.importorskip("fla")
+    from megatron.core.ssm.gated_delta_net import common as megatron_gdn_common
+    from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
+
+    from megatron_hybrid.modules import gdn_torch
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
     from megatron_hybrid.training.capabilities import fla_gated_backward_refused
 
@@ -431,6 +437,9 @@ def test_layer_hands_fla_s_rule_its_key_heads(world):
                 weights = {k: v.float() for k, v in layer.state_dict().items() if v is not None}
             else:
                 layer.load_state_dict(weights, strict=False)  # the linears' empty _extra_state
+                monkeypatch.setattr(megatron_gdn, "causal_conv1d", gdn_torch.causal_conv1d)
+                monkeypatch.setattr(megatron_gdn_common, "l2norm", gdn_torch.l2norm)
+                layer.gated_delta_rule = gdn_torch.chunk_gated_delta_rule
             gen = torch.Generator().manual_seed(4)
             hidden = torch.randn(sum(lengths), 1, layer.config.hidden_size, generator=gen)
             hidden = hidden.to(device, dtype)
