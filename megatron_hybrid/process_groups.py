@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -147,8 +148,6 @@ def _reset_transformer_engine_fp8() -> None:
     over a destroyed group ("not initialized in the world group map"). Nothing is imported
     here: a process without TE has no such state.
     """
-    import sys
-
     for name in _TE_FP8_MODULES:
         manager = getattr(sys.modules.get(name), "FP8GlobalStateManager", None)
         if manager is not None:

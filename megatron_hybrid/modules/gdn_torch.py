@@ -141,7 +141,7 @@ def chunk_gated_delta_rule(
             ``HV > H`` (fla's grouped value attention, ``HV`` a multiple of ``H``) value head
             ``i`` reads query/key head ``i // (HV // H)``, as fla 0.6.0's kernels index them.
         scale: factor on the queries (None: ``K ** -0.5``).
-        initial_state: ``[N, H, K, V]`` per sequence (N = B, or the packed sequences), or None.
+        initial_state: ``[N, HV, K, V]`` per sequence (N = B, or the packed sequences), or None.
         output_final_state: also return the final state of every sequence.
         use_qk_l2norm_in_kernel: l2-normalise q and k first.
         cu_seqlens: boundaries of the packed sequences (``B == 1``), or None.
