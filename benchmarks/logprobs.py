@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from common import recorded_command, sync
+from host_breakdown import module_host_times, module_operators
 from routing_flips import RoutingRecorder, flip_report
 from trace_summary import profile_call, sync_sites
 
@@ -143,6 +144,10 @@ def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
         summary, breakdown, host = profile_call(call, sync, top=12)
         row["profile"] = dict(summary=summary, kernels=breakdown, host=host,
                               syncs=sync_sites(call))  # fmt: skip
+        call_ms, times = module_host_times([model], call)
+        operators, sites = module_operators([model], call)
+        row["profile"].update(hooked_ms=call_ms, modules=times[:12], operators=operators[:12],
+                              op_sites=sites[:12])  # fmt: skip
     return row, result
 
 
@@ -175,6 +180,22 @@ def _profile_lines(row: dict) -> list[str]:
         "| host-GPU synchronisation site (one more call, sync debug mode) | count |",
         "| --- | ---: |",
         *(f"| `{x['site']}` | {x['count']} |" for x in row["profile"]["syncs"]),
+        "",
+        f"host time by module, exclusive (one more call under hooks, "
+        f"{row['profile']['hooked_ms']:.0f} ms; benchmarks/host_breakdown.py):",
+        "",
+        "| module | self ms | calls |",
+        "| --- | ---: | ---: |",
+        *(f"| {m['module']} | {m['self_ms']:.1f} | {m['calls']} |"
+          for m in row["profile"]["modules"]),  # fmt: skip
+        "",
+        "| module | torch operators (exclusive) |",
+        "| --- | ---: |",
+        *(f"| {m['module']} | {m['ops']} |" for m in row["profile"]["operators"]),
+        "",
+        "| operator | site | count |",
+        "| --- | --- | ---: |",
+        *(f"| `{x['op']}` | `{x['site']}` | {x['count']} |" for x in row["profile"]["op_sites"]),
         "",
     ]
     return lines

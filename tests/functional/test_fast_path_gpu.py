@@ -461,6 +461,37 @@ def test_grouped_add_on_device(world, dest_dtype):
     assert torch.equal(buffer, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_zero_centered_rms_norm_against_float64(world, dtype):
+    """Qwen3.5's norm (``x / rms(x) * (1 + w)``, float32 inside; torch's fused rms_norm on
+    CUDA) against float64.
+
+    Bound: the float32 result is within ``(n / 2 + 8) u`` relative of the exact one (``u =
+    2^-24``; ``n`` squares summed, the square root halves their error, a few roundings more),
+    then rounded once to the output dtype (bf16: 8 significant bits, ``2^-8``). Control: a gain of
+    ``w`` instead of ``1 + w`` is off by O(1)."""
+    from megatron_hybrid.modules.norms import ZeroCenteredRMSNorm
+
+    _, _, device = world
+    width = 2048
+    gen = torch.Generator().manual_seed(3)
+    norm = ZeroCenteredRMSNorm(width, eps=1e-6).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=gen) * 0.3)
+    x = (torch.randn(4096, width, generator=gen) * 3).to(device, dtype)
+    with torch.no_grad():
+        got = norm(x).double()
+    xd, gain = x.double(), 1.0 + norm.weight.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    bound = ((width / 2 + 8) * 2.0**-24 + rounding) * exact.abs() + 1e-30
+    report(f"zero-centred RMSNorm ({dtype})", [
+        ("max |error| / bound", f"{((got - exact).abs() / bound).max().item():.3f}")])  # fmt: skip
+    assert ((got - exact).abs() <= bound).all()
+    control = exact / gain * norm.weight.double()
+    assert not ((got - control).abs() <= bound).all()
+
+
 def test_vocab_statistics_kernel(world, monkeypatch):
     """Log-probs and entropies of a Qwen3.5-sized vocabulary through the Triton statistics
     kernel (CUDA's path) and through the torch blocks, each against float64 ``log_softmax``.

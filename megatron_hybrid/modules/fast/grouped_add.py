@@ -34,6 +34,11 @@ def stacked_view(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torc
     dtype, and lie in one storage at equal, increasing distances; else None.
 
     One elementwise kernel over such a view replaces one kernel per tensor.
+
+    The storage is checked once, on the first tensor: its storage must hold every tensor's
+    bytes. Tensors whose addresses lie inside one storage are in it (live storages do not
+    overlap), so each tensor need not be asked for its own (``untyped_storage()`` builds a
+    Python object per call: 256 experts' weights cost the host about 0.3 ms per linear).
     """
     first = tensors[0]
     if not first.is_contiguous():
@@ -42,20 +47,23 @@ def stacked_view(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torc
     if count == 1:
         return first.unsqueeze(0)
     size = first.element_size()
-    spacing, rem = divmod(tensors[1].data_ptr() - first.data_ptr(), size)
+    base, shape, dtype = first.data_ptr(), first.shape, first.dtype
+    spacing, rem = divmod(tensors[1].data_ptr() - base, size)
     if rem or spacing < numel:
         return None
-    base, shape, storage = first.data_ptr(), first.shape, first.untyped_storage().data_ptr()
+    step = spacing * size
     for index, tensor in enumerate(tensors):
         if (
-            tensor.data_ptr() != base + index * spacing * size
+            tensor.data_ptr() != base + index * step
             or tensor.shape != shape
-            or tensor.dtype != first.dtype
+            or tensor.dtype != dtype
             or not tensor.is_contiguous()
-            or tensor.untyped_storage().data_ptr() != storage
         ):
             return None
-    return first.as_strided((count, *shape), (spacing, *first.stride()), first.storage_offset())
+    offset = first.storage_offset()
+    if (offset + (count - 1) * spacing + numel) * size > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((count, *shape), (spacing, *first.stride()), offset)
 
 
 @functools.cache

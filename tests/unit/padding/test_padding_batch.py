@@ -241,3 +241,86 @@ def test_moving_packed_params_keeps_shared_tensors_shared():
     assert moved.cu_seqlens_q is moved.cu_seqlens_kv
     assert moved.cu_seqlens_q_padded is moved.cu_seqlens_kv_padded
     assert moved.cu_seqlens_q.tolist() == [0, 3, 8] and moved is not params
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=0, max_size=7),
+    seed=st.integers(0, 2**16),
+)
+def test_per_segment_equals_repeat_interleave(lengths, seed):
+    """Empty segments (first, last, adjacent) included: their steps add up where they land."""
+    from megatron_hybrid.padding.batch import per_segment
+
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-100, 100, (len(lengths),), generator=gen).tolist()
+    as_long = [torch.tensor(x, dtype=torch.long) for x in (values, lengths)]
+    want = torch.repeat_interleave(*as_long)
+    got = per_segment(values, lengths)
+    assert got.dtype == torch.long and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "values, lengths, match",
+    [([1, 2], [3], "2 values for 1 segments"), ([1, 2], [3, -1], "lengths must be >= 0")],
+    ids=["sizes", "negative"],
+)
+def test_per_segment_errors(values, lengths, match):
+    from megatron_hybrid.padding.batch import per_segment
+
+    with pytest.raises(ValueError, match=match):
+        per_segment(values, lengths)
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    tail=st.integers(-3, 5),
+)
+def test_seq_idx_of_equals_megatron_s_own(lengths, tail):
+    """megatron's __post_init__ from the same boundaries (its extra sequence for rows after the
+    last boundary; lengths clamped where total_tokens is short of it)."""
+    import itertools
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.padding.batch import seq_idx_of
+
+    cu = list(itertools.accumulate(lengths, initial=0))
+    total = max(0, cu[-1] + tail)
+    want = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q_padded=torch.tensor(cu, dtype=torch.int32),
+        total_tokens=total,
+    ).seq_idx  # fmt: skip
+    got = seq_idx_of(cu, total)
+    assert got.dtype == want.dtype == torch.int32 and torch.equal(got, want)
+    if tail > 0:  # control: the rows after the last boundary are a sequence of their own
+        assert got[0, -1].item() == len(cu) - 1
+
+
+def test_packing_and_moving_run_no_repeat_interleave(monkeypatch):
+    """pack_thd, its PackedSeqParams and their move build the positions, the padding mask and
+    seq_idx without torch's repeat_interleave (its CPU kernel opens a parallel region per call),
+    and the moved params keep the seq_idx they had."""
+    from megatron_hybrid.padding.batch import packed_seq_params_to
+
+    seqs = make_sequences([5, 3, 7], seed=0, positions=False)
+    plan = thd_pack([5, 3, 7], mode="minimal", tp=1, cp=1, sp=False, chunk=4)
+    monkeypatch.setattr(torch, "repeat_interleave", _refuse)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", _refuse)
+    packed = pack_thd(seqs, plan, pad_token_id=3)
+    moved = packed_seq_params_to(packed.packed_seq_params, torch.device("cpu"))
+    monkeypatch.undo()
+    assert torch.equal(moved.seq_idx, packed.packed_seq_params.seq_idx)
+    assert moved.total_tokens == plan.total_tokens
+    # Control: megatron's own construction with total_tokens does call it.
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    monkeypatch.setattr(torch, "repeat_interleave", _refuse)
+    with pytest.raises(AssertionError, match="repeat_interleave called"):
+        PackedSeqParams(qkv_format="thd", cu_seqlens_q=moved.cu_seqlens_q,
+                        total_tokens=plan.total_tokens)  # fmt: skip
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("repeat_interleave called")
