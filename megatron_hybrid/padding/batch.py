@@ -279,7 +279,8 @@ def per_segment(values: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     steps = [b - a for a, b in itertools.pairwise([0, *values])]
     # An empty segment's step lands on the next segment's first position (or past the end).
     marks = torch.zeros(total + 1, dtype=torch.long)
-    marks.index_add_(0, torch.tensor(starts, dtype=torch.long), torch.tensor(steps, dtype=torch.long))
+    as_long = [torch.tensor(x, dtype=torch.long) for x in (starts, steps)]
+    marks.index_add_(0, *as_long)
     return marks[:total].cumsum(0)
 
 
