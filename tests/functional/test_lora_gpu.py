@@ -69,6 +69,21 @@ def _run(model, device):
     return losses.detach().float(), grads
 
 
+def _read_moe_norms_from_local_names(sharded) -> list[str]:
+    """Point the TE model's MoE pre-MLP norms (``pre_mlp_layernorm.*``, TE's separate norm) at
+    the names the local backend saves them under (GPT's local spec: ``mlp.linear_fc1.
+    layer_norm_*``); the renamed checkpoint keys."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    renamed = []
+    for value in nested_values(sharded):
+        key = getattr(value, "key", "")
+        if ".pre_mlp_layernorm." in key and not key.endswith("_extra_state"):
+            value.key = key.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
+            renamed.append(key)
+    return renamed
+
+
 @needs_te_kernels
 def test_te_lora_equals_local_math(world, shared_dir):
     pytest.importorskip("transformer_engine", reason="TransformerEngine is not installed")
@@ -92,10 +107,15 @@ def test_te_lora_equals_local_math(world, shared_dir):
             os.makedirs(f"{shared_dir}/{sub}", exist_ok=True)
         torch.distributed.barrier()
         dist_checkpointing.save(local.sharded_state_dict(), f"{shared_dir}/base")
-        # The local checkpoint has no TE _extra_state (docs/checkpoints.md, rule 6: local and TE
-        # checkpoints differ); megatron leaves out what the checkpoint lacks and names it.
+        # Local and TE checkpoints differ (docs/checkpoints.md, rule 6): the local one has no TE
+        # _extra_state, and it keeps an MoE layer's pre-MLP norm as GPT's local spec does, under
+        # mlp.linear_fc1.layer_norm_* (TE: pre_mlp_layernorm.*). Read that norm from there;
+        # megatron leaves out what the checkpoint lacks and names it.
+        request = te.sharded_state_dict()
+        renamed = _read_moe_norms_from_local_names(request)
+        assert renamed, "the [*E] layer's pre-MLP norm was not found"
         state, _, absent = dist_checkpointing.load(
-            te.sharded_state_dict(), f"{shared_dir}/base", strict=StrictHandling.RETURN_ALL
+            request, f"{shared_dir}/base", strict=StrictHandling.RETURN_ALL
         )
         assert all("_extra_state" in k for k in absent), sorted(absent)
         missing, unexpected = te.load_state_dict(state, strict=False)
