@@ -14,7 +14,9 @@ in ``[B, S]`` rows (longest first, ``B x S <= max-tokens``). The figure is real 
 of the whole call (median of ``--repeats`` after one warm-up call, which also compiles fla's
 kernels); the log-probs of the two layouts are compared as a check. With ``--profile`` one more
 call per layout runs under torch.profiler and the report says where it goes: GPU busy and idle,
-the kernels by category and the costliest ones, the host's operators by their own time.
+the kernels by category and the costliest ones, the host's operators by their own time; two
+more calls under hooks on every module (``benchmarks/host_breakdown.py``) give the host's time
+and torch operators per module class and the Python sites of ``repeat_interleave``.
 
 A last, untimed pass of each layout records every router's chosen experts
 (``benchmarks/routing_flips.py``): the report counts the tokens whose top-k expert set differs

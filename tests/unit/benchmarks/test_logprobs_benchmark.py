@@ -73,11 +73,20 @@ def test_profile_lines_name_the_costliest_kernels_and_host_operators():
     }
     host = [{"name": "aten::item", "self_cpu_ms": 40.0, "count": 64}]
     syncs = [{"site": "megatron/core/ssm/gated_delta_net/common.py:457", "count": 108}]
+    modules = [{"module": "GroupedGemmExperts", "self_ms": 86.1, "calls": 72}]
+    operators = [{"module": "FastGatedDeltaNet", "ops": 2655}]
+    sites = [{"op": "aten.repeat_interleave.Tensor", "site": "padding/batch.py:414 on cpu",
+              "count": 9}]  # fmt: skip
     row = dict(layout="packed",
-               profile=dict(summary=summary, kernels=kernels, host=host, syncs=syncs))  # fmt: skip
+               profile=dict(summary=summary, kernels=kernels, host=host, syncs=syncs,
+                            hooked_ms=451.0, modules=modules, operators=operators,
+                            op_sites=sites))  # fmt: skip
     text = "\n".join(benchmark._profile_lines(row))
     assert "profiled packed call: 700 ms, GPU busy 210 ms, idle 490 ms" in text
     assert "| gemm | 120.0 | 300 |" in text and "| triton | 90.0 | 800 |" in text
     assert "| `sm90_xmma_gemm_bf16` | gemm | 100.0 | 200 | 500 |" in text
     assert "| `aten::item` | 40.0 | 64 |" in text
     assert "| `megatron/core/ssm/gated_delta_net/common.py:457` | 108 |" in text
+    assert "one more call under hooks, 451 ms" in text
+    assert "| GroupedGemmExperts | 86.1 | 72 |" in text and "| FastGatedDeltaNet | 2655 |" in text
+    assert "| `aten.repeat_interleave.Tensor` | `padding/batch.py:414 on cpu` | 9 |" in text
