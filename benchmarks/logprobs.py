@@ -12,13 +12,14 @@ Sequence lengths are drawn uniformly between ``--min-len`` and ``--max-len`` (ea
 ``--max-tokens`` tokens per micro-batch: packed = THD micro-batches, padded = the same sequences
 in ``[B, S]`` rows (longest first, ``B x S <= max-tokens``). The figure is real tokens per second
 of the whole call (median of ``--repeats`` after one warm-up call, which also compiles fla's
-kernels); the log-probs of the two layouts are compared as a check. With ``--profile`` one more
-call per layout runs under torch.profiler and the report says where it goes: GPU busy and idle,
-the kernels by category and the costliest ones, the host's operators by their own time; two
-more calls under hooks on every module (``benchmarks/host_breakdown.py``) give the host's time
-and torch operators per module class and the Python sites of ``repeat_interleave``.
+kernels); the log-probs of the two layouts are compared as a check. With ``--profile``, after the
+routing flips below, one more call per layout runs under torch.profiler and the report says where
+it goes: GPU busy and idle, the kernels by category and the costliest ones, the host's operators
+by their own time; two more calls under hooks on every module (``benchmarks/host_breakdown.py``)
+give the host's time and torch operators per module class and the Python sites of
+``repeat_interleave``.
 
-A last, untimed pass of each layout records every router's chosen experts
+An untimed pass of each layout records every router's chosen experts
 (``benchmarks/routing_flips.py``): the report counts the tokens whose top-k expert set differs
 between packed and padded (per MoE layer), and how much of the log-prob difference falls on
 tokens at or after a sequence's first flip, against the largest difference elsewhere.
@@ -142,15 +143,30 @@ def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
         micro_batches=_micro_batches(sequences, packed, args),
         peak_gib=peak,
     )
-    if args.profile and torch.cuda.is_available():
-        summary, breakdown, host = profile_call(call, sync, top=12)
-        row["profile"] = dict(summary=summary, kernels=breakdown, host=host,
-                              syncs=sync_sites(call))  # fmt: skip
-        call_ms, times = module_host_times([model], call)
-        operators, sites = module_operators([model], call)
-        row["profile"].update(hooked_ms=call_ms, modules=times[:12], operators=operators[:12],
-                              op_sites=sites[:12])  # fmt: skip
     return row, result
+
+
+def profile(model, sequences, packed: bool, args) -> dict:
+    """One profiled call of a layout, one under sync debug mode and two under module hooks.
+
+    Run after the routing flips are recorded (:func:`routing_flips`), so the flips and the
+    log-probs they explain come from the same, unprofiled state of the process (a profiled run
+    of 2026-11-28 that recorded them after these calls reported up to 0.642 of difference
+    before any flip; the same code unprofiled, 0.0195)."""
+    from megatron_hybrid.logprobs import forward_logprobs
+
+    def call():
+        return forward_logprobs(
+            model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
+        )
+
+    summary, breakdown, host = profile_call(call, sync, top=12)
+    found = dict(summary=summary, kernels=breakdown, host=host, syncs=sync_sites(call))
+    call_ms, times = module_host_times([model], call)
+    operators, sites = module_operators([model], call)
+    found.update(hooked_ms=call_ms, modules=times[:12], operators=operators[:12],
+                 op_sites=sites[:12])  # fmt: skip
+    return found
 
 
 def _profile_lines(row: dict) -> list[str]:
@@ -304,9 +320,7 @@ def main(argv=None) -> int:
         packed = layout == "packed"
         row, results[packed] = measure(model, sequences, packed, args)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-        if "profile" in row:  # now, not only in the table: a later layout may not finish
-            print("\n".join(_profile_lines(row)), flush=True)
+        print(json.dumps(row), flush=True)
     both = len(results) == 2
     diff = (
         max(
@@ -318,6 +332,11 @@ def main(argv=None) -> int:
         else None
     )
     flips = routing_flips(model, sequences, results, args) if both else None
+    if args.profile and torch.cuda.is_available():
+        for row in rows:
+            row["profile"] = profile(model, sequences, row["layout"] == "packed", args)
+            # Printed now, not only in the table: a later layout may not finish.
+            print("\n".join(_profile_lines(row)), flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = dict(
         device=name,
