@@ -279,6 +279,16 @@ def lora_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output):
     if adapter.info.grouped:
         m_splits = args[1] if len(args) > 1 else kwargs.get("m_splits")
     y = adapter(x, m_splits)
+    base = output[0] if isinstance(output, tuple) else output
+    if y.shape != base.shape:
+        info = adapter.info
+        raise RuntimeError(
+            f"LoRA on a {type(module).__name__}: the adapter's output {tuple(y.shape)} does not "
+            f"match the layer's {tuple(base.shape)} (input {tuple(x.shape)}); the adapter "
+            f"read the layer as mode={info.mode!r}, sequence_parallel={info.sequence_parallel}, "
+            f"tp_size={info.tp_size}, explicit_comm={info.explicit_comm}, whose communication "
+            "differs from the layer's own (peft/linears.py describes each linear class)"
+        )
     if isinstance(output, tuple):
-        return (output[0] + y.to(output[0].dtype), *output[1:])
-    return output + y.to(output.dtype)
+        return (base + y.to(base.dtype), *output[1:])
+    return base + y.to(base.dtype)

@@ -372,3 +372,28 @@ def test_duplicated_te_linear_adapters_follow_sequence_parallelism(sequence_para
     marked = [getattr(p, "sequence_parallel", False) for p in (adapter.a(), adapter.b())]
     assert marked == [sequence_parallel] * 2
     assert not any(p.tensor_model_parallel for p in (adapter.a(), adapter.b()))
+
+
+def test_an_adapter_whose_rows_differ_from_the_layer_s_is_named():
+    """Where the adapter reads a linear's communication unlike the linear itself (its output
+    gathered along the sequence where the layer's is not), the add fails naming the class, the
+    shapes and how the adapter read the layer, not with torch's bare broadcast error."""
+    from types import SimpleNamespace
+
+    from megatron_hybrid.peft.adapter import LoRAAdapter, lora_hook
+    from megatron_hybrid.peft.linears import _te
+
+    config = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=1,
+                             expert_model_parallel_size=1)  # fmt: skip
+    layer = SimpleNamespace(weight=torch.nn.Parameter(torch.zeros(8, 16)), _tp_group=None,
+                            explicit_expert_comm=False, config=config)  # fmt: skip
+    adapter = LoRAAdapter(_te(None)(layer), rank=2, scale=1.0, dropout=0.0, blocks=1,
+                          onehot=None, in_features=16)  # fmt: skip
+    module = torch.nn.Linear(16, 8, bias=False)
+    module.lora = adapter
+    x = torch.randn(6, 16)
+    good = lora_hook(module, (x,), {}, (torch.zeros(6, 8), None))
+    assert good[0].shape == (6, 8)
+    with pytest.raises(RuntimeError, match=r"LoRA on a Linear: the adapter's output \(6, 8\) "
+                       r"does not match the layer's \(3, 8\).*mode='duplicated'"):  # fmt: skip
+        lora_hook(module, (x,), {}, (torch.zeros(3, 8), None))
