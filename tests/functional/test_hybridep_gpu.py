@@ -17,8 +17,12 @@ dispatchers run in bf16 and the yardstick is the ``alltoall`` model's own bf16 e
 model and batch in float32 (TF32 off). Two bf16 runs that differ only in the order of the
 expert rows and of the top-k sum are each about that far from float32, so by the triangle
 inequality they differ by at most about twice it; the bound is 3x it, never below 2^-8 (one
-bf16 rounding of every element, norm-relative). Compared: the per-token losses and every
-parameter gradient, norm-relative. Patterns hold one MoE layer: before it both runs are
+bf16 rounding of every element, norm-relative). Under context parallelism TransformerEngine has
+no float32 attention (its fused and flash attention take bf16/fp16, its unfused one no CP), so
+the CP2 case's yardstick is another order of the same sums: the ``allgather`` dispatcher's bf16
+run against ``alltoall``'s (the same model, attention and batch; only the expert rows and the
+top-k sum in another order, as between hybridep and alltoall). Compared: the per-token losses
+and every parameter gradient, norm-relative. Patterns hold one MoE layer: before it both runs are
 bitwise the same, so no top-k choice can flip between them. A deliberate bug (the dispatched
 probabilities squared, as if applied twice) must break the bound.
 
@@ -522,7 +526,8 @@ def test_ep_overlap_with_hybridep(hybridep):
 def test_te_context_parallel_and_fp8(hybridep, what):
     """With TransformerEngine: CP2 (TE's attention; each rank a zig-zag half of the rows) and
     FP8 GEMMs (HybridEP pads each expert's rows to 16, megatron's alltoall pads the routing
-    map); hybridep against alltoall, bounded by alltoall's own distance to float32."""
+    map); hybridep against alltoall, bounded by alltoall's own distance to float32 (FP8) or to
+    the allgather dispatcher's bf16 run (CP2: see the module doc)."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
@@ -566,15 +571,20 @@ def test_te_context_parallel_and_fp8(hybridep, what):
     state = alltoall.module.state_dict()
     runs = {"alltoall": _run(alltoall, batch),
             "hybridep": _run(model(configs["hybridep"], state), batch)}  # fmt: skip
-    fp32_config = _config(
-        case,
-        world_size,
-        "alltoall",
-        bf16=False,
-        **{k: v for k, v in extra.items() if not k.startswith(("fp8", "moe_"))},
-    )
-    with exact_float32():
-        truth = _run(model(fp32_config, state), batch)
+    if cp > 1:  # no float32 CP attention in TE: another order of the same bf16 sums (doc above)
+        allgather = _config(case, world_size, "alltoall", **extra,
+                            moe_token_dispatcher_type="allgather")  # fmt: skip
+        truth = _run(model(allgather, state), batch)
+    else:
+        fp32_config = _config(
+            case,
+            world_size,
+            "alltoall",
+            bf16=False,
+            **{k: v for k, v in extra.items() if not k.startswith(("fp8", "moe_"))},
+        )
+        with exact_float32():
+            truth = _run(model(fp32_config, state), batch)
     comparison = _compare(runs["hybridep"], runs["alltoall"], truth)
     name, diff, bound = _worst(comparison)
     report(f"TE {what}: hybridep vs alltoall, {world_size} GPUs (rank 0)",
