@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -113,14 +114,18 @@ def lengths(args) -> list[int]:
     return out
 
 
-def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
+def scorer(model, sequences, packed: bool, args):
+    """The benchmark's ``forward_logprobs`` call of one layout, as a function of no arguments."""
     from megatron_hybrid.logprobs import forward_logprobs
 
-    def call():
-        return forward_logprobs(
-            model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
-        )
+    return functools.partial(
+        forward_logprobs, model, sequences, max_tokens_per_micro_batch=args.max_tokens,
+        packed=packed,
+    )  # fmt: skip
 
+
+def measure(model, sequences, packed: bool, args) -> tuple[dict, list]:
+    call = scorer(model, sequences, packed, args)
     result = call()  # warm-up (fla compiles and autotunes its kernels here)
     times = []
     if torch.cuda.is_available():
@@ -153,13 +158,7 @@ def profile(model, sequences, packed: bool, args) -> dict:
     log-probs they explain come from the same, unprofiled state of the process (a profiled run
     of 2026-11-28 that recorded them after these calls reported up to 0.642 of difference
     before any flip; the same code unprofiled, 0.0195)."""
-    from megatron_hybrid.logprobs import forward_logprobs
-
-    def call():
-        return forward_logprobs(
-            model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
-        )
-
+    call = scorer(model, sequences, packed, args)
     summary, breakdown, host = profile_call(call, sync, top=12)
     found = dict(summary=summary, kernels=breakdown, host=host, syncs=sync_sites(call))
     call_ms, times = module_host_times([model], call)
@@ -229,14 +228,10 @@ def _micro_batches(sequences, packed: bool, args) -> int:
 
 def routing_flips(model, sequences, results, args) -> dict:
     """The routing flips between the packed and the padded run (untimed, hooks on)."""
-    from megatron_hybrid.logprobs import forward_logprobs
-
     sets = {}
     for packed in (True, False):
         with RoutingRecorder(model, sequences) as recorder:
-            forward_logprobs(
-                model, sequences, max_tokens_per_micro_batch=args.max_tokens, packed=packed
-            )
+            scorer(model, sequences, packed, args)()
         sets[packed] = recorder.expert_sets()
     differences = [
         (a.float() - b.float()).abs().cpu()
