@@ -126,12 +126,20 @@ def _te(mode: str | None, *, norm: bool = False, grouped: bool = False):
         weights = (
             tuple(getattr(m, f"weight{i}") for i in range(m.num_gemms)) if grouped else (m.weight,)
         )
+        # Reduced over expert data parallelism: megatron-core 0.19.2 sets ``allreduce=False`` on
+        # expert weights only where EP > 1 or expert-TP != TP (``_set_expert_parameter_attributes``
+        # in extensions/transformer_engine.py), so this does not say whether a layer is an expert.
         is_expert = not getattr(weights[0], "allreduce", True)
         group = m._tp_group
         size = group.size() if group is not None else 1
         explicit = getattr(m, "explicit_expert_comm", None)
         if explicit is None:
-            explicit = is_expert and (size > 1 or m.config.expert_model_parallel_size > 1)
+            # megatron-core 0.19.2 keeps ``explicit_expert_comm`` on its grouped TE linears only.
+            # A plain TE linear of an expert whose TP communication megatron does itself
+            # (SequentialMLP's experts at expert-TP or EP > 1) is handed to TE with
+            # ``parallel_mode=None`` (``TELinear.__init__``), where every other column or row
+            # layer keeps its mode: TE's own mode is the truth of what the layer communicates.
+            explicit = mode is not None and getattr(m, "parallel_mode", mode) is None
         layer_mode = mode or "duplicated"
         if layer_mode == "duplicated":
             # No TP group of its own, but its input is sequence-sharded under sequence

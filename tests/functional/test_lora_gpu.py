@@ -178,7 +178,8 @@ def test_te_grouped_gemm_lora_equals_merged_weights(world):
 
 #: TP1 -> these layouts (NCCL, float32, TF32 off): ``name -> (parallel sizes, backend, pattern)``.
 #: ``tp2-sp-te-mla``: TE's duplicated MLA down-projections (TELinear ``parallel_mode=
-#: "duplicated"``), whose adapters are sequence-parallel under SP.
+#: "duplicated"``), whose adapters are sequence-parallel under SP, and ``SequentialMLP``'s TE
+#: expert linears at expert-TP 2, whose TP communication the dispatcher does (TE mode None).
 LORA_LAYOUTS = {
     "tp2-sp": (dict(tp=2), "local", PATTERN),
     "ep2": (dict(ep=2), "local", PATTERN),

@@ -374,6 +374,52 @@ def test_duplicated_te_linear_adapters_follow_sequence_parallelism(sequence_para
     assert not any(p.tensor_model_parallel for p in (adapter.a(), adapter.b()))
 
 
+class _FakeGroup:
+    """A process group of two ranks as the adapter's forward reads it (size and rank)."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "te_mode, explicit, sequence_parallel",
+    [(None, True, False), ("column", False, True)],
+    ids=["sequential-expert", "column-layer"],
+)
+def test_te_column_linear_reads_its_communication_from_te(te_mode, explicit, sequence_parallel):
+    """A ``TEColumnParallelLinear`` of ``SequentialMLP``'s experts at TP2 (expert-TP 2, EP 1)
+    under sequence parallelism: megatron-core 0.19.2 hands it to TE with ``parallel_mode=None``
+    (the dispatcher does its TP communication) but marks its weight ``allreduce=True`` (EP is
+    1), and keeps no ``explicit_expert_comm`` on it. The adapter must neither gather its input
+    along the sequence nor change its rows (seen on 2 GPUs: 116 rows against the layer's 58);
+    the control is the same class as an ordinary column layer (TE's mode ``column``), whose
+    adapter does gather."""
+    from types import SimpleNamespace
+
+    from megatron_hybrid.peft.adapter import LoRAAdapter, lora_hook
+    from megatron_hybrid.peft.linears import _te
+
+    config = SimpleNamespace(sequence_parallel=True, tensor_model_parallel_size=2,
+                             expert_model_parallel_size=1)  # fmt: skip
+    weight = torch.nn.Parameter(torch.zeros(8, 16))
+    weight.allreduce = True
+    layer = SimpleNamespace(weight=weight, _tp_group=_FakeGroup(), parallel_mode=te_mode,
+                            config=config)  # fmt: skip
+    info = _te("column")(layer)
+    assert (info.explicit_comm, info.sequence_parallel) == (explicit, sequence_parallel)
+    if not explicit:
+        return  # the gathering adapter needs a real TP group; its rows are 2-GPU tests' matter
+    module = torch.nn.Linear(16, 8, bias=False)
+    module.lora = LoRAAdapter(info, rank=2, scale=1.0, dropout=0.0, blocks=1, onehot=None,
+                              in_features=16)  # fmt: skip
+    x = torch.randn(5, 16)
+    out, _ = lora_hook(module, (x,), {}, (torch.zeros(5, 8), None))
+    assert out.shape == (5, 8)
+
+
 def test_an_adapter_whose_rows_differ_from_the_layer_s_is_named():
     """Where the adapter reads a linear's communication unlike the linear itself (its output
     gathered along the sequence where the layer's is not), the add fails naming the class, the
