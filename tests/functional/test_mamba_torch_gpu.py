@@ -76,13 +76,18 @@ def _mixer(pg, impl: str, dtype: torch.dtype, device, local_impl: str = "referen
     return build_module(mixer_spec, config, d_model=HIDDEN, pg_collection=pg).to(device)
 
 
-def _run(mixer, seq: int, device, dtype) -> dict[str, torch.Tensor]:
+def _run(mixer, seq: int, device, dtype, packed=None) -> dict[str, torch.Tensor]:
+    """One forward and backward: ``[seq, BATCH]`` rows, or with ``packed`` (a
+    ``PackedSeqParams``) one ``[seq, 1]`` row of packed sequences."""
+    batch = BATCH if packed is None else 1
     gen = torch.Generator().manual_seed(seq)
-    hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen).to(device, dtype).requires_grad_()
-    grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen).to(device, dtype)
-    out, _ = mixer(hidden)
+    hidden = torch.randn(seq, batch, HIDDEN, generator=gen).to(device, dtype).requires_grad_()
+    grad_out = torch.randn(seq, batch, HIDDEN, generator=gen).to(device, dtype)
+    out, _ = mixer(hidden, packed_seq_params=packed)
     out.backward(grad_out)
-    grads = {f"d{n}": p.grad.float() for n, p in mixer.named_parameters()}
+    # Copies: a float32 gradient's .float() is the gradient itself, which a later run of the
+    # same mixer would add to.
+    grads = {f"d{n}": p.grad.float().clone() for n, p in mixer.named_parameters()}
     return {"out": out.detach().float(), "dhidden": hidden.grad.float(), **grads}
 
 
@@ -126,6 +131,47 @@ def test_torch_path_bf16_only_rounds(pg, world, seq):
     bounds = {n: BF16_ROUNDING_TOL.get(n, BF16_ROUNDING_TOL[None]) for n in bf16}
     _check(bf16, bounds)
     _check(fast, bounds)
+
+
+def _packed_params(lengths: list[int], device):
+    """megatron's ``PackedSeqParams`` of one row of sequences of ``lengths`` (its
+    ``__post_init__`` derives ``seq_idx`` from ``total_tokens``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+                           total_tokens=sum(lengths))  # fmt: skip
+
+
+def test_compiled_torch_path_takes_packed_sequences(pg, world):
+    """The fast path's compiled Mamba2 on a packed row (``seq_idx`` into the compiled scan) is
+    the eager float32 function on the same row up to bf16 rounding. Sequences cross the
+    chunk boundary (chunk 128) and start inside chunks. Control: the same row read
+    as one sequence (no ``seq_idx``) is far from the packed reference, so the boundaries the
+    comparison checks matter."""
+    from megatron_hybrid.modules.fast.mamba import FastTorchMambaMixer
+
+    device = world[2]
+    lengths = [37, 64, 90, 20, 45]
+    packed = _packed_params(lengths, device)
+    fp32_mixer = _mixer(pg, "torch", torch.float32, device)
+    compiled = _mixer(pg, "torch", torch.bfloat16, device, local_impl="fast")
+    assert isinstance(compiled, FastTorchMambaMixer)
+    _copy_weights(compiled, fp32_mixer)
+    seq = sum(lengths)
+    with exact_float32():
+        reference = _run(fp32_mixer, seq, device, torch.float32, packed)
+        as_one = _run(fp32_mixer, seq, device, torch.float32, _packed_params([seq], device))
+    fast = _errors(_run(compiled, seq, device, torch.bfloat16, packed), reference)
+    assert compiled.fast_path_reason is None, f"not compiled: {compiled.fast_path_reason}"
+    control = rel_error(as_one["out"], reference["out"])
+    report(f"compiled torch path, packed row {lengths}, bf16 vs float32",
+           [("tensor", "compiled")] + [(n, f"{fast[n]:.2e}") for n in sorted(fast)]
+           + [("control: one sequence, out", f"{control:.2e}")])  # fmt: skip
+    _check(fast, {n: BF16_ROUNDING_TOL.get(n, BF16_ROUNDING_TOL[None]) for n in fast})
+    assert control > 3 * BF16_ROUNDING_TOL[None], control
 
 
 @SEQS

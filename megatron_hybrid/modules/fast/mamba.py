@@ -7,8 +7,10 @@ kernel of its own and a pass over memory. :class:`FastTorchMambaMixer` runs the 
 functions (:func:`~megatron_hybrid.modules.ssd.mamba2_scan` and
 :func:`~megatron_hybrid.modules.ssd.gated_rms_norm`) through
 :class:`~megatron_hybrid.modules.fast.compiled.CompiledPiece`, so inductor fuses the steps
-between the einsums; packed batches (``seq_idx``) and context parallelism keep the eager path
-(``fast_path_reason`` says which ran). Parameters and checkpoints are ``TorchMambaMixer``'s.
+between the einsums. Packed batches pass their ``seq_idx`` into the same compiled function (a
+graph of its own: the boundary masks are tensors, so one graph serves any packing of a row);
+context parallelism keeps the eager path (``fast_path_reason`` says which ran). Parameters and
+checkpoints are ``TorchMambaMixer``'s.
 """
 
 from __future__ import annotations
@@ -40,9 +42,7 @@ class FastTorchMambaMixer(TorchMambaMixer):
     fast_path_reason: str | None = "not run"
 
     def _ssm(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
-        if seq_idx is not None:
-            self.fast_path_reason = "packed sequences (seq_idx) run the eager scan"
-        elif self.cp.cp_size > 1:
+        if self.cp.cp_size > 1:
             self.fast_path_reason = "context parallelism runs the eager scan"
         else:
             self.fast_path_reason = _SCAN.failure
@@ -55,7 +55,7 @@ class FastTorchMambaMixer(TorchMambaMixer):
             self.dt_bias,
             self.A_log,
             self.D,
-            None,
+            seq_idx,
             heads=self.nheads_local_tp,
             groups=self.ngroups_local_tp,
             state=self.d_state,

@@ -204,6 +204,53 @@ def test_packed_sequences_restart_state_and_conv():
     assert rel_error(unpacked[:, 7:], packed_y[:, 7:]) > 1e-2
 
 
+def test_packed_scan_traces_as_one_graph(monkeypatch):
+    """The fast path compiles ``mamba2_scan`` with ``seq_idx`` (packed rows): TorchDynamo traces
+    it, forward and backward, as one graph (``fullgraph``: no break, no eager fallback inside),
+    and the traced function equals the eager one with the boundaries applied (control: without
+    ``seq_idx`` the later sequences differ). ``aot_eager`` runs the traced graph with eager
+    kernels, so this checks the tracing on a CPU; inductor's kernels are a GPU test's matter
+    (``tests/functional/test_mamba_torch_gpu.py``)."""
+    import torch._dynamo
+
+    from megatron_hybrid.modules.ssd import mamba2_scan
+
+    heads, head_dim, groups, state, lengths = 4, 8, 2, 8, [9, 23, 14]
+    seq, d_inner = sum(lengths), heads * head_dim
+    conv_dim = d_inner + 2 * groups * state
+    gen = torch.Generator().manual_seed(4)
+    zxbcdt = torch.randn(1, seq, 2 * d_inner + 2 * groups * state + heads, generator=gen)
+    params = [torch.randn(conv_dim, 4, generator=gen), torch.randn(conv_dim, generator=gen),
+              torch.randn(heads, generator=gen), torch.rand(heads, generator=gen).log(),
+              torch.randn(heads, generator=gen)]  # fmt: skip
+    seq_idx = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    sizes = dict(heads=heads, groups=groups, state=state, head_dim=head_dim, chunk_size=16)
+
+    def run(fn, ids):
+        inputs = [t.clone().requires_grad_() for t in (zxbcdt, *params)]
+        out = fn(*inputs, ids, **sizes)
+        out.square().sum().backward()
+        return [out.detach()] + [t.grad for t in inputs]
+
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # set by the CPU runtime
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        traced = torch.compile(mamba2_scan, backend=backend, fullgraph=True)
+        compiled = run(traced, seq_idx)
+    assert len(graphs) == 1, "TorchDynamo did not trace the scan (disabled?)"
+    eager = run(mamba2_scan, seq_idx)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unpacked = run(mamba2_scan, None)[0]
+    assert rel_error(unpacked[:, 9:], eager[0][:, 9:]) > 1e-2
+
+
 @pytest.mark.parametrize("seq", [24, 21], ids=["divides", "ragged"])
 def test_matches_transformers_nemotron_h_mixer(pg, seq):
     """transformers' NemotronH Mamba2 mixer (its torch path) computes the same function.
