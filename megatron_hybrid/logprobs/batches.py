@@ -17,6 +17,7 @@ an error on every rank before the forward pass, so no rank is left waiting in a 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from megatron_hybrid.data.batches import MicroBatch, build_micro_batch
 from megatron_hybrid.data.samples import TokenSample
 from megatron_hybrid.padding import PaddingConfig
+from megatron_hybrid.padding.batch import per_segment
 
 __all__ = [
     "MicroBatch",
@@ -203,11 +205,13 @@ def replica_error(tokens: list[torch.Tensor], group, device) -> str | None:
     the sequences, or None (they compare a digest of every token and position)."""
     if group is None or group.size() == 1:
         return None
-    lengths = torch.tensor([len(t) for t in tokens])
-    flat = torch.cat(tokens)
-    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    position = torch.arange(len(flat)) - starts + 1
-    which = torch.repeat_interleave(torch.arange(len(tokens)), lengths) + 1
+    lengths = [len(t) for t in tokens]
+    flat = torch.cat(tokens).cpu()
+    # Each token's position in its sequence and its sequence's number, both from 1 (per_segment:
+    # torch's CPU repeat_interleave costs a parallel region per call).
+    starts = list(itertools.accumulate(lengths, initial=0))[:-1]
+    position = torch.arange(len(flat)) - per_segment(starts, lengths) + 1
+    which = per_segment(range(1, len(tokens) + 1), lengths)
     digest = int(((flat * position) % 1_000_003 * which % 1_000_033).sum())
     sizes = (len(tokens), len(flat), digest)
     mix = torch.tensor(sizes, dtype=torch.float64, device=device)
