@@ -1,4 +1,5 @@
-"""Flag rules of the ``train`` command's data, schedule, evaluation and logging flags
+"""Flag rules of the ``train`` command's data, schedule, evaluation, logging and garbage
+collection flags
 (scope ``train``; :mod:`~megatron_hybrid.training.validation` runs them with the others).
 
 They read the flags after :func:`~megatron_hybrid.training.schedule.resolve_schedule` has filled
@@ -79,6 +80,28 @@ def _log_dir(s: Settings) -> str | None:
     return None
 
 
+def _manual_gc(s: Settings) -> str | None:
+    interval = _value(s, "manual_gc_interval", 0)
+    if interval < 0:
+        return f"--manual-gc-interval {interval} must be >= 0 (0: collect only around evaluations)"
+    if _value(s, "manual_gc", False):
+        return None
+    given = [
+        flag
+        for flag, on in (
+            (f"--manual-gc-interval {interval}", interval),
+            ("--no-manual-gc-eval", _value(s, "no_manual_gc_eval", False)),
+        )
+        if on
+    ]
+    if given:
+        return (
+            f"{' and '.join(given)} only apply with --manual-gc (Python's automatic collection "
+            "is on without it): add --manual-gc, or leave them out"
+        )
+    return None
+
+
 #: The rules, in the order they are checked.
 DATA_RULES: tuple[Rule, ...] = (
     _positive("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"),
@@ -90,4 +113,5 @@ DATA_RULES: tuple[Rule, ...] = (
     _positive("--log-interval", "log_interval"),
     rule("train", "--log-dir --tensorboard-dir", _log_dir),
     rule("train", "--tensorboard-dir", _tensorboard),
+    rule("train", "--manual-gc --manual-gc-interval --no-manual-gc-eval", _manual_gc),
 )

@@ -29,6 +29,7 @@ from megatron_hybrid.runtime import RuntimeBackend, prefer_expandable_segments, 
 from megatron_hybrid.training import resume
 from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
+from megatron_hybrid.training.collection import ManualCollection
 from megatron_hybrid.training.config import hybrid_config_from_args
 from megatron_hybrid.training.evaluation import evaluate
 from megatron_hybrid.training.fusions import apply_gpu_fusions
@@ -385,66 +386,74 @@ def _train(
     saved = None
     counter = StepFlops(setup.config, parse_pattern(args.hybrid_layer_pattern), args.vocab_size)
     seq_length, rows = inputs.step_shape
-    for iteration in range(start, args.train_iters):
-        batches = counter.annotate(
-            inputs.micro_batches(inputs.train, consumed, setup.num_microbatches)
-        )
-        lr = current_lr(optimizer)
-        began = time.perf_counter()
-        result = train_step(chunks, optimizer, batches, setup.config, seq_length=seq_length,
-                            micro_batch_size=rows, pg_collection=setup.pg)  # fmt: skip
-        setup.backend.synchronize()
-        elapsed = time.perf_counter() - began
-        consumed += setup.global_batch
-        done = iteration + 1
-        if check_step(result, done, args.on_nonfinite, saved):
-            if rank == 0:
-                print(f"step {done}: {describe(result)}: skipped", flush=True)
-        else:
-            scheduler.step(increment=setup.global_batch)  # as Megatron-LM: applied steps only
-            rate = result.tokens / elapsed
-            summary.step_seconds.append(elapsed)
-            summary.step_tokens.append(result.tokens)
-            summary.step_flops.append(result.flops)
-            summary.losses.append(result.loss)
-            summary.grad_norms.append(result.grad_norm)
-            summary.learning_rates.append(lr)
-            tflops = tflops_per_gpu([result.flops], [elapsed], gpus) if gpus else None
-            progress.update(done, result.loss, lr, result.grad_norm, rate,
-                            throughput_text(tflops, setup.peak))  # fmt: skip
-            metrics.step(done, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
-                         tokens_per_second=rate, tflops_per_gpu=tflops)  # fmt: skip
-        if setup.autotunes and iteration == start:
-            progress.note(
-                f"first step took {elapsed:.0f} s with fla's kernel autotuning "
-                "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
+    # --manual-gc: no automatic collection inside the loop (restored after it).
+    collector = ManualCollection(
+        args.manual_gc, args.manual_gc_interval, not args.no_manual_gc_eval
+    )
+    with collector:
+        for iteration in range(start, args.train_iters):
+            batches = counter.annotate(
+                inputs.micro_batches(inputs.train, consumed, setup.num_microbatches)
             )
-        if args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
-            loss = _evaluate(setup, chunks, seq_length, rows)
-            summary.validation_losses.append((done, loss))
-            metrics.validation(done, loss)
-            progress.note(f"iteration {done}: validation loss {loss:.4f}")
-        if args.save and (
-            done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
-        ):
-            saved = str(
-                save_checkpoint(
-                    args.save,
-                    done,
-                    chunks,
-                    optimizer,
-                    pattern=args.hybrid_layer_pattern,
-                    model_settings=recorded_settings(args, setup.seq_length),
-                    overwrite=args.overwrite,
-                    consumed_samples=consumed,
-                    layout=resume.layout_of(setup.pg),
-                    run=target.run,
-                    replace_root=target.replace_root and saved is None,
-                    common={SCHEDULER_KEY: scheduler.state_dict(), "data": data_record(args)},
+            lr = current_lr(optimizer)
+            began = time.perf_counter()
+            result = train_step(chunks, optimizer, batches, setup.config, seq_length=seq_length,
+                                micro_batch_size=rows, pg_collection=setup.pg)  # fmt: skip
+            setup.backend.synchronize()
+            elapsed = time.perf_counter() - began
+            consumed += setup.global_batch
+            done = iteration + 1
+            if check_step(result, done, args.on_nonfinite, saved):
+                if rank == 0:
+                    print(f"step {done}: {describe(result)}: skipped", flush=True)
+            else:
+                scheduler.step(increment=setup.global_batch)  # as Megatron-LM: applied steps only
+                rate = result.tokens / elapsed
+                summary.step_seconds.append(elapsed)
+                summary.step_tokens.append(result.tokens)
+                summary.step_flops.append(result.flops)
+                summary.losses.append(result.loss)
+                summary.grad_norms.append(result.grad_norm)
+                summary.learning_rates.append(lr)
+                tflops = tflops_per_gpu([result.flops], [elapsed], gpus) if gpus else None
+                progress.update(done, result.loss, lr, result.grad_norm, rate,
+                                throughput_text(tflops, setup.peak))  # fmt: skip
+                metrics.step(done, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
+                             tokens_per_second=rate, tflops_per_gpu=tflops)  # fmt: skip
+            collector.after_step(done)
+            if setup.autotunes and iteration == start:
+                progress.note(
+                    f"first step took {elapsed:.0f} s with fla's kernel autotuning "
+                    "(cached by Triton for the next runs: TRITON_CACHE_AUTOTUNING=1)"
                 )
-            )
-            if done != args.train_iters:  # the final save is in the summary line
-                progress.note(f"saved {saved}")
+            if args.eval_interval and (done % args.eval_interval == 0 or done == args.train_iters):
+                collector.before_eval()
+                loss = _evaluate(setup, chunks, seq_length, rows)
+                collector.after_eval()
+                summary.validation_losses.append((done, loss))
+                metrics.validation(done, loss)
+                progress.note(f"iteration {done}: validation loss {loss:.4f}")
+            if args.save and (
+                done == args.train_iters or (args.save_interval and done % args.save_interval == 0)
+            ):
+                saved = str(
+                    save_checkpoint(
+                        args.save,
+                        done,
+                        chunks,
+                        optimizer,
+                        pattern=args.hybrid_layer_pattern,
+                        model_settings=recorded_settings(args, setup.seq_length),
+                        overwrite=args.overwrite,
+                        consumed_samples=consumed,
+                        layout=resume.layout_of(setup.pg),
+                        run=target.run,
+                        replace_root=target.replace_root and saved is None,
+                        common={SCHEDULER_KEY: scheduler.state_dict(), "data": data_record(args)},
+                    )
+                )
+                if done != args.train_iters:  # the final save is in the summary line
+                    progress.note(f"saved {saved}")
     progress.close()
     note = metrics.close()
     if note:

@@ -1,4 +1,5 @@
-"""The ``train`` command's flags for data, the learning-rate schedule, evaluation and logging.
+"""The ``train`` command's flags for data, the learning-rate schedule, evaluation, logging and
+garbage collection.
 
 Megatron-LM's names and meaning (``megatron/training/arguments.py``); Megatron-LM's own parser
 has every one of them except ``--log-dir``, so they are not offered to its scripts.
@@ -16,6 +17,7 @@ from megatron_hybrid.training.arguments import Flag
 __all__ = ["FINE_TUNING", "RUN_DEFAULTS", "TRAIN_FLAGS", "add_train_flags"]
 
 _DATA, _LR, _LOG = "data", "learning-rate schedule", "evaluation and logging"
+_GC = "garbage collection"
 
 #: What a run that starts from trained weights is (its defaults differ).
 FINE_TUNING = "fine-tuning (--load-hf, --load-base, or a checkpoint of such a run)"
@@ -159,6 +161,34 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
             default=None,
             metavar="DIR",
             help="also write TensorBoard logs there (needs the tensorboard extra)",
+        ),
+    ),
+    Flag(
+        "--manual-gc",
+        _GC,
+        dict(
+            action="store_true",
+            help="turn Python's automatic garbage collection off for the run and collect only "
+            "between steps (--manual-gc-interval) and around evaluations: no collection "
+            "inside a step (Megatron-LM's flag)",
+        ),
+    ),
+    Flag(
+        "--manual-gc-interval",
+        _GC,
+        dict(
+            type=int,
+            default=0,
+            help="with --manual-gc, collect after every N iterations (default: 0, only around "
+            "evaluations)",
+        ),
+    ),
+    Flag(
+        "--no-manual-gc-eval",
+        _GC,
+        dict(
+            action="store_true",
+            help="with --manual-gc, do not collect before and after each evaluation",
         ),
     ),
 )

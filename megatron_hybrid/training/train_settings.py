@@ -172,6 +172,11 @@ class TrainSettings:
     log_interval: int
     log_dir: str | None
     tensorboard_dir: str | None
+
+    # garbage collection
+    manual_gc: bool
+    manual_gc_interval: int
+    no_manual_gc_eval: bool
     given: frozenset[str] = frozenset()
     schedule_given: frozenset[str] = frozenset()
 

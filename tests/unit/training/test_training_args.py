@@ -32,12 +32,13 @@ TRAIN_ONLY_FLAGS = [
     "--no-packed", "--on-nonfinite", "--overwrite", "--packed",
     "--round-up-seq-length", "--verbose",
 ]  # fmt: skip
-# The train command's data, schedule, evaluation and logging flags (Megatron-LM's names).
+# The train command's data, schedule, evaluation, logging and garbage collection flags
+# (Megatron-LM's names).
 TRAIN_FLAGS = [
     "--data-cache-path", "--data-path", "--eval-interval", "--eval-iters", "--log-dir",
     "--log-interval", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
-    "--make-vocab-size-divisible-by", "--min-lr", "--split", "--tensorboard-dir",
-    "--tokenizer-model",
+    "--make-vocab-size-divisible-by", "--manual-gc", "--manual-gc-interval", "--min-lr",
+    "--no-manual-gc-eval", "--split", "--tensorboard-dir", "--tokenizer-model",
 ]  # fmt: skip
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).

@@ -303,6 +303,24 @@ REFUSED = [
     ),
     pytest.param(["--num-experts", "4"], 1, r"--hybrid-layer-pattern is required", id="no-pattern"),
     pytest.param(
+        BASE + ["--manual-gc-interval", "10"],
+        1,
+        r"--manual-gc-interval 10 only apply with --manual-gc .* add --manual-gc",
+        id="gc-interval-without-manual-gc",
+    ),
+    pytest.param(
+        BASE + ["--no-manual-gc-eval"],
+        1,
+        r"--no-manual-gc-eval only apply with --manual-gc",
+        id="gc-eval-without-manual-gc",
+    ),
+    pytest.param(
+        BASE + ["--manual-gc", "--manual-gc-interval", "-1"],
+        1,
+        r"--manual-gc-interval -1 must be >= 0",
+        id="gc-interval-negative",
+    ),
+    pytest.param(
         ["--hybrid-layer-pattern", "[*E]{4}"],
         1,
         r"has MoE \('E'\) layers; set --num-experts",
@@ -370,6 +388,11 @@ def test_refused_before_anything_starts(argv, world_size, match):
             BASE + ["--hidden-size", "62", "--kv-channels", "16"], 1, id="kv-channels-fix"
         ),
         pytest.param(["--hybrid-layer-pattern", "[G-]{2}", "--swiglu"], 1, id="gdn"),
+        pytest.param(
+            BASE + ["--manual-gc", "--manual-gc-interval", "10", "--no-manual-gc-eval"],
+            1,
+            id="manual-gc",
+        ),
         pytest.param(
             [
                 "--hybrid-layer-pattern",
