@@ -120,6 +120,8 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
         flags.append("--packed")
     if args.overlap:
         flags.append("--overlap-moe-expert-parallel-comm")
+    if args.manual_gc:
+        flags.append("--manual-gc")
     return [str(flag) for flag in flags]
 
 
@@ -262,6 +264,16 @@ def measure(args, shape, name: str, impl: str, peak) -> dict:
 
 
 def _measure(args, run: Run, impl: str, peak) -> dict:
+    """:func:`_steps` under ``train``'s ``--manual-gc`` as ``train`` applies it (the collector
+    off around every step, the timed, phase-timed and profiled ones)."""
+    from megatron_hybrid.training.collection import ManualCollection
+
+    targs = run.args
+    with ManualCollection(targs.manual_gc, targs.manual_gc_interval, False) as collector:
+        return _steps(args, run, impl, peak, collector)
+
+
+def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     from megatron.core.utils import unwrap_model
 
     from megatron_hybrid.modules.fast import fast_path_report
@@ -289,6 +301,7 @@ def _measure(args, run: Run, impl: str, peak) -> dict:
             times.append(elapsed)
             flops.append(result.flops)
             tokens.append(result.tokens)
+        collector.after_step(index + 1)
     median = statistics.median(times)
     rate = tflops_per_gpu(flops, times, world)
     # One more step with a wait around each phase: where the step's time goes.
@@ -370,7 +383,7 @@ def result_stem(args, shape_name: str, device: str) -> str:
     if args.data != "variable":
         parts.append(args.data)
     parts += [s for s, on in (("packed", args.packed), ("overlap", args.overlap),
-                              ("tf32", args.tf32)) if on]  # fmt: skip
+                              ("tf32", args.tf32), ("manualgc", args.manual_gc)) if on]  # fmt: skip
     return "_".join(parts)
 
 
@@ -495,6 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (under torchrun)")
     parser.add_argument("--overlap", action="store_true",
                         help="train --overlap-moe-expert-parallel-comm")  # fmt: skip
+    parser.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="train --manual-gc (no automatic garbage collection in the steps)",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     parser.add_argument("--tf32", action="store_true",
                         help="let float32 matmuls use TF32 tensor cores (torch.backends.cuda."
@@ -561,7 +579,8 @@ def main(argv: list[str] | None = None) -> None:
                + f"{args.data} lengths" + (", packed" if args.packed else ", padded")
                + f", {world} process{'es' if world > 1 else ''}, EP {args.ep}"
                + (", EP overlap" if args.overlap else "")
-               + (", TF32 float32 matmuls" if args.tf32 else "")),
+               + (", TF32 float32 matmuls" if args.tf32 else "")
+               + (", --manual-gc" if args.manual_gc else "")),
         skipped=skipped,
     )  # fmt: skip
     results: dict = {}

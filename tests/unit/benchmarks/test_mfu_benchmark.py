@@ -102,3 +102,24 @@ def test_kernel_breakdown():
     assert categories["triton"]["count"] == 2  # inductor's and fla's kernels
     assert [k["category"] for k in breakdown["kernels"]] == ["gemm", "attention"]
     assert breakdown["kernels"][0]["mean_us"] == 20
+
+
+@pytest.mark.parametrize("manual", [True, False], ids=["manual-gc", "default"])
+def test_manual_gc_reaches_trains_settings(monkeypatch, manual):
+    """``mfu.py --manual-gc`` gives ``train`` its ``--manual-gc`` (the benchmark then wraps the
+    steps in the same collector) and names it in the results' file; without it neither."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        mfu = importlib.import_module("mfu")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
+    args = mfu.build_parser().parse_args(["--quick"] + (["--manual-gc"] if manual else []))
+    flags = mfu.train_flags(SimpleNamespace(**mfu.SHAPES["tiny"]), "star_e", "fast", args)
+    assert ("--manual-gc" in flags) is manual
+    assert mfu.train_args(flags).manual_gc is manual
+    assert mfu.result_stem(args, "tiny", "CPU").endswith("_manualgc") is manual
