@@ -117,7 +117,7 @@ def count_step(pattern: str, layers: int, microbatches: int, impl: str) -> colle
 
     shape = SimpleNamespace(**{**SHAPE, "layers": layers, "microbatches": microbatches})
     args = SimpleNamespace(warmup=1, steps=1, quick=False, data="full", packed=False, ep=1,
-                           overlap=False, gdn_kernel="torch")  # fmt: skip
+                           overlap=False, gdn_kernel="torch", manual_gc=False)  # fmt: skip
     run = Run(args, shape, pattern, impl)
     try:
         run.step(run.batches())
