@@ -1,7 +1,12 @@
-"""Pieces the benchmarks share: the recorded command, device syncs, synthetic batches, the MoE
-models' ``TransformerConfig``, and the Qwen3.5-MoE text config their model presets fill in."""
+"""Pieces the benchmarks share: the recorded command, the host's CPU, device syncs, synthetic
+batches, the MoE models' ``TransformerConfig``, and the Qwen3.5-MoE text config their model
+presets fill in."""
 
 from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -24,6 +29,24 @@ def recorded_command(script: str, argv: list[str], launcher: str = "python") -> 
         if arg == "--out":
             shown[i + 1] = RESULTS
     return " ".join([f"{launcher} benchmarks/{script}", *shown])
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def host_cpu() -> str:
+    """The CPU and the cores this process may use: a host-paced call (most of a GPU step at
+    these shapes) runs at the host's speed, so results record it (one H200 scored the same
+    log-probs code at 144,871 and 86,985 tokens/s on two hosts, 2026-11-28)."""
+    return f"{cpu_name()}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} cores"
 
 
 def sync(device=None) -> None:

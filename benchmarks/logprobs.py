@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import recorded_command, sync
+from common import host_cpu, recorded_command, sync
 from host_breakdown import module_host_times, module_operators
 from routing_flips import RoutingRecorder, flip_report
 from trace_summary import profile_call, sync_sites
@@ -253,7 +253,7 @@ def _flip_lines(flips: dict) -> list[str]:
 
 def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [
-        f"# forward_logprobs: packed vs padded ({meta['device']})",
+        f"# forward_logprobs: packed vs padded ({meta['device']}; {meta['host']})",
         "",
         f"{meta['date']}; Qwen3.5-MoE-shaped, {meta['layers']} layers, {meta['experts']} experts, "
         f"{meta['dtype']}, {meta['max_tokens']} tokens per micro-batch; {meta['sequences']} "
@@ -335,6 +335,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     meta = dict(
         device=name,
+        host=host_cpu(),
         date=datetime.date.today().isoformat(),
         dtype="bf16" if torch.cuda.is_available() else "float32",
         layers=args.layers,

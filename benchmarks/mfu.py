@@ -50,7 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from common import recorded_command, sync
+from common import host_cpu, recorded_command, sync
 from trace_summary import profile_call
 
 CUDA = torch.cuda.is_available()
@@ -401,7 +401,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
         f"# MFU of train's step, shape `{shape_name}`, {meta['device']}", "",
         f"{meta['date']}; torch {meta['torch']}; "
         + (f"peak {peak:.0f} TFLOP/s ({meta['peak_source']})" if peak else "no peak")
-        + f"; {meta['setup']}.", "", f"`{meta['command']}`", "",
+        + f"; {meta['setup']}; host {meta['host']}.", "", f"`{meta['command']}`", "",
         "| run | step s | first step s | tokens/s | peak GiB | step TFLOP | TFLOP/s/GPU | MFU "
         "| GPU busy | kernels / step |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = SimpleNamespace(**SHAPES[args.shape])
     meta = dict(
         device=device,
+        host=host_cpu(),
         gpus=world if CUDA else 0,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import recorded_command  # noqa: E402
+from common import cpu_name, recorded_command  # noqa: E402
 
 from megatron_hybrid.data.prepare import CHUNK_LINES, PrepareOptions, prepare_data  # noqa: E402
 from megatron_hybrid.testing.tokenizers import (  # noqa: E402
@@ -47,16 +47,6 @@ from megatron_hybrid.testing.tokenizers import (  # noqa: E402
 )
 
 TARGET_RATIO = 2.0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def best(fn, repeats: int) -> float:
