@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_name
 from ep_overlap import bind_cores
-from pattern_parse import cpu_name
 from torch import nn
 
 MODES = ("phased", "split", "interleaved")

@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from pattern_parse import cpu_name
+from common import cpu_name
 
 
 def _worker(rank: int, world_size: int, argv: list[str], threads: int) -> dict:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import cpu_name
+
 from megatron_hybrid.pattern import parse_pattern
 
 TARGET_MS_AT_10K = 50.0
@@ -44,16 +46,6 @@ def median_ms(pattern: str, repeats: int) -> float:
         parse_pattern(pattern)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:

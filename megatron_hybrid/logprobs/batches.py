@@ -17,7 +17,6 @@ an error on every rank before the forward pass, so no rank is left waiting in a 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from megatron_hybrid.data.batches import MicroBatch, build_micro_batch
 from megatron_hybrid.data.samples import TokenSample
 from megatron_hybrid.padding import PaddingConfig
-from megatron_hybrid.padding.batch import per_segment
+from megatron_hybrid.padding.batch import per_segment, segment_offsets
 
 __all__ = [
     "MicroBatch",
@@ -209,8 +208,7 @@ def replica_error(tokens: list[torch.Tensor], group, device) -> str | None:
     flat = torch.cat(tokens).cpu()
     # Each token's position in its sequence and its sequence's number, both from 1 (per_segment:
     # torch's CPU repeat_interleave costs a parallel region per call).
-    starts = list(itertools.accumulate(lengths, initial=0))[:-1]
-    position = torch.arange(len(flat)) - per_segment(starts, lengths) + 1
+    position = segment_offsets(lengths) + 1
     which = per_segment(range(1, len(tokens) + 1), lengths)
     digest = int(((flat * position) % 1_000_003 * which % 1_000_033).sum())
     sizes = (len(tokens), len(flat), digest)

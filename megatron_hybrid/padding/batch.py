@@ -40,6 +40,7 @@ __all__ = [
     "per_tensor",
     "packed_seq_params_from",
     "packed_seq_params_to",
+    "segment_offsets",
     "seq_idx_of",
     "to_device",
     "unpack_thd",
@@ -284,6 +285,13 @@ def per_segment(values: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     return marks[:total].cumsum(0)
 
 
+def segment_offsets(lengths: Sequence[int]) -> torch.Tensor:
+    """``[sum(lengths)]`` int64 (CPU): each position's offset inside its own segment, segments
+    of ``lengths`` in order (``0 .. n - 1`` per segment of ``n``; :func:`per_segment`'s cost)."""
+    starts = list(itertools.accumulate(lengths, initial=0))[:-1]
+    return torch.arange(sum(lengths)) - per_segment(starts, lengths)
+
+
 def seq_idx_of(cu_seqlens: Sequence[int], total_tokens: int) -> torch.Tensor:
     """megatron-core's ``PackedSeqParams.seq_idx`` (0.19.2's ``packed_seq_params.py``,
     ``__post_init__``) from host values: ``[1, total]`` int32, the index of the sequence of
@@ -455,8 +463,7 @@ def pack_thd(
     out = {key: torch.cat(parts).unsqueeze(0) for key, parts in pieces.items()}
     added = []
     padded = plan.padded_seqlens
-    # Offset of every packed position inside its own sequence.
-    offsets = torch.arange(plan.total_tokens) - per_segment(plan.cu_seqlens_padded[:-1], padded)
+    offsets = segment_offsets(padded)  # of every packed position inside its own sequence
     if "position_ids" not in out:
         added.append("position_ids")
         out["position_ids"] = to_device(offsets.unsqueeze(0), device)

@@ -260,6 +260,17 @@ def test_per_segment_equals_repeat_interleave(lengths, seed):
     assert got.dtype == torch.long and torch.equal(got, want)
 
 
+@FAST
+@given(lengths=st.lists(st.integers(0, 9), min_size=0, max_size=7))
+def test_segment_offsets_count_from_each_segment_start(lengths):
+    """Written out position by position; empty segments own no position."""
+    from megatron_hybrid.padding.batch import segment_offsets
+
+    want = [offset for n in lengths for offset in range(n)]
+    got = segment_offsets(lengths)
+    assert got.dtype == torch.long and got.tolist() == want
+
+
 @pytest.mark.parametrize(
     "values, lengths, match",
     [([1, 2], [3], "2 values for 1 segments"), ([1, 2], [3, -1], "lengths must be >= 0")],
