@@ -49,6 +49,32 @@ def host_cpu() -> str:
     return f"{cpu_name()}, {len(os.sched_getaffinity(0))} of {os.cpu_count()} cores"
 
 
+def host_profile(call, top: int) -> dict:
+    """``call()`` once under cProfile (after a device wait): its wall time, Python function
+    calls, and the ``top`` functions by own time (a call that waits for the device shows the
+    wait as its own time)."""
+    import cProfile
+    import pstats
+    import time
+
+    profiler = cProfile.Profile()
+    sync()
+    began = time.perf_counter()
+    profiler.enable()
+    call()
+    sync()
+    profiler.disable()
+    step_ms = 1e3 * (time.perf_counter() - began)
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        where = f"{Path(path).name}:{line}" if line else path
+        rows.append(dict(function=f"{where}({name})", calls=calls, own_ms=1e3 * own,
+                         cumulative_ms=1e3 * cumulative))  # fmt: skip
+    rows.sort(key=lambda row: row["own_ms"], reverse=True)
+    return dict(step_ms=step_ms, function_calls=sum(r["calls"] for r in rows), top=rows[:top])
+
+
 def sync(device=None) -> None:
     """Wait for the GPU (``device`` None: whenever CUDA is there), so a timer sees its work."""
     if torch.cuda.is_available() if device is None else torch.device(device).type == "cuda":

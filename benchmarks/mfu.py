@@ -11,8 +11,10 @@ chunks in megatron's DistributedDataParallel, its optimizer (the distributed opt
 with clipping), its step function (``training.loop.train_step``: the schedule, gradient
 finalisation, the non-finite guard, the update) and its data (the synthetic variable-length
 sequences ``train`` feeds, padded or ``--packed`` as ``train`` lays them out; ``--data full``
-makes every sequence ``--seq-length`` long). So the benchmark measures the product and cannot
-drift from it.
+makes every sequence ``--seq-length`` long, ``--data documents`` runs ``train
+--synthetic-samples documents``: full rows of several documents, as real data comes). So the
+benchmark measures the product and cannot drift from it. ``--host-profile N`` runs one more step
+under cProfile and lists the N Python functions with the most own time.
 
 Per run: the median step over ``--steps`` steps after ``--warmup`` (the first step, which
 compiles and autotunes, reported on its own), real tokens per second, peak allocated memory,
@@ -50,14 +52,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from common import host_cpu, recorded_command, sync
+from common import host_cpu, host_profile, recorded_command, sync
 from trace_summary import profile_call
 
 CUDA = torch.cuda.is_available()
 
 PATTERNS = {"star_e": "[*E]", "ge": "[GE]", "me": "[ME]", "plus_e": "[+E]"}
 IMPLS = ("fast", "fast-graphs", "reference", "te")
-DATA = ("variable", "full")
+DATA = ("variable", "full", "documents")
 
 SHAPES = {
     "issue": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8, expert_hidden=512,
@@ -122,6 +124,8 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
         flags.append("--overlap-moe-expert-parallel-comm")
     if args.manual_gc:
         flags.append("--manual-gc")
+    if args.data == "documents":
+        flags += ["--synthetic-samples", "documents"]
     return [str(flag) for flag in flags]
 
 
@@ -242,10 +246,10 @@ class Run:
             torch.cuda.empty_cache()
 
 
-def profile(step) -> tuple[dict, dict]:
-    """One step under torch.profiler: its summary and kernel breakdown."""
-    summary, breakdown, _ = profile_call(step, sync)
-    return summary, breakdown
+def profile(step) -> tuple[dict, dict, list[dict]]:
+    """One step under torch.profiler: its summary, kernel breakdown and the host's operators
+    with the most own time."""
+    return profile_call(step, sync, top=25)
 
 
 def measure(args, shape, name: str, impl: str, peak) -> dict:
@@ -337,7 +341,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
         result["cuda_graphs"] = graphs.summary().splitlines()
     if CUDA and not args.no_profile:
         batches = run.batches()
-        summary, breakdown = profile(lambda: run.step(batches))
+        summary, breakdown, host_ops = profile(lambda: run.step(batches))
         window = summary["window_ms"]
         matmul_ms = sum(breakdown["categories"].get(c, {}).get("ms", 0.0)
                         for c in ("gemm", "attention"))  # fmt: skip
@@ -345,6 +349,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
         result.update(
             profile=summary,
             kernels=breakdown,
+            host_ops=host_ops,
             gpu_busy=summary["gpu_busy_ms"] / window,
             kernels_per_step=summary["compute_kernels"] + summary["nccl_kernels"],
             distance={
@@ -355,6 +360,20 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
                 "other_kernels_ms": summary["compute_kernel_sum_ms"] - matmul_ms,
                 "matmul_efficiency": ideal_ms / matmul_ms if matmul_ms and ideal_ms else None,
             },
+        )
+    if args.host_profile:
+        from host_breakdown import module_host_times, module_operators
+
+        batches = run.batches()
+        result["host_profile"] = host_profile(lambda: run.step(batches), args.host_profile)
+        # The forward's host time and operators per module class (hooks: forward only).
+        batches = run.batches()
+        hooked_ms, times = module_host_times(run.chunks, lambda: run.step(batches))
+        batches = run.batches()
+        operators, _ = module_operators(run.chunks, lambda: run.step(batches))
+        top = args.host_profile
+        result["host_profile"].update(
+            hooked_ms=hooked_ms, modules=times[:top], operators=operators[:top]
         )
     return result
 
@@ -426,7 +445,8 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
         cells = [_fmt(r["phases_ms"].get(k), ".1f") for k in names]
         lines.append(f"| {run} | " + " | ".join(cells) + f" | {r['phases_step_ms']:.1f} |")
     for run, r in results.items():
-        if not ({"distance", "fast_path", "cuda_graphs"} & set(r) or r.get("compile_s")):
+        if not ({"distance", "fast_path", "cuda_graphs", "host_profile", "host_ops"} & set(r)
+                or r.get("compile_s")):  # fmt: skip
             continue
         lines += ["", f"## {run}", ""]
         if "distance" in r:
@@ -454,6 +474,35 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
             lines += ["", "Fast modules: " + "; ".join(r["fast_path"])]
         if r.get("cuda_graphs"):
             lines += ["", "CUDA graphs:", "", *(f"* {line}" for line in r["cuda_graphs"])]
+        if r.get("host_profile"):
+            h = r["host_profile"]
+            lines += [
+                "",
+                f"Host (cProfile, one step of {h['step_ms']:.1f} ms, "
+                f"{h['function_calls']:,} Python function calls):",
+                "",
+                "| function | calls | own ms | cumulative ms |",
+                "| --- | ---: | ---: | ---: |",
+            ]
+            lines += [f"| `{f['function']}` | {f['calls']} | {f['own_ms']:.1f} "
+                      f"| {f['cumulative_ms']:.1f} |" for f in h["top"]]  # fmt: skip
+            lines += ["", f"Forward host time per module class (hooked step {h['hooked_ms']:.1f} "
+                      "ms), and torch operators:", "", "| module | own ms | calls |",
+                      "| --- | ---: | ---: |"]  # fmt: skip
+            lines += [f"| {m['module']} | {m['self_ms']:.1f} | {m['calls']} |"
+                      for m in h["modules"]]  # fmt: skip
+            lines += ["", "| module | operators |", "| --- | ---: |"]
+            lines += [f"| {m['module']} | {m['ops']} |" for m in h["operators"]]
+        if r.get("host_ops"):
+            lines += [
+                "",
+                "Host operators (profiled step, own time):",
+                "",
+                "| operator | own ms | count |",
+                "| --- | ---: | ---: |",
+            ]
+            lines += [f"| `{o['name'][:80]}` | {o['self_cpu_ms']:.1f} | {o['count']} |"
+                      for o in r["host_ops"]]  # fmt: skip
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[: 8 + len(results) + 3 + len(targets)]), flush=True)
 
@@ -502,8 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data", choices=DATA, default="variable",
-                        help="train's synthetic variable-length sequences (default), or every "
-                        "sequence --seq-length long")  # fmt: skip
+                        help="train's synthetic variable-length sequences (default), every "
+                        "sequence --seq-length long (full), or train --synthetic-samples "
+                        "documents: samples of --seq-length tokens of whole sequences back "
+                        "to back, as megatron-core's GPTDataset cuts real data "
+                        "(documents)")  # fmt: skip
     parser.add_argument("--packed", action="store_true", help="train --packed (THD rows)")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (under torchrun)")
     parser.add_argument("--overlap", action="store_true",
@@ -514,6 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="train --manual-gc (no automatic garbage collection in the steps)",
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="one more step under cProfile: the N Python functions with the "
+                        "most own time (where the host's time goes; a device wait shows as the "
+                        "call that waits)")  # fmt: skip
     parser.add_argument("--tf32", action="store_true",
                         help="let float32 matmuls use TF32 tensor cores (torch.backends.cuda."
                         "matmul.allow_tf32); recorded in the results")  # fmt: skip

@@ -5,6 +5,11 @@ chain (every token has two likely successors), so a small model learns it within
 steps and the loss visibly falls. Sequence ``i`` depends only on ``(seed, split, i)``, so any
 step of any data-parallel rank can be regenerated, which makes resuming exact. The validation
 split draws other sequences from the same chain.
+
+Every sequence has its own random stream, keyed by ``(seed, stream, index, part)`` through
+numpy's ``SeedSequence`` (the whole key is hashed). torch's CPU generator was used before, but
+its Mersenne Twister keeps only the low 32 bits of a seed, so the validation split, numbered
+from ``1 << 40``, drew exactly the training split's sequences.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from megatron_hybrid.data.samples import TokenSample
@@ -22,8 +28,9 @@ __all__ = ["PAD_TOKEN_ID", "SyntheticSamples", "SyntheticTokens"]
 #: Token 0 is reserved for padding (the chain never emits it).
 PAD_TOKEN_ID = 0
 
-# Sequence seeds of the validation split live in their own range (training ones start at 0).
-_VALID_OFFSET = 1 << 40
+# The streams of the key ``(seed, stream, index, part)``: one sequence per sample of a split, or
+# the ``part``-th sequence of sample ``index`` of ``documents`` samples.
+_STREAMS = {("train", False): 0, ("valid", False): 1, ("train", True): 2, ("valid", True): 3}
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class SyntheticTokens:
     min_length: int = 8
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.vocab_size < 4:
             raise ValueError(f"vocab_size must be at least 4, got {self.vocab_size}")
         if not 1 <= self.min_length <= self.max_length:
@@ -56,15 +65,16 @@ class SyntheticTokens:
         generator = torch.Generator().manual_seed(self.seed)
         return torch.randint(1, self.vocab_size, (self.vocab_size, 2), generator=generator)
 
-    def sequence(self, index: int) -> torch.Tensor:
-        """Tokens ``[L + 1]`` of sequence ``index`` (inputs are ``[:-1]``, labels ``[1:]``)."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+    def sequence(self, index: int, stream: int = 0, part: int = 0) -> torch.Tensor:
+        """Tokens ``[L + 1]`` of sequence ``index`` of ``stream`` (and ``part``) (inputs are
+        ``[:-1]``, labels ``[1:]``)."""
+        draws = np.random.default_rng([self.seed, stream, index, part])
         # Log-normal lengths, like pretraining documents, clipped to the allowed range.
         median = max(self.min_length, self.max_length // 2)
-        draw = torch.empty(1).log_normal_(math.log(median), 0.6, generator=generator).item()
+        draw = draws.lognormal(math.log(median), 0.6)
         length = int(min(self.max_length, max(self.min_length, round(draw))))
-        token = int(torch.randint(1, self.vocab_size, (1,), generator=generator))
-        choices = (torch.rand(length, generator=generator) > 0.8).tolist()
+        token = int(draws.integers(1, self.vocab_size))
+        choices = (draws.random(length) > 0.8).tolist()
         # The walk on Python ints: indexing a tensor per token cost ~30 ms per 2,000-token
         # sequence, host time inside every training step; this is ~100x less.
         successors, walk = self._successor_rows, [token]
@@ -80,25 +90,51 @@ class SyntheticTokens:
 
 @dataclass(frozen=True)
 class SyntheticSamples:
-    """One split of the synthetic data as a sample source (every sample one document).
+    """One split of the synthetic data as a sample source.
 
     Attributes:
         tokens: the chain.
         split: ``"train"`` or ``"valid"``.
+        documents: every sample ``max_length`` inputs cut from whole sequences laid back to back
+            (the last one cut short), each a document piece of its own, as megatron-core's
+            ``GPTDataset`` cuts samples from a corpus of documents (``--synthetic-samples
+            documents``); False: every sample is one sequence (its length varies).
     """
 
     tokens: SyntheticTokens
     split: str = "train"
+    documents: bool = False
 
-    #: A sample is one sequence: packing never splits one.
-    max_documents_per_sample = 1
+    @property
+    def max_documents_per_sample(self) -> int:
+        """The most document pieces a sample holds (packing reserves their alignment padding):
+        every sequence is at least ``min_length + 1`` tokens long in the stream."""
+        if not self.documents:
+            return 1  # a sample is one sequence: packing never splits one
+        return -(-(self.tokens.max_length + 1) // (self.tokens.min_length + 1))
 
     def sample(self, index: int) -> TokenSample:
-        offset = _VALID_OFFSET if self.split == "valid" else 0
-        return TokenSample(self.tokens.sequence(offset + index))
+        stream = _STREAMS[self.split, self.documents]
+        if not self.documents:
+            return TokenSample(self.tokens.sequence(index, stream))
+        # Sample i's documents are sequences of their own (parts 0, 1, ... of index i), so any
+        # sample is made without the ones before it, as resuming needs.
+        needed, parts = self.tokens.max_length + 1, []
+        while needed > 0:
+            part = self.tokens.sequence(index, stream, len(parts))[:needed]
+            parts.append(part)
+            needed -= len(part)
+        pieces = [len(p) for p in parts]
+        pieces[-1] -= 1  # the stream's last token is a label only
+        return TokenSample(torch.cat(parts), documents=tuple(n for n in pieces if n))
 
     def describe(self) -> str:
+        what = (
+            f"samples of {self.tokens.max_length} tokens of whole sequences back to back"
+            if self.documents
+            else "one sequence per sample"
+        )
         return (
             f"synthetic Markov tokens (built in; vocabulary {self.tokens.vocab_size}, sequences "
-            f"of {self.tokens.min_length} to {self.tokens.max_length} tokens)"
+            f"of {self.tokens.min_length} to {self.tokens.max_length} tokens, {what})"
         )

@@ -102,8 +102,28 @@ def _manual_gc(s: Settings) -> str | None:
     return None
 
 
+def _seed(s: Settings) -> str | None:
+    seed = _value(s, "seed")
+    if seed is not None and seed < 0:
+        # numpy seeds (megatron-core's GPTDataset shuffles, the synthetic data's streams) are
+        # non-negative.
+        return f"--seed {seed} must be >= 0"
+    return None
+
+
+def _synthetic_samples(s: Settings) -> str | None:
+    if _value(s, "synthetic_samples") == "documents" and _value(s, "data_path"):
+        return (
+            "--synthetic-samples documents lays out the built-in synthetic data, but --data-path "
+            "trains on your data (whose samples megatron-core's GPTDataset cuts): leave one out"
+        )
+    return None
+
+
 #: The rules, in the order they are checked.
 DATA_RULES: tuple[Rule, ...] = (
+    rule("train", "--seed", _seed),
+    rule("train", "--synthetic-samples --data-path", _synthetic_samples),
     _positive("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"),
     _positive("--lr-decay-iters", "lr_decay_iters"),
     rule("train", "--lr-warmup-iters --lr-decay-iters", _warmup),

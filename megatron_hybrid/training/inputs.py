@@ -256,8 +256,9 @@ class RunInputs:
             self.train, self.valid = self._gpt(consumed + remaining, valid)
         else:
             tokens = SyntheticTokens(args.vocab_size, max_length=self.seq_length, seed=args.seed)
-            self.train = SyntheticSamples(tokens, "train")
-            self.valid = SyntheticSamples(tokens, "valid")
+            documents = args.synthetic_samples == "documents"
+            self.train = SyntheticSamples(tokens, "train", documents)
+            self.valid = SyntheticSamples(tokens, "valid", documents)
         if evaluate and self.valid is None:
             raise SettingsError(
                 f"--eval-interval needs a validation split, but --split "

@@ -2,7 +2,8 @@
 garbage collection.
 
 Megatron-LM's names and meaning (``megatron/training/arguments.py``); Megatron-LM's own parser
-has every one of them except ``--log-dir``, so they are not offered to its scripts.
+has every one of them except ``--log-dir`` and ``--synthetic-samples`` (the package's built-in
+data), so they are not offered to its scripts.
 Several defaults depend on the run: :func:`megatron_hybrid.training.schedule.resolve_schedule`
 and :func:`megatron_hybrid.training.inputs.resolve_data` fill them in, and :data:`RUN_DEFAULTS`
 states them for ``--help`` and the docs.
@@ -47,6 +48,18 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
             help="train on Megatron data sets: PREFIX (PREFIX.bin/.idx, from prepare-data or "
             "Megatron-LM's preprocess_data.py) or a blend W1 PREFIX1 W2 PREFIX2 ... (default: "
             "the built-in synthetic data)",
+        ),
+    ),
+    Flag(
+        "--synthetic-samples",
+        _DATA,
+        dict(
+            choices=["sequence", "documents"],
+            default="sequence",
+            help="without --data-path: each sample one synthetic sequence of log-normal length "
+            "(sequence, the default), or --seq-length tokens of whole sequences back to back, "
+            "each a document of its own, as megatron-core's GPTDataset cuts samples from a corpus "
+            "(documents: full rows, several documents per packed micro-batch)",
         ),
     ),
     Flag(

@@ -155,6 +155,7 @@ class TrainSettings:
 
     # data (``train_flags.TRAIN_FLAGS``)
     data_path: list[str] | None
+    synthetic_samples: str
     split: str | None
     tokenizer_model: str | None
     data_cache_path: str | None

@@ -28,7 +28,8 @@ def test_tiny_run_of_trains_step(tmp_path):
     runs = ["star_e/fast", "ge/fast", "star_e/reference", "star_e/te"]
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "mfu.py"), "--shape", "tiny", "--warmup", "1",
-         "--steps", "1", "--data", "full", "--out", str(tmp_path), "--runs", *runs],
+         "--steps", "1", "--data", "full", "--out", str(tmp_path), "--host-profile", "3",
+         "--runs", *runs],
         capture_output=True, text=True, timeout=600,
         env={**_env(), "MEGATRON_HYBRID_PEAK_TFLOPS": "0.5"},
     )  # fmt: skip
@@ -60,6 +61,11 @@ def test_tiny_run_of_trains_step(tmp_path):
     table = (tmp_path / "mfu_tiny_CPU_full.md").read_text()
     assert "| star_e/fast |" in table and "| star_e fast MFU >= 0.30 |" in table
     assert "| run | data | forward-backward | gradient finalisation | guard |" in table
+    host = fast["host_profile"]
+    assert len(host["top"]) == 3 and host["function_calls"] > 1000
+    assert [f["own_ms"] for f in host["top"]] == sorted((f["own_ms"] for f in host["top"]),
+                                                        reverse=True)  # fmt: skip
+    assert "| function | calls | own ms | cumulative ms |" in table
 
 
 def test_runs_are_checked_before_any_work(tmp_path):
@@ -123,3 +129,54 @@ def test_manual_gc_reaches_trains_settings(monkeypatch, manual):
     assert ("--manual-gc" in flags) is manual
     assert mfu.train_args(flags).manual_gc is manual
     assert mfu.result_stem(args, "tiny", "CPU").endswith("_manualgc") is manual
+
+
+def _module(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("data", ["documents", "variable"], ids=["documents", "default"])
+def test_documents_data_reaches_trains_settings(monkeypatch, data):
+    """``mfu.py --data documents`` runs ``train --synthetic-samples documents`` and names it in
+    the results' file; the default data keeps train's default samples."""
+    from types import SimpleNamespace
+
+    import torch
+
+    mfu = _module("mfu")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
+    args = mfu.build_parser().parse_args(["--quick", "--packed", "--data", data])
+    flags = mfu.train_flags(SimpleNamespace(**mfu.SHAPES["tiny"]), "star_e", "fast", args)
+    expected = "documents" if data == "documents" else "sequence"
+    assert mfu.train_args(flags).synthetic_samples == expected
+    assert mfu.result_stem(args, "tiny", "CPU").endswith(
+        "_documents_packed" if data == "documents" else "CPU_packed"
+    )
+
+
+def test_host_profile_names_where_the_time_goes():
+    """The function that spends the time heads the list, by its own time; the caller that only
+    waits on it does not (control: its cumulative time is as large)."""
+    import time
+
+    common = _module("common")
+
+    def slow():
+        time.sleep(0.05)
+
+    def caller():
+        for _ in range(3):
+            slow()
+        sum(range(1000))
+
+    profile = common.host_profile(caller, 1)
+    (first,) = profile["top"]
+    assert "sleep" in first["function"] and first["calls"] == 3 and first["own_ms"] >= 150
+    assert profile["step_ms"] >= first["own_ms"]
+    stats = {f["function"]: f for f in common.host_profile(caller, 50)["top"]}
+    waiting = next(f for name, f in stats.items() if name.endswith("(caller)"))
+    assert waiting["cumulative_ms"] >= 150 > waiting["own_ms"]

@@ -52,3 +52,52 @@ def test_packed_training_equals_padded(pp):
     assert padded_layouts == ["bshd"] and packed_layouts == ["thd"]
     assert len(packed) == len(padded) == 2
     assert packed == pytest.approx(padded, rel=1e-5, abs=1e-6)
+
+
+def _documents_worker(rank: int, world_size: int, argv: list[str]):
+    import torch
+
+    torch.set_num_threads(1)
+    from megatron_hybrid.cli.main import build_parser, load_commands
+    from megatron_hybrid.training.inputs import RunInputs
+    from megatron_hybrid.training.run import run_training
+    from megatron_hybrid.training.train_settings import settings_from_args
+
+    seen = []
+    build = RunInputs._build
+
+    def recording(self, samples):
+        batch = build(self, samples)
+        pieces = [list(s.pieces) for s in samples]
+        seen.append((batch.packed, batch.num_tokens, batch.sequence_lengths, pieces))
+        return batch
+
+    RunInputs._build = recording
+    try:
+        summary = run_training(
+            settings_from_args(build_parser(load_commands()).parse_args(["train", *argv]))
+        )
+    finally:
+        RunInputs._build = build
+    return summary.losses, seen
+
+
+@pytest.mark.distributed
+def test_documents_samples_pack_full_rows_of_several_documents():
+    """``--synthetic-samples documents --packed``: every micro-batch holds ``micro-batch-size x
+    seq-length`` real tokens, and its packed sequences are exactly its samples' documents (more
+    than one per sample: each attends only to itself). Control: the default samples leave
+    rows part empty, one sequence each."""
+    argv = ["--hybrid-layer-pattern", "[*E][*-]", *FLAGS, *STEPS, "--packed"]
+    (losses, seen), *_ = run_distributed(
+        _documents_worker, 1, argv + ["--synthetic-samples", "documents"], timeout=600
+    )
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    assert seen and all(packed for packed, *_ in seen)
+    for _, tokens, lengths, pieces in seen:
+        assert tokens == 3 * 24
+        assert lengths == [n for sample in pieces for n in sample]
+        assert len(lengths) > 3
+    (_, plain), *_ = run_distributed(_documents_worker, 1, argv, timeout=600)
+    assert all(len(lengths) == 3 for _, _, lengths, _ in plain)
+    assert sum(tokens for _, tokens, _, _ in plain) < 3 * 24 * len(plain)

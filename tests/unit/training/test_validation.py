@@ -321,6 +321,13 @@ REFUSED = [
         id="gc-interval-negative",
     ),
     pytest.param(
+        BASE + ["--synthetic-samples", "documents", "--data-path", "corpus"],
+        1,
+        r"--synthetic-samples documents lays out the built-in synthetic data, but --data-path",
+        id="synthetic-samples-with-data-path",
+    ),
+    pytest.param(BASE + ["--seed", "-3"], 1, r"--seed -3 must be >= 0", id="negative-seed"),
+    pytest.param(
         ["--hybrid-layer-pattern", "[*E]{4}"],
         1,
         r"has MoE \('E'\) layers; set --num-experts",
