@@ -19,6 +19,7 @@ import torch
 from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_any_rank
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
+from megatron_hybrid.modules.fast import mark_idle_grad_hooks
 from megatron_hybrid.pattern import ParsedPattern
 from megatron_hybrid.schedule.steps import LM_LOSS, lm_forward_step, run_schedule
 from megatron_hybrid.training.optimizer_step import (
@@ -121,15 +122,11 @@ def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "
             use_distributed_optimizer=distributed_optimizer(optimizer),
             delay_wgrad_compute=config.delay_wgrad_compute,
         )
-        chunks.append(
-            DistributedDataParallel(
-                config,
-                ddp_config,
-                model,
-                disable_bucketing=index > 0,
-                pg_collection=pg_collection,
-            )
+        chunk = DistributedDataParallel(
+            config, ddp_config, model, disable_bucketing=index > 0, pg_collection=pg_collection
         )
+        mark_idle_grad_hooks(chunk)
+        chunks.append(chunk)
     return chunks
 
 

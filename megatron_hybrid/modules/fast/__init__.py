@@ -10,10 +10,11 @@ reference forward and says why in ``fast_path_reason``; :func:`fast_path_report`
 those. ``docs/performance.md`` has the numbers.
 """
 
+from megatron_hybrid.modules.fast.grouped_linear import mark_idle_grad_hooks
 from megatron_hybrid.modules.fast.selection import (
     LOCAL_IMPLS,
     fast_path_report,
     resolve_local_impl,
 )
 
-__all__ = ["LOCAL_IMPLS", "fast_path_report", "resolve_local_impl"]
+__all__ = ["LOCAL_IMPLS", "fast_path_report", "mark_idle_grad_hooks", "resolve_local_impl"]

@@ -66,12 +66,17 @@ def _wrap(module, config, pg, ddp: str | None):
         return module
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_hybrid.modules.fast import mark_idle_grad_hooks
+
+    kind, _, marked = ddp.partition("-")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=ddp == "distopt",
-        overlap_grad_reduce=ddp == "overlap",
+        use_distributed_optimizer=kind == "distopt",
+        overlap_grad_reduce=kind == "overlap",
     )
     wrapped = DistributedDataParallel(config, ddp_config, module, pg_collection=pg)
+    if marked:  # as train's wrap_model_chunks
+        mark_idle_grad_hooks(wrapped)
     wrapped.zero_grad_buffer()
     return wrapped
 
@@ -99,7 +104,7 @@ def _train(pg, cls, dtype, ddp):
         if ddp is not None:
             model.finish_grad_sync()
     grads = {n: (p.main_grad if ddp else p.grad) for n, p in module.named_parameters()}
-    module.ready_counts = _ready_counts(model) if ddp == "overlap" else None
+    module.ready_counts = _ready_counts(model) if ddp and ddp.startswith("overlap") else None
     return module, outputs, grads
 
 
@@ -118,6 +123,9 @@ DDP = [
     pytest.param("ddp", id="ddp"),
     pytest.param("distopt", id="ddp-distopt"),
     pytest.param("overlap", id="ddp-overlap"),
+    pytest.param("ddp-marked", id="ddp-idle-hooks"),
+    pytest.param("distopt-marked", id="ddp-distopt-idle-hooks"),
+    pytest.param("overlap-marked", id="ddp-overlap-marked"),
 ]
 
 
@@ -150,7 +158,7 @@ def test_accumulated_gradients_equal_sequential_mlp(pg, ddp, dtype, tol):
     else:
         for weights in linears:
             assert all(w.grad is None and w.grad_added_to_main_grad for w in weights)
-    if ddp == "overlap":
+    if ddp and ddp.startswith("overlap"):
         # Every weight reported ready once, as with the reference (else no overlapped reduce).
         assert fast.ready_counts == dict.fromkeys(fast_grads, 1)
 
@@ -207,6 +215,28 @@ def test_missing_placeholders_are_caught(pg, monkeypatch):
                         lambda w, m, g: [None for _ in right(w, m, g)])  # fmt: skip
     with pytest.raises(AssertionError, match="param.grad being None"):
         _train(pg, GroupedGemmExperts, torch.float32, "overlap")
+
+
+@pytest.mark.parametrize(
+    ("ddp", "delivered"),
+    [("ddp-marked", 0), ("ddp", 2 * EXPERTS), ("overlap-marked", 2 * EXPERTS)],
+    ids=["idle-hooks", "unmarked", "overlap"],
+)
+def test_idle_hooks_get_no_gradient(pg, ddp, delivered):
+    """Marked chunks without overlap_grad_reduce: no gradient reaches autograd's accumulator
+    (or DDP's hook) for any expert weight; unmarked, or overlapping the reduction (whose hook
+    counts each gradient), one placeholder per weight does (the controls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+
+    config = _config()
+    model = _wrap(_experts(pg, GroupedGemmExperts, config, torch.float32), config, pg, ddp)
+    _micro_batch(model, COUNTS[0], seed=1, dtype=torch.float32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _micro_batch(model, COUNTS[0], seed=2, dtype=torch.float32)
+    accumulated = sum(1 for e in prof.events() if e.name == "torch::autograd::AccumulateGrad")
+    assert accumulated - 1 == delivered  # the tokens (a leaf) get theirs
 
 
 def test_frozen_weights_get_no_weight_gradient_gemm(pg):
@@ -298,7 +328,7 @@ def test_forward_only_skips_the_autograd_function(mode, layout, monkeypatch):
                         lambda *args: calls.append(len(args)) or apply(*args))  # fmt: skip
     with getattr(torch, mode)():
         out = module.grouped_linear(tokens, offsets, weights)
-    assert calls == ([] if mode != "enable_grad" else [2 + len(weights)])
+    assert calls == ([] if mode != "enable_grad" else [3 + len(weights)])
     assert out.requires_grad == (mode == "enable_grad")
     with torch.no_grad():
         torch.testing.assert_close(out, _reference_linear(tokens, counts, weights))
