@@ -30,6 +30,7 @@ from megatron_hybrid.padding.batch import host_values
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
+    "mla_rope_reason",
     "gather_permutation_reason",
     "gdn_rule_choice",
     "grouped_gemm_reason",
@@ -175,6 +176,16 @@ def rope_reason(module, rotary_pos_emb, packed_seq_params, inference_context) ->
     if inference_context is not None:
         return "inference (megatron's key-value cache path)"
     return None
+
+
+def mla_rope_reason(module, packed_seq_params, inference_context) -> str | None:
+    """Why ``module`` (a :class:`~megatron_hybrid.modules.fast.mla.FastMLASelfAttention`) must
+    leave its RoPE to megatron's ``apply_rotary_pos_emb``, or None: :func:`rope_reason`'s cases,
+    and an up-projection recomputed in the backward (``recompute_up_proj``), whose recomputation
+    runs megatron's RoPE outside the forward."""
+    if getattr(module, "recompute_up_proj", False):
+        return "recompute_up_proj (the backward recomputes the RoPE with megatron's function)"
+    return rope_reason(module, module.rotary_pos_emb, packed_seq_params, inference_context)
 
 
 def is_causal_mask(mask_type) -> bool:

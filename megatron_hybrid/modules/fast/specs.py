@@ -29,8 +29,10 @@ from megatron_hybrid.modules.fast.dispatch import FastMoELayer
 from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
 from megatron_hybrid.modules.fast.gdn import FastGatedDeltaNet
 from megatron_hybrid.modules.fast.mamba import FastTorchMambaMixer
+from megatron_hybrid.modules.fast.mla import FastMLASelfAttention
 from megatron_hybrid.modules.gated_delta_net import HybridGatedDeltaNet
 from megatron_hybrid.modules.mamba_torch import TorchMambaMixer
+from megatron_hybrid.modules.mla import HybridMLASelfAttention
 
 __all__ = ["FAST_CLASSES", "fast_layer_specs"]
 
@@ -39,6 +41,7 @@ FAST_CLASSES: dict[type, type] = {
     SelfAttention: FastSelfAttention,
     LocalCoreAttention: SDPACoreAttention,
     MLACoreAttention: SDPAMLACoreAttention,
+    HybridMLASelfAttention: FastMLASelfAttention,
     SequentialMLP: GroupedGemmExperts,
     MoELayer: FastMoELayer,
     HybridGatedDeltaNet: FastGatedDeltaNet,

@@ -109,6 +109,23 @@ def test_rope_reason(fields, packed, inference, reason):
     assert rope_reason(module, None, None, None) == "no rotary embedding"
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-up-proj", "plain"])
+def test_mla_rope_reason(recompute):
+    """MLA leaves its RoPE to megatron where the backward recomputes the up-projection (which
+    runs megatron's RoPE again, outside the forward); else rope_reason's cases decide."""
+    from megatron_hybrid.modules.fast.selection import mla_rope_reason
+
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=True)
+    group = types.SimpleNamespace(size=lambda: 1)
+    module = types.SimpleNamespace(config=config, recompute_up_proj=recompute,
+                                   rotary_pos_emb=object(),
+                                   pg_collection=types.SimpleNamespace(cp=group))  # fmt: skip
+    found = mla_rope_reason(module, None, None)
+    assert found.startswith("recompute_up_proj" if recompute else "rotary_interleaved")
+    config.rotary_interleaved = False
+    assert (mla_rope_reason(module, None, None) is None) is not recompute
+
+
 # Packed rows: sequences of 5, 9, 3 and 11 tokens; padded apart to multiples of 4 (16, 8, 12
 # with the padding continuing each sequence) in the padded case.
 _OFFSETS = {"plain": [0, 5, 14, 17, 28], "padded": [0, 8, 20, 24, 36]}
@@ -153,6 +170,41 @@ def test_thd_rope_equals_megatrons(pg, layout, freq_len, rot, mscale, dtype, tol
     assert torch.equal(three_d, ours[0].squeeze(1))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["mla", "plain"])
+def test_mla_rope_equals_megatrons(pg, packed, interleaved):
+    """``mla_rope`` against megatron-core's ``apply_rotary_pos_emb`` as MLA calls it (with its
+    channel interleaving, a YaRN-style scale), padded and packed; megatron's function is what
+    the MLA module sees again after a call, also one that raised."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer import multi_latent_attention
+
+    from megatron_hybrid.modules.fast import mla
+
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False)
+    if packed:
+        t, grad, offsets, freqs = _thd_inputs("plain", 16, 32, torch.float32)
+        t, grad = t.squeeze(1), grad.squeeze(1)  # MLA's THD tensors are [t, heads, dim]
+    else:
+        gen = torch.Generator().manual_seed(3)
+        t, grad = (torch.randn(24, 2, 4, 32, generator=gen) for _ in range(2))
+        offsets, freqs = None, _freqs(24, 32)
+    kwargs = dict(cu_seqlens=offsets, mscale=1.3, cp_group=pg.cp,
+                  mla_rotary_interleaved=interleaved)  # fmt: skip
+    ours = _run(lambda x: mla.mla_rope(x, freqs, config, **kwargs), t, grad)
+    theirs = _run(lambda x: apply_rotary_pos_emb(x, freqs, config, **kwargs), t, grad)
+    for a, b in zip(ours, theirs, strict=True):
+        assert rel_error(a, b) < 1e-6
+    if interleaved:  # control: the interleaving left out
+        plain = mla.mla_rope(t, freqs, config, **{**kwargs, "mla_rotary_interleaved": False})
+        assert rel_error(plain, theirs[0]) > 0.1
+    with pytest.raises(ZeroDivisionError):
+        with mla._rope_in_megatrons_mla():
+            assert multi_latent_attention.apply_rotary_pos_emb is mla.mla_rope
+            raise ZeroDivisionError
+    assert multi_latent_attention.apply_rotary_pos_emb is apply_rotary_pos_emb
+
+
 def test_thd_positions_that_do_not_restart_are_caught(pg):
     """Negative control: the packed row rotated as one sequence."""
     from megatron_hybrid.modules.fast import rope
@@ -184,26 +236,44 @@ def test_thd_rope_reads_nothing_on_the_host(pg, monkeypatch):
         _megatron_thd(t, freqs, offsets, 1.0, pg.cp)
 
 
-def test_packed_fast_model_equals_reference_model(model_parallel):
-    """A packed row (with alignment padding between sequences) through ``[*-]`` on the fast path
-    (SDPA per sequence, THD RoPE on the device) and on the reference path: logits and every
-    gradient to float32 rounding; the fast attention ran its own RoPE."""
+def _packed_config(pattern: str):
+    import dataclasses
+
+    from megatron_hybrid.testing.models import small_config
+
+    config = small_config(pattern)
+    if "+" not in pattern:
+        return config
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    fields.update(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
+                  qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                  rope_type="rope")  # fmt: skip
+    return MLATransformerConfig(**fields)
+
+
+@pytest.mark.parametrize("pattern", ["[*-]", "[+-]"], ids=["attention", "mla"])
+def test_packed_fast_model_equals_reference_model(model_parallel, pattern):
+    """A packed row (with alignment padding between sequences) through ``[*-]`` and MLA's
+    ``[+-]`` on the fast path (SDPA per sequence, THD RoPE on the device; MLA's interleaved
+    RoPE channels) and on the reference path: logits and every gradient to float32 rounding;
+    the fast attention ran its own RoPE."""
     from support.packing import pack_with_gaps, random_sequences
 
     from megatron_hybrid.model import HybridModel
     from megatron_hybrid.modules import hybrid_stack_spec
     from megatron_hybrid.padding import packed_seq_params_to
-    from megatron_hybrid.testing.models import small_config
 
     pg = model_parallel(seed=3)
     packed = pack_with_gaps(random_sequences((5, 17, 9, 30)))
     tensors = packed.tensors
     results = {}
     for impl in ("reference", "fast"):
-        config = small_config("[*-]")
+        config = _packed_config(pattern)
         torch.manual_seed(1)
         model = HybridModel(config, hybrid_stack_spec("local", config=config, local_impl=impl),
-                            vocab_size=128, max_sequence_length=64, hybrid_layer_pattern="[*-]",
+                            vocab_size=128, max_sequence_length=64, hybrid_layer_pattern=pattern,
                             pg_collection=pg, position_embedding_type="rope")  # fmt: skip
         logits = model(tensors["input_ids"], tensors["position_ids"], None,
                        packed_seq_params=packed_seq_params_to(packed.packed_seq_params, "cpu"),
