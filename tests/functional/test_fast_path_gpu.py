@@ -367,11 +367,14 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
         assert torch.count_nonzero(b[pad]) == 0, f"{name}: pad rows not zero"
 
 
-def test_grouped_experts_under_megatron_ddp(world, pg):
+@pytest.mark.parametrize("marked", [True, False], ids=["untracked-weights", "placeholders"])
+def test_grouped_experts_under_megatron_ddp(world, pg, marked):
     """Weight gradients of 64 uneven experts over three micro-batches, accumulated as ``train``
     does (megatron DDP, float32 main_grad in the distributed optimizer's reversed, padded
     layout): one grouped add per linear (the Triton kernel) against SequentialMLP's per-expert
-    adds, both bf16, against float32 SequentialMLP."""
+    adds, both bf16, against float32 SequentialMLP. ``train``'s chunks are marked
+    (``mark_idle_grad_hooks``: the expert weights untracked by autograd); unmarked, DDP's hooks
+    get placeholders."""
     import contextlib
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -379,8 +382,9 @@ def test_grouped_experts_under_megatron_ddp(world, pg):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_hybrid.modules.fast import grouped_add
+    from megatron_hybrid.modules.fast import grouped_add, mark_idle_grad_hooks
     from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.modules.fast.grouped_linear import _idle_hooks
     from megatron_hybrid.testing.models import small_config
 
     _, _, device = world
@@ -412,23 +416,27 @@ def test_grouped_experts_under_megatron_ddp(world, pg):
             grad_reduce_in_fp32=True, use_distributed_optimizer=device.type == "cuda"
         )
         model = DistributedDataParallel(config, ddp_config, module, pg_collection=pg)
+        if marked:
+            mark_idle_grad_hooks(model)
         model.zero_grad_buffer()
         for index, (counts, tokens, probs, grad_out) in enumerate(batches):
             last = index == len(batches) - 1
             with contextlib.nullcontext() if last else model.no_sync():
-                out, _ = model(tokens.to(device, dtype), counts.to(device), probs.to(device, dtype))
+                x = tokens.to(device, dtype).requires_grad_()  # as a layer's input
+                out, _ = model(x, counts.to(device), probs.to(device, dtype))
                 out.backward(grad_out.to(device, dtype))
         return module, {n: p.main_grad.float().clone() for n, p in module.named_parameters()}
 
     with exact_float32():
         _, truth = run(SequentialMLP, torch.float32)
     _, ref = run(SequentialMLP, torch.bfloat16)
-    tables = len(grouped_add._OFFSETS)
+    grouped_add._OFFSETS.clear()  # a cache: this run's two linears add one table each
     module, fast = run(GroupedGemmExperts, torch.bfloat16)
     assert module.fast_path_reason is None, module.fast_path_reason
     if device.type == "cuda":  # float32 main_grad, bfloat16 gradients: the Triton kernel
-        assert grouped_add._kernel() is not None and len(grouped_add._OFFSETS) == tables + 2
+        assert grouped_add._kernel() is not None and len(grouped_add._OFFSETS) == 2
     assert all(p.grad is None and p.grad_added_to_main_grad for p in module.parameters())
+    assert _idle_hooks(module.expert_weights("linear_fc1")) is marked
     name = "local_experts.3.linear_fc1.weight"
     report("grouped experts under megatron DDP, 3 micro-batches, main_grad vs float32",
            [("", "reference", "fast"),

@@ -35,8 +35,10 @@ def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
     hf_oracle.add_serving_files(source)  # the run's checkpoints carry them to the export
     from_hf = train("--load-hf", str(source), "--train-iters", "4", *SHORT,
                     "--save", str(tmp_path / "run"), "--save-interval", "2")  # fmt: skip
+    # Four steps on four different batches: that the loss falls is not a property of so few
+    # steps (the synthetic batches' losses vary more); that the weights moved is checked on the
+    # export below.
     assert len(from_hf) == 4 and all(torch.isfinite(torch.tensor(from_hf)))
-    assert from_hf[-1] < from_hf[0]
 
     argv = ["--from-hf", str(source), "--save", str(tmp_path / "ckpt")]
     assert run_distributed(_cli_worker, 1, argv)[0] == 0
@@ -56,7 +58,10 @@ def test_load_hf_trains_and_every_way_in_gives_the_same_run(tmp_path):
     argv = ["--load", str(tmp_path / "run"), "--to-hf", str(tmp_path / "out")]
     assert run_distributed(_cli_worker, 1, argv)[0] == 0
     exported = hf_oracle.read_tensors(tmp_path / "out")
-    assert set(exported) == set(hf_oracle.read_tensors(source))
+    original = hf_oracle.read_tensors(source)
+    assert set(exported) == set(original)
+    moved = [k for k in original if not torch.equal(exported[k].float(), original[k].float())]
+    assert len(moved) > len(original) // 2  # the run trained them (norms, routers, experts...)
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(hf_oracle.hf_logits(tmp_path / "out", ids)).all()
     from transformers import AutoTokenizer, GenerationConfig

@@ -33,12 +33,13 @@ TRAIN_ONLY_FLAGS = [
     "--round-up-seq-length", "--verbose",
 ]  # fmt: skip
 # The train command's data, schedule, evaluation, logging and garbage collection flags
-# (Megatron-LM's names).
+# (Megatron-LM's names; --log-dir and --synthetic-samples are the package's own).
 TRAIN_FLAGS = [
     "--data-cache-path", "--data-path", "--eval-interval", "--eval-iters", "--log-dir",
     "--log-interval", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
     "--make-vocab-size-divisible-by", "--manual-gc", "--manual-gc-interval", "--min-lr",
-    "--no-manual-gc-eval", "--split", "--tensorboard-dir", "--tokenizer-model",
+    "--no-manual-gc-eval", "--split", "--synthetic-samples", "--tensorboard-dir",
+    "--tokenizer-model",
 ]  # fmt: skip
 
 # The flags issue 6 requires by name (Megatron-LM's spelling).
