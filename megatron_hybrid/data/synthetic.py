@@ -30,7 +30,8 @@ PAD_TOKEN_ID = 0
 
 # The streams of the key ``(seed, stream, index, part)``: one sequence per sample of a split, or
 # the ``part``-th sequence of sample ``index`` of ``documents`` samples.
-_STREAMS = {("train", False): 0, ("valid", False): 1, ("train", True): 2, ("valid", True): 3}
+_STREAMS = {("train", False): 0, ("valid", False): 1, ("train", True): 2, ("valid", True): 3,
+            ("test", False): 4, ("test", True): 5}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class SyntheticSamples:
 
     Attributes:
         tokens: the chain.
-        split: ``"train"`` or ``"valid"``.
+        split: ``"train"``, ``"valid"`` or ``"test"``.
         documents: every sample ``max_length`` inputs cut from whole sequences laid back to back
             (the last one cut short), each a document piece of its own, as megatron-core's
             ``GPTDataset`` cuts samples from a corpus of documents (``--synthetic-samples

@@ -54,7 +54,7 @@ from megatron_hybrid.data.gpt import (
     empty_split,
     gpt_dataset_config,
 )
-from megatron_hybrid.data.synthetic import SyntheticTokens
+from megatron_hybrid.data.synthetic import SyntheticSamples, SyntheticTokens
 from megatron_hybrid.model import HybridModel
 from megatron_hybrid.modules import hybrid_stack_spec
 from megatron_hybrid.pattern import ParsedPattern, parse_pattern
@@ -193,16 +193,19 @@ def tokenizer_vocab_size(args) -> int:
 class SyntheticLMDataset(torch.utils.data.Dataset):
     """The package's synthetic variable-length data as fixed-length samples (pads masked)."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+    def __init__(
+        self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train"
+    ):
         self.num_samples = num_samples
         self.seq_length = seq_length
-        self.tokens = SyntheticTokens(vocab_size=vocab_size, max_length=seq_length, seed=seed)
+        tokens = SyntheticTokens(vocab_size=vocab_size, max_length=seq_length, seed=seed)
+        self.samples = SyntheticSamples(tokens, split)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict:
-        sequence = self.tokens.sequence(int(index))
+        sequence = self.samples.sample(int(index)).tokens
         length = len(sequence) - 1
         tokens = torch.zeros(self.seq_length + 1, dtype=torch.long)
         tokens[: length + 1] = sequence
@@ -261,9 +264,11 @@ def datasets_from_args(args, train_val_test_num_samples) -> tuple:
     """
     if getattr(args, "mock_data", False):
         vocab = args.padded_vocab_size
+        # One chain; each split draws its own sequences of it (validation measures what the
+        # training split teaches).
         return tuple(
-            SyntheticLMDataset(max(int(n), 1), args.seq_length, vocab, args.seed + split)
-            for split, n in enumerate(train_val_test_num_samples)
+            SyntheticLMDataset(max(int(n), 1), args.seq_length, vocab, args.seed, split)
+            for split, n in zip(("train", "valid", "test"), train_val_test_num_samples, strict=True)
         )
     blend, blend_per_split = _blends(args)
     if blend is None and blend_per_split is None:

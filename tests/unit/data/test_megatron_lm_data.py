@@ -73,7 +73,12 @@ def test_mock_data_only_when_asked(tokenizer_dir, tmp_path):
     from megatron_hybrid.training.megatron_lm import SyntheticLMDataset, datasets_from_args
 
     args = megatron_lm_args(tokenizer_dir, tmp_path, mock_data=True)
-    assert all(isinstance(d, SyntheticLMDataset) for d in datasets_from_args(args, [4, 2, 1]))
+    splits = datasets_from_args(args, [4, 2, 1])
+    assert all(isinstance(d, SyntheticLMDataset) for d in splits)
+    # One chain (the same successor table), other sequences in each split.
+    assert len({d.samples.tokens for d in splits}) == 1
+    firsts = [d[0]["input_ids"] for d in splits]
+    assert not any(torch.equal(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])
     with pytest.raises(ValueError, match="no training data: pass --data-path PREFIX ...") as error:
         datasets_from_args(megatron_lm_args(tokenizer_dir, tmp_path), [4, 2, 1])
     assert "--mock-data" in str(error.value)
