@@ -30,11 +30,11 @@ from megatron_hybrid.padding.batch import host_values
 __all__ = [
     "LOCAL_IMPLS",
     "fast_path_report",
-    "mla_rope_reason",
     "gather_permutation_reason",
     "gdn_rule_choice",
     "grouped_gemm_reason",
     "is_causal_mask",
+    "mla_rope_reason",
     "resolve_local_impl",
     "rope_reason",
     "sdpa_reason",
