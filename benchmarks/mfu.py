@@ -55,6 +55,8 @@ import torch
 from common import host_cpu, host_profile, recorded_command, sync
 from trace_summary import profile_call
 
+from megatron_hybrid.training.param_order import EXPERTS_ORDER, ORDERS
+
 CUDA = torch.cuda.is_available()
 
 PATTERNS = {"star_e": "[*E]", "ge": "[GE]", "me": "[ME]", "plus_e": "[+E]"}
@@ -204,12 +206,13 @@ class Run:
             self.chunks = build_model_chunks(
                 self.config, self.parsed, self.pg, backend="local", stack_spec=spec,
                 vocab_size=targs.vocab_size, max_sequence_length=self.seq_length,
-                mamba_impl=targs.mamba_impl,
+                mamba_impl=targs.mamba_impl, param_order=args.param_order,
             )  # fmt: skip
         else:
             self.chunks = train_run.build_chunks(
-                targs, self.config, self.pg, self.parsed, None, self.seq_length, self.rank
-            )
+                targs, self.config, self.pg, self.parsed, None, self.seq_length, self.rank,
+                param_order=args.param_order,
+            )  # fmt: skip
         self.optimizer = build_optimizer(
             self.chunks, self.config, lr=targs.lr, weight_decay=targs.weight_decay,
             clip_grad=targs.clip_grad, pg=self.pg,
@@ -402,7 +405,9 @@ def result_stem(args, shape_name: str, device: str) -> str:
     if args.data != "variable":
         parts.append(args.data)
     parts += [s for s, on in (("packed", args.packed), ("overlap", args.overlap),
-                              ("tf32", args.tf32), ("manualgc", args.manual_gc)) if on]  # fmt: skip
+                              ("tf32", args.tf32), ("manualgc", args.manual_gc),
+                              (f"{args.param_order}order", args.param_order != EXPERTS_ORDER))
+              if on]  # fmt: skip
     return "_".join(parts)
 
 
@@ -576,6 +581,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gdn-kernel", choices=("auto", "torch"), default="auto",
                         help="GatedDeltaNet: what train runs (fla's kernels; default), or the "
                         "fast path's torch scan (deterministic_mode)")  # fmt: skip
+    parser.add_argument("--param-order", choices=ORDERS, default=EXPERTS_ORDER,
+                        help="the DDP buffers' parameter order (training/param_order.py): "
+                        "the routed experts' weights in expert order, as train builds them "
+                        "(default), or megatron-core's own, which the grouped GEMM copies "
+                        "(the layout before it)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak in TFLOP/s (default: from its name, as train; "
                         "MEGATRON_HYBRID_PEAK_TFLOPS works too)")  # fmt: skip
@@ -637,7 +647,8 @@ def main(argv: list[str] | None = None) -> None:
                + f", {world} process{'es' if world > 1 else ''}, EP {args.ep}"
                + (", EP overlap" if args.overlap else "")
                + (", TF32 float32 matmuls" if args.tf32 else "")
-               + (", --manual-gc" if args.manual_gc else "")),
+               + (", --manual-gc" if args.manual_gc else "")
+               + f", DDP buffers in the {args.param_order} parameter order"),
         skipped=skipped,
     )  # fmt: skip
     results: dict = {}

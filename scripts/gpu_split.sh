@@ -24,15 +24,19 @@ for slice in "$@"; do  # refuse a malformed slice before anything starts
     echo "gpu_split.sh: '$slice' is not 'GPUS|CORES|NAME|ENV|PARTS' (ENV may be empty)"; exit 2
   fi
 done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-# The carried DeepEP wheel too (the suite part installs it where it is missing): once, here,
-# not by every slice at the same time.
-for wheel in .deepep/dist/deep_ep-*.whl; do
-  [ -f "$wheel" ] || continue
+# Once, here, not by every slice at the same time; skipped where the caller installed them
+# (MH_WHEELS_INSTALLED=1, e.g. to start a job of its own beside the slices first).
+if [ "${MH_WHEELS_INSTALLED:-0}" != 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    "$wheel" >/dev/null 2>&1 || echo "installing $wheel failed (the HybridEP tests will skip)"
-done
+    .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  # The carried DeepEP wheel too (the suite part installs it where it is missing).
+  for wheel in .deepep/dist/deep_ep-*.whl; do
+    [ -f "$wheel" ] || continue
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site "$wheel" >/dev/null 2>&1 \
+      || echo "installing $wheel failed (the HybridEP tests will skip)"
+  done
+fi
 export MH_WHEELS_INSTALLED=1
 pids=() names=()
 for slice in "$@"; do

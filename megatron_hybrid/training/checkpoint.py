@@ -46,6 +46,8 @@ from megatron_hybrid.training.optimizer_state import (
     load_cpu_optimizer_state,
 )
 from megatron_hybrid.training.optimizers import CPUOptimizer
+from megatron_hybrid.training.param_order import COMMON_KEY as PARAM_ORDER_KEY
+from megatron_hybrid.training.param_order import check_order, chunk_order
 from megatron_hybrid.training.save_target import RUN_KEY
 
 __all__ = [
@@ -184,6 +186,8 @@ def save_checkpoint(
         "iteration": iteration,
         COMMON_RECORD: record,
         "world_size": torch.distributed.get_world_size(),
+        # The buffer order the distributed optimizer's dp_reshardable state is laid out in.
+        PARAM_ORDER_KEY: chunk_order(chunks),
     }
     if consumed_samples is not None:
         state["consumed_samples"] = consumed_samples
@@ -291,12 +295,15 @@ def load_checkpoint(root, chunks, optimizer, *, layout: dict | None = None) -> i
 
     Raises:
         LayoutChangeError: the checkpoint cannot be resumed on this layout (before any load).
+        OrderMismatchError: its distributed-optimizer state was laid out in another buffer
+            order than ``chunks`` (``training/param_order.py``; before any load).
         CheckpointDamagedError: a file cannot be read.
     """
     folder = store.resolve_checkpoint_dir(root)
     common = store.read_common(folder)
     cpu = isinstance(optimizer, CPUOptimizer)
     same_world = check_layout(common, folder, layout, cpu_optimizer=cpu)
+    check_order(common, folder, chunks)
     per_rank = store.common_record(common).get("format") == PER_RANK_FORMAT
     _materialize_optimizer_state(optimizer)
     model = _model_state(chunks, metadata=None)

@@ -28,6 +28,12 @@ from megatron_hybrid.training.optimizer_step import (
     guard_statistics,
 )
 from megatron_hybrid.training.optimizers import distributed_optimizer
+from megatron_hybrid.training.param_order import (
+    EXPERTS_ORDER,
+    MEGATRON_ORDER,
+    buffer_layout,
+    mark_chunk,
+)
 from megatron_hybrid.training.phases import PhaseTimer, phase
 
 __all__ = [
@@ -53,6 +59,7 @@ def build_model_chunks(
     mamba_impl: str = "auto",
     stack_spec=None,
     prepare=None,
+    param_order: str = EXPERTS_ORDER,
     **model_kwargs,
 ) -> list:
     """HybridModel chunks of this rank (one per virtual stage), wrapped for training.
@@ -61,7 +68,8 @@ def build_model_chunks(
     Face start passes its family's, see ``megatron_hybrid.hf.api.stack_spec_for``);
     ``prepare(models)`` changes the chunks before megatron's DDP wraps them (whose gradient
     buffers hold the parameters that train then: LoRA adapters go on here);
-    ``model_kwargs`` are further HybridModel arguments (``rotary_percent``, ``rotary_base``).
+    ``param_order`` is :func:`wrap_model_chunks`'s; ``model_kwargs`` are further HybridModel
+    arguments (``rotary_percent``, ``rotary_base``).
     """
     from megatron.core.transformer.module import Float16Module
 
@@ -94,10 +102,17 @@ def build_model_chunks(
         models.append(model)
     if prepare is not None:
         prepare(models)
-    return wrap_model_chunks(models, config, pg_collection)
+    return wrap_model_chunks(models, config, pg_collection, param_order=param_order)
 
 
-def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "adam") -> list:
+def wrap_model_chunks(
+    models: list,
+    config,
+    pg_collection,
+    *,
+    optimizer: str = "adam",
+    param_order: str = EXPERTS_ORDER,
+) -> list:
     """Model chunks (one per virtual stage) wrapped in megatron's ``DistributedDataParallel``.
 
     The one wrapping ``train`` and :class:`~megatron_hybrid.rl.PolicyTrainer` use: gradient
@@ -106,7 +121,10 @@ def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "
     optimizer refuses SGD, ``distrib_optimizer.py``: SGD keeps whole gradients, all-reduced),
     and gradients summed over data-parallel ranks (the step's loss is a sum over tokens that
     ``finalize_model_grads`` divides by the global count; ``train_step``). ``optimizer`` is the
-    one :func:`~megatron_hybrid.training.optimizers.build_optimizer` will get.
+    one :func:`~megatron_hybrid.training.optimizers.build_optimizer` will get. ``param_order``
+    is the buffers' order (:mod:`~megatron_hybrid.training.param_order`): by default the routed
+    experts' weights lie in expert order, so the grouped GEMM multiplies them where they lie;
+    a resume takes the order of the checkpoint it loads.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -122,9 +140,16 @@ def wrap_model_chunks(models: list, config, pg_collection, *, optimizer: str = "
             use_distributed_optimizer=distributed_optimizer(optimizer),
             delay_wgrad_compute=config.delay_wgrad_compute,
         )
+        layout = buffer_layout(model, config, ddp_config, pg_collection, param_order)
         chunk = DistributedDataParallel(
-            config, ddp_config, model, disable_bucketing=index > 0, pg_collection=pg_collection
+            config,
+            ddp_config,
+            model,
+            disable_bucketing=index > 0,
+            pg_collection=pg_collection,
+            full_param_layout=layout,
         )
+        mark_chunk(chunk, MEGATRON_ORDER if layout is None else param_order)
         mark_idle_grad_hooks(chunk)
         chunks.append(chunk)
     return chunks

@@ -46,7 +46,8 @@ from megatron_hybrid.training.loop import build_model_chunks, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
 from megatron_hybrid.training.metrics import MetricsLog, ProgressLine, TrainingSummary
-from megatron_hybrid.training.optimizers import build_optimizer
+from megatron_hybrid.training.optimizers import build_optimizer, distributed_optimizer
+from megatron_hybrid.training.param_order import EXPERTS_ORDER, order_to_resume
 from megatron_hybrid.training.save_target import (
     SaveTarget,
     check_save_sources,
@@ -183,7 +184,16 @@ def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> 
     inputs = RunInputs(args, config, pg, parsed, global_batch=global_batch,
                        device=backend.device(), on_gpu=backend.on_gpu)  # fmt: skip
     seq_length = inputs.seq_length
-    chunks = build_chunks(args, config, pg, parsed, source, seq_length, rank, lora=lora)
+    load = args.load if lora is not None or not (source and source.checkpoint) else None
+    point = _resume_point(load, args.save)
+    # The distributed optimizer's state loads only into the buffer order that saved it.
+    order = order_to_resume(
+        read_common(point.folder) if point.folder is not None else None,
+        distributed_optimizer=distributed_optimizer("adam"),
+    )
+    chunks = build_chunks(
+        args, config, pg, parsed, source, seq_length, rank, lora=lora, param_order=order
+    )
     optimizer = build_optimizer(
         chunks,
         config,
@@ -196,7 +206,7 @@ def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> 
     scheduler = build_scheduler(optimizer, args, global_batch)
     setup = _Setup(
         args=args,
-        load=args.load if lora is not None or not (source and source.checkpoint) else None,
+        load=load,
         backend=backend,
         config=config,
         pg=pg,
@@ -209,7 +219,7 @@ def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> 
         lora=lora,
         peak=peak,
     )
-    start, consumed, resumed, notes = _resume(setup, chunks, optimizer, scheduler)
+    start, consumed, resumed, notes = _resume(setup, point, chunks, optimizer, scheduler)
     settings = recorded_settings(args, seq_length)
     target = decide_save_target(args, start, resumed, settings, lora=lora is not None)
     inputs.open(consumed=consumed, start=start, evaluate=bool(args.eval_interval))
@@ -294,10 +304,20 @@ def parallel_setup(args: TrainSettings, config, world: int):
 
 
 def build_chunks(
-    args: TrainSettings, config, pg, parsed, source, seq_length: int, rank: int, *, lora=None
+    args: TrainSettings,
+    config,
+    pg,
+    parsed,
+    source,
+    seq_length: int,
+    rank: int,
+    *,
+    lora=None,
+    param_order: str = EXPERTS_ORDER,
 ) -> list:
     """The model chunks of this rank, initialised from the Hugging Face source if any, with
-    the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`)."""
+    the LoRA adapters of ``lora`` (a :class:`~megatron_hybrid.training.lora.LoRARun`), their
+    buffers in ``param_order`` (:mod:`~megatron_hybrid.training.param_order`)."""
     stack_spec = None
     if source is not None:
         stack_spec = stack_spec_for(source.conversion, spec_backend(args), config, args.mamba_impl)
@@ -314,6 +334,7 @@ def build_chunks(
         mamba_impl=args.mamba_impl,
         hybrid_cuda_graphs=args.hybrid_cuda_graphs,
         prepare=None if lora is None else lora.attach,
+        param_order=param_order,
         **({} if source is None else hf_model_kwargs(source)),
     )
     if lora is not None:
@@ -328,15 +349,21 @@ def build_chunks(
     return chunks
 
 
-def _resume(setup: _Setup, chunks, optimizer, scheduler) -> tuple[int, int, object, list[str]]:
-    """Load ``--load`` (or the newest save) if there is one: ``(start iteration, consumed
-    samples, the folder resumed from or None, notes)``; the learning-rate schedule continues
-    from the checkpoint's."""
-    args = setup.args
+def _resume_point(load: str | None, save: str | None):
+    """What to resume (collective; :func:`~megatron_hybrid.training.resume.prepare_resume`)."""
     try:
-        point = resume.prepare_resume(setup.load, args.save)
+        return resume.prepare_resume(load, save)
     except FileNotFoundError as error:
         raise TrainingError(str(error)) from None
+
+
+def _resume(
+    setup: _Setup, point, chunks, optimizer, scheduler
+) -> tuple[int, int, object, list[str]]:
+    """Load ``point`` (``--load`` or the newest save, :func:`_resume_point`) if it names a
+    checkpoint: ``(start iteration, consumed samples, the folder resumed from or None,
+    notes)``; the learning-rate schedule continues from the checkpoint's."""
+    args = setup.args
     for note in point.notes if setup.rank == 0 else ():
         print(note, flush=True)
     if point.folder is None:

@@ -13,8 +13,9 @@ same parameters, state dict and sharded state dict (megatron's expert-axis keys,
 ``TEGroupedMLP``'s), so checkpoints, the distributed optimizer, Hugging Face conversion and
 anything that walks the experts by name see no difference. Each linear's local expert weights
 are built into one storage (``[E, out, in]``, each expert's parameter a view of its row), which
-the grouped GEMM multiplies in place; where something has moved them apart since (megatron's
-DDP buffer), each call stacks them (one copy kernel per linear). The backward computes the input
+the grouped GEMM multiplies in place. megatron's DDP moves them into its buffer, in expert
+order where ``train`` builds it (``training/param_order.py``); where something has moved them
+apart (megatron's own buffer order), each call stacks them (one copy kernel per linear). The backward computes the input
 gradient and all experts' weight gradients with one grouped GEMM each and adds the weight
 gradients with one kernel per linear, into megatron DDP's ``main_grad`` or into one stacked
 ``.grad`` (:mod:`~megatron_hybrid.modules.fast.grouped_linear`).

@@ -3,9 +3,10 @@
 The grouped experts' weight gradient is one ``[E, out, in]`` tensor; its destinations are the
 experts' own gradient tensors. Where those lie evenly spaced in one storage (plain autograd: the
 stack :mod:`~megatron_hybrid.modules.fast.grouped_linear` hands out) one ``add_`` over a strided
-view covers them. megatron's DistributedDataParallel lays its ``main_grad`` buffers out in
+view covers them; so does megatron DDP's ``main_grad`` where ``train`` built the buffers with
+the experts in expert order (``training/param_order.py``). megatron's own layout puts them in
 reverse parameter order with padding (megatron-core 0.19.2,
-``distributed/param_and_grad_buffer.py``), so no view covers them; and the float32 ``main_grad``
+``distributed/param_and_grad_buffer.py``), where no view covers them; and the float32 ``main_grad``
 with a bfloat16 source takes ``torch._foreach_add_`` off its multi-tensor path (it needs one
 dtype), leaving one add kernel, and its launch, per expert. :func:`grouped_add_` then runs one
 Triton kernel that finds each destination by its element offset from the first (an ``int64``

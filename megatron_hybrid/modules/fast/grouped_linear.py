@@ -89,10 +89,11 @@ def pack_weights(weights) -> bool:
     so that :func:`stack_weights` is a view and no forward copies them; True if it moved them.
 
     Only ``.data`` changes: each weight stays its own parameter, under its own name, with its
-    own gradient. Whatever later gives the parameters new storage (megatron's DDP puts them in
-    its buffer, ``module.to`` a copy) undoes the packing; the grouped GEMM then stacks them again
-    on every call, one copy per linear (256 experts of a Qwen3.5-MoE layer's ``linear_fc1``: 1
-    GiB in bf16, copied per micro-batch).
+    own gradient. Whatever later gives the parameters new storage (``module.to`` a copy,
+    megatron's DDP buffer in megatron's own order) undoes the packing; the grouped GEMM then
+    stacks them again on every call, one copy per linear (256 experts of a Qwen3.5-MoE layer's
+    ``linear_fc1``: 1 GiB in bf16, copied per micro-batch). ``train``'s DDP buffers keep them in
+    order (``training/param_order.py``).
     """
     if len(weights) < 2 or stacked_view(weights) is not None:
         return False
