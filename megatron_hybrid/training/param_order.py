@@ -37,6 +37,8 @@ from collections.abc import Mapping
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from megatron_hybrid.checkpointing.store import read_common
+
 __all__ = [
     "COMMON_KEY",
     "EXPERTS_ORDER",
@@ -187,12 +189,13 @@ def saved_order(common: Mapping) -> str:
     return common.get(COMMON_KEY, MEGATRON_ORDER)
 
 
-def order_to_resume(common: Mapping | None, *, distributed_optimizer: bool) -> str:
-    """The order to build a run's chunks in: the checkpoint's it resumes with the distributed
-    optimizer's state (``common`` its common state), :data:`EXPERTS_ORDER` otherwise."""
-    if common is None or not distributed_optimizer:
+def order_to_resume(folder, *, distributed_optimizer: bool) -> str:
+    """The order to build a run's chunks in: that of the checkpoint ``folder`` it resumes with
+    the distributed optimizer's state, :data:`EXPERTS_ORDER` otherwise (``folder`` None: a
+    run that resumes nothing)."""
+    if folder is None or not distributed_optimizer:
         return EXPERTS_ORDER
-    return saved_order(common)
+    return saved_order(read_common(folder))
 
 
 def check_order(common: Mapping, folder, chunks) -> None:

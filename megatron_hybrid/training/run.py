@@ -187,10 +187,7 @@ def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> 
     load = args.load if lora is not None or not (source and source.checkpoint) else None
     point = _resume_point(load, args.save)
     # The distributed optimizer's state loads only into the buffer order that saved it.
-    order = order_to_resume(
-        read_common(point.folder) if point.folder is not None else None,
-        distributed_optimizer=distributed_optimizer("adam"),
-    )
+    order = order_to_resume(point.folder, distributed_optimizer=distributed_optimizer("adam"))
     chunks = build_chunks(
         args, config, pg, parsed, source, seq_length, rank, lora=lora, param_order=order
     )
@@ -357,12 +354,10 @@ def _resume_point(load: str | None, save: str | None):
         raise TrainingError(str(error)) from None
 
 
-def _resume(
-    setup: _Setup, point, chunks, optimizer, scheduler
-) -> tuple[int, int, object, list[str]]:
-    """Load ``point`` (``--load`` or the newest save, :func:`_resume_point`) if it names a
-    checkpoint: ``(start iteration, consumed samples, the folder resumed from or None,
-    notes)``; the learning-rate schedule continues from the checkpoint's."""
+def _resume(setup: _Setup, point, chunks, optimizer, scheduler) -> tuple[int, int, object, list]:
+    """Load ``point`` (:func:`_resume_point`) if it names a checkpoint: ``(start iteration,
+    consumed samples, the folder resumed from or None, notes)``; the learning-rate schedule
+    continues from the checkpoint's."""
     args = setup.args
     for note in point.notes if setup.rank == 0 else ():
         print(note, flush=True)

@@ -15,10 +15,10 @@ anything that walks the experts by name see no difference. Each linear's local e
 are built into one storage (``[E, out, in]``, each expert's parameter a view of its row), which
 the grouped GEMM multiplies in place. megatron's DDP moves them into its buffer, in expert
 order where ``train`` builds it (``training/param_order.py``); where something has moved them
-apart (megatron's own buffer order), each call stacks them (one copy kernel per linear). The backward computes the input
-gradient and all experts' weight gradients with one grouped GEMM each and adds the weight
-gradients with one kernel per linear, into megatron DDP's ``main_grad`` or into one stacked
-``.grad`` (:mod:`~megatron_hybrid.modules.fast.grouped_linear`).
+apart (megatron's own buffer order), each call stacks them (one copy kernel per linear). The
+backward computes the input gradient and all experts' weight gradients with one grouped GEMM
+each and adds the weight gradients with one kernel per linear, into megatron DDP's
+``main_grad`` or into one stacked ``.grad`` (:mod:`~megatron_hybrid.modules.fast.grouped_linear`).
 
 The seam for adapters: every expert linear goes through :meth:`GroupedGemmExperts.grouped_linear`
 ``(name, tokens, offsets)``. A LoRA implementation that wraps ``local_experts.{e}.linear_fc1``

@@ -147,9 +147,10 @@ def test_frozen_expert_weights_keep_megatrons_place(pg, monkeypatch):
                      id="megatron-order"),
     ],
 )  # fmt: skip
-def test_other_orders_are_refused_before_loading(common, distributed, error):
+def test_other_orders_are_refused_before_loading(common, distributed, error, monkeypatch):
     from types import SimpleNamespace
 
+    from megatron_hybrid.training import param_order
     from megatron_hybrid.training.param_order import (
         EXPERTS_ORDER,
         OrderMismatchError,
@@ -166,7 +167,8 @@ def test_other_orders_are_refused_before_loading(common, distributed, error):
         with pytest.raises(OrderMismatchError, match=error):
             check_order(common, "ckpt", [chunk])
     # What train builds to resume it: the saved order (megatron's when none is recorded).
-    resumed = order_to_resume(common, distributed_optimizer=distributed)
+    monkeypatch.setattr(param_order, "read_common", {"ckpt": common}.get)
+    resumed = order_to_resume("ckpt", distributed_optimizer=distributed)
     mark_chunk(chunk, resumed)
     check_order(common, "ckpt", [chunk])
     assert order_to_resume(None, distributed_optimizer=True) == EXPERTS_ORDER

@@ -106,6 +106,11 @@ def test_save_layout(resumed):
     assert resumed["first"].saved == str(saved / "iter_0000006")
     assert resumed["second"].saved == str(resumed["resumed"] / "iter_0000012")
     assert (resumed["resumed"] / "latest_checkpointed_iteration.txt").read_text() == "12"
+    # The buffers' parameter order (training/param_order.py), as the resume read it back.
+    from megatron_hybrid.checkpointing.store import read_common
+
+    for folder in (saved / "iter_0000006", resumed["resumed"] / "iter_0000012"):
+        assert read_common(folder)["param_order"] == "experts"
 
 
 @pytest.mark.slow
