@@ -41,6 +41,7 @@ _CAPTURE_FAILS = {
     "piece, which capture refuses ('Cannot copy between CPU and CUDA tensors during CUDA graph "
     "capture')",
 }
+_KNOWN_FAILURE = "known capture failure of the reference modules on GPUs (they run eager): "
 CASES = [
     pytest.param("[*E]", id="attention-moe"),
     pytest.param("[GE]", id="gated-delta-net-moe"),
@@ -105,7 +106,7 @@ def test_graphed_matches_eager(world, pattern):
 
     rank, world_size, device = world
     if pattern in _CAPTURE_FAILS and not ON_CPU:
-        pytest.skip(f"known capture failure on GPUs (issue 20 open): {_CAPTURE_FAILS[pattern]}")
+        pytest.skip(_KNOWN_FAILURE + _CAPTURE_FAILS[pattern])
     runs_on = _requirements(pattern)
     pg = initialize_model_parallel(ep=1, seed=5)
     config = bf16_config(pattern)
@@ -163,7 +164,7 @@ def test_overlap_plan_graphed_matches_ungraphed(world, pattern):
     require_ep_overlap(world_size)
     group = pattern.split("{")[0]
     if group in _CAPTURE_FAILS and not ON_CPU:
-        pytest.skip(f"known capture failure on GPUs (issue 20 open): {_CAPTURE_FAILS[group]}")
+        pytest.skip(_KNOWN_FAILURE + _CAPTURE_FAILS[group])
     _requirements(pattern)
     ep = world_size
     reports, weights, runs = [], {}, {}
@@ -190,7 +191,7 @@ def test_overlap_plan_graphed_matches_ungraphed(world, pattern):
         )["overlap"]  # fmt: skip
     (report_,) = reports
     failed = {name: piece.disabled for name, piece in report_.graphed.items() if piece.disabled}
-    if failed:  # the pieces fell back to eager: nothing graphed to compare (issue 20)
+    if failed:  # the pieces fell back to eager: nothing graphed to compare
         pytest.skip(f"CUDA graph capture failed on this GPU, the pieces ran eager: {failed}")
     assert report_.graphed, "nothing was graphed"
     for name, piece in report_.graphed.items():

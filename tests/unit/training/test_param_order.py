@@ -179,3 +179,43 @@ def test_unknown_order_is_refused(pg):
 
     with pytest.raises(ValueError, match="parameter order 'sorted' is not one of"):
         buffer_layout(torch.nn.Linear(2, 2), None, None, pg, "sorted")
+
+
+def expert_parallel_worker(rank: int, world_size: int) -> list[bool]:
+    """At EP2 the experts' weights live in DDP's expert-parallel buffer: whether each expert
+    linear's weights and main_grads are one view there (the distributed optimizer's layout)."""
+    from megatron_hybrid.runtime.cpu import enable_cpu_emulation
+
+    enable_cpu_emulation()
+    from megatron_hybrid.modules.fast.grouped_add import stacked_view
+    from megatron_hybrid.process_groups import initialize_model_parallel
+    from megatron_hybrid.testing.models import small_config
+    from megatron_hybrid.training import loop
+    from megatron_hybrid.training.param_order import EXPERTS_ORDER, MEGATRON_ORDER
+
+    loop.distributed_optimizer = lambda optimizer: True  # train's GPU wrapping (this process)
+    pg = initialize_model_parallel(ep=2, seed=1)
+    found = []
+    for order in (EXPERTS_ORDER, MEGATRON_ORDER):
+        config = small_config(PATTERN, num_moe_experts=8, expert_model_parallel_size=2)
+        (chunk,) = loop.build_model_chunks(
+            config, PATTERN, pg, backend="local", vocab_size=128, max_sequence_length=16,
+            param_order=order,
+        )  # fmt: skip
+        assert chunk.expert_parallel_buffers, "EP2 experts have a buffer of their own"
+        for module in _experts(chunk):
+            for name in ("linear_fc1", "linear_fc2"):
+                weights = [getattr(e, name).weight for e in module.local_experts]
+                assert len(weights) == 4
+                found.append(stacked_view(weights) is not None)
+                found.append(stacked_view([w.main_grad for w in weights]) is not None)
+    return found
+
+
+@pytest.mark.distributed
+def test_expert_parallel_buffer_in_expert_order():
+    from megatron_hybrid.testing.spawn import run_distributed
+
+    # Per rank: 2 layers x 2 linears x (weights, main_grads) in expert order, then megatron's.
+    expected = [True] * 8 + [False] * 8
+    assert run_distributed(expert_parallel_worker, 2, timeout=300) == [expected, expected]
