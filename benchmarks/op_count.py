@@ -115,9 +115,12 @@ def count_step(pattern: str, layers: int, microbatches: int, impl: str) -> colle
     from mfu import Run
     from torch.profiler import ProfilerActivity, profile
 
+    from megatron_hybrid.training.param_order import EXPERTS_ORDER
+
     shape = SimpleNamespace(**{**SHAPE, "layers": layers, "microbatches": microbatches})
     args = SimpleNamespace(warmup=1, steps=1, quick=False, data="full", packed=False, ep=1,
-                           overlap=False, gdn_kernel="torch", manual_gc=False)  # fmt: skip
+                           overlap=False, gdn_kernel="torch", manual_gc=False,
+                           param_order=EXPERTS_ORDER)  # fmt: skip
     run = Run(args, shape, pattern, impl)
     try:
         run.step(run.batches())
