@@ -85,10 +85,12 @@ def expert_blocks(module: torch.nn.Module, params) -> list[list[torch.nn.Paramet
             continue
         block = []
         for name in _LINEARS:
-            weights = [getattr(expert, name).weight for expert in sub.local_experts]
+            # A linear an adapter wraps may have no weight of its own: it keeps its place.
+            weights = [getattr(getattr(e, name, None), "weight", None) for e in sub.local_experts]
             first = weights[0]
             same = all(
-                id(w) in trainable
+                isinstance(w, torch.nn.Parameter)
+                and id(w) in trainable
                 and w.dtype == first.dtype
                 and getattr(w, "allreduce", True) == getattr(first, "allreduce", True)
                 for w in weights

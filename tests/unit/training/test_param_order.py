@@ -136,6 +136,27 @@ def test_frozen_expert_weights_keep_megatrons_place(pg, monkeypatch):
     assert chunk_order([chunk]) == MEGATRON_ORDER
 
 
+def test_lora_adapted_experts_keep_megatrons_place(pg, monkeypatch):
+    """LoRA on every linear (the experts' too): the adapters train, the wrapped experts are
+    no SequentialMLP block; wrapping succeeds in megatron's order."""
+    from megatron_hybrid.peft import LoRAConfig, apply_lora
+    from megatron_hybrid.testing.models import small_config
+    from megatron_hybrid.training.loop import build_model_chunks
+    from megatron_hybrid.training.param_order import MEGATRON_ORDER, chunk_order
+
+    monkeypatch.setattr(
+        "megatron_hybrid.training.loop.distributed_optimizer", lambda optimizer: True
+    )
+    config = small_config(PATTERN, num_moe_experts=6)
+    (chunk,) = build_model_chunks(
+        config, PATTERN, pg, backend="local", vocab_size=128, max_sequence_length=16,
+        prepare=lambda models: apply_lora(models, LoRAConfig(rank=2, alpha=4)),
+    )  # fmt: skip
+    trainable = [n for n, p in chunk.module.named_parameters() if p.requires_grad]
+    assert any("local_experts" in n for n in trainable)  # the experts' adapters train
+    assert chunk_order([chunk]) == MEGATRON_ORDER
+
+
 @pytest.mark.parametrize(
     ("common", "distributed", "error"),
     [
