@@ -191,13 +191,11 @@ def saved_order(common: Mapping) -> str:
     return common.get(COMMON_KEY, MEGATRON_ORDER)
 
 
-def order_to_resume(folder, *, distributed_optimizer: bool) -> str:
-    """The order to build a run's chunks in: that of the checkpoint ``folder`` it resumes with
-    the distributed optimizer's state, :data:`EXPERTS_ORDER` otherwise (``folder`` None: a
-    run that resumes nothing)."""
-    if folder is None or not distributed_optimizer:
-        return EXPERTS_ORDER
-    return saved_order(read_common(folder))
+def order_to_resume(folder) -> str:
+    """The order to build a run's chunks in: that of the checkpoint ``folder`` it resumes (its
+    distributed-optimizer state loads only into that order; other optimizers' state does not
+    depend on it), :data:`EXPERTS_ORDER` for a run that resumes nothing (``folder`` None)."""
+    return EXPERTS_ORDER if folder is None else saved_order(read_common(folder))
 
 
 def check_order(common: Mapping, folder, chunks) -> None:

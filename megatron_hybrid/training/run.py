@@ -46,7 +46,7 @@ from megatron_hybrid.training.loop import build_model_chunks, train_step
 from megatron_hybrid.training.lora import check_resumable, lora_run, parameter_counts
 from megatron_hybrid.training.lora_rules import validate_lora_flags
 from megatron_hybrid.training.metrics import MetricsLog, ProgressLine, TrainingSummary
-from megatron_hybrid.training.optimizers import build_optimizer, distributed_optimizer
+from megatron_hybrid.training.optimizers import build_optimizer
 from megatron_hybrid.training.param_order import EXPERTS_ORDER, order_to_resume
 from megatron_hybrid.training.save_target import (
     SaveTarget,
@@ -187,7 +187,7 @@ def run_training(args: TrainSettings, backend: RuntimeBackend | None = None) -> 
     load = args.load if lora is not None or not (source and source.checkpoint) else None
     point = _resume_point(load, args.save)
     # The distributed optimizer's state loads only into the buffer order that saved it.
-    order = order_to_resume(point.folder, distributed_optimizer=distributed_optimizer("adam"))
+    order = order_to_resume(point.folder)
     chunks = build_chunks(
         args, config, pg, parsed, source, seq_length, rank, lora=lora, param_order=order
     )

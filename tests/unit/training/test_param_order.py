@@ -189,10 +189,10 @@ def test_other_orders_are_refused_before_loading(common, distributed, error, mon
             check_order(common, "ckpt", [chunk])
     # What train builds to resume it: the saved order (megatron's when none is recorded).
     monkeypatch.setattr(param_order, "read_common", {"ckpt": common}.get)
-    resumed = order_to_resume("ckpt", distributed_optimizer=distributed)
+    resumed = order_to_resume("ckpt")
     mark_chunk(chunk, resumed)
     check_order(common, "ckpt", [chunk])
-    assert order_to_resume(None, distributed_optimizer=True) == EXPERTS_ORDER
+    assert order_to_resume(None) == EXPERTS_ORDER
 
 
 def test_unknown_order_is_refused(pg):
