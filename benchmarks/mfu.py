@@ -126,6 +126,8 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
         flags.append("--overlap-moe-expert-parallel-comm")
     if args.manual_gc:
         flags.append("--manual-gc")
+    if not args.gradient_accumulation_fusion:
+        flags.append("--no-gradient-accumulation-fusion")
     if args.data == "documents":
         flags += ["--synthetic-samples", "documents"]
     return [str(flag) for flag in flags]
@@ -406,7 +408,8 @@ def result_stem(args, shape_name: str, device: str) -> str:
         parts.append(args.data)
     parts += [s for s, on in (("packed", args.packed), ("overlap", args.overlap),
                               ("tf32", args.tf32), ("manualgc", args.manual_gc),
-                              (f"{args.param_order}order", args.param_order != EXPERTS_ORDER))
+                              (f"{args.param_order}order", args.param_order != EXPERTS_ORDER),
+                              ("nowgradfusion", not args.gradient_accumulation_fusion))
               if on]  # fmt: skip
     return "_".join(parts)
 
@@ -586,6 +589,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the routed experts' weights in expert order, as train builds them "
                         "(default), or megatron-core's own, which the grouped GEMM copies "
                         "(the layout before it)")  # fmt: skip
+    parser.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                        dest="gradient_accumulation_fusion",
+                        help="train's flag: DDP's hook adds each local linear's bfloat16 weight "
+                        "gradient into main_grad (the path before the fusion)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's peak in TFLOP/s (default: from its name, as train; "
                         "MEGATRON_HYBRID_PEAK_TFLOPS works too)")  # fmt: skip
@@ -648,7 +655,9 @@ def main(argv: list[str] | None = None) -> None:
                + (", EP overlap" if args.overlap else "")
                + (", TF32 float32 matmuls" if args.tf32 else "")
                + (", --manual-gc" if args.manual_gc else "")
-               + f", DDP buffers in the {args.param_order} parameter order"),
+               + f", DDP buffers in the {args.param_order} parameter order"
+               + ("" if args.gradient_accumulation_fusion
+                  else ", no weight-gradient accumulation fusion")),
         skipped=skipped,
     )  # fmt: skip
     results: dict = {}

@@ -35,13 +35,37 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GraphCaptureError", "capture_cuda_graph", "thread_local_capture"]
+__all__ = ["GraphCaptureError", "capture_cuda_graph", "thread_local_capture", "use_side_stream"]
 
 logger = logging.getLogger(__name__)
 
 
 class GraphCaptureError(RuntimeError):
     """A piece could not be captured; it runs eager from then on."""
+
+
+#: What a capture that fails this way needs (see :func:`use_side_stream`).
+_LEGACY_STREAM_HINT = (
+    " (a parameter's gradient accumulator was made on the default stream, e.g. by megatron's DDP "
+    "wrapping the model before its pieces were graphed: graph them first, HybridModel("
+    "hybrid_cuda_graphs=True) or enable_cuda_graphs, then wrap)"
+)
+
+
+def use_side_stream() -> None:
+    """Make a side stream this thread's current CUDA stream, where the default stream is.
+
+    A parameter's gradient accumulator (autograd's ``AccumulateGrad`` node, which megatron's DDP
+    keeps to hook it) records the stream that was current when it was made, and a captured
+    backward that reaches it makes that stream wait on the capture stream: CUDA refuses that for
+    the legacy default stream ("operation would make the legacy stream depend on a capturing
+    blocking stream", every piece of a model in megatron's DDP on one H200 with torch 2.11).
+    megatron-core 0.19.2 moves to a side stream for the same reason when it sets up its graphs
+    (``transformer/cuda_graphs.py``, ``CudaGraphManager.__init__``); DDP, wrapping the model
+    afterwards, then makes its accumulators there. Without CUDA this does nothing.
+    """
+    if torch.cuda.is_available() and torch.cuda.current_stream() == torch.cuda.default_stream():
+        torch.cuda.set_stream(torch.cuda.Stream())
 
 
 @contextlib.contextmanager
@@ -181,6 +205,8 @@ def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
     except (RuntimeError, AssertionError) as error:
         # Recovered below, once the error's traceback (which holds the failed graphs) is gone.
         failure = f"{type(error).__name__}: {error}"
+        if "legacy stream" in failure:
+            failure += _LEGACY_STREAM_HINT
     finally:
         # Parameters whose fused main_grad add the captured backward contains.
         piece.fused_params = [p for p in params if getattr(p, "grad_added_to_main_grad", False)]

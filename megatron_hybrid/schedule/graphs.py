@@ -60,7 +60,11 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatron_hybrid.modules.registry import layer_runtime
-from megatron_hybrid.schedule.graph_capture import GraphCaptureError, capture_cuda_graph
+from megatron_hybrid.schedule.graph_capture import (
+    GraphCaptureError,
+    capture_cuda_graph,
+    use_side_stream,
+)
 
 __all__ = [
     "MAX_SIGNATURES",
@@ -327,6 +331,11 @@ def enable_cuda_graphs(model, *, capture: CaptureFunction = capture_cuda_graph) 
         model: a HybridModel, a wrapper of one (``Float16Module``, DDP), or a list of chunks.
         capture: ``(piece, sample_args) -> graphed piece``; tests pass a stand-in.
 
+    On a GPU this thread moves to a side stream first (:func:`~megatron_hybrid.schedule.
+    graph_capture.use_side_stream`, as megatron-core does), so call it before megatron's DDP
+    wraps the model (``HybridModel(hybrid_cuda_graphs=True)`` does): DDP's gradient
+    accumulators made on the default stream make every backward capture fail.
+
     Returns:
         What was graphed and what stays eager, with the reasons.
 
@@ -334,6 +343,8 @@ def enable_cuda_graphs(model, *, capture: CaptureFunction = capture_cuda_graph) 
         ValueError: a config setting the graphs cannot capture (see
             :func:`check_cuda_graph_config`), or pieces that are graphed already.
     """
+    if capture is capture_cuda_graph:
+        use_side_stream()
     report = CudaGraphReport()
     for chunk in model if isinstance(model, list | tuple) else [model]:
         chunk = _unwrap(chunk)

@@ -45,6 +45,11 @@ class Flag:
     group: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def dest(self) -> str:
+        """argparse's ``dest``: the one given, else :func:`dest_of` the option."""
+        return self.kwargs.get("dest") or dest_of(self.option)
+
 
 def _flag(option: str, group: str, **kwargs: Any) -> Flag:
     return Flag(option, group, kwargs)
@@ -290,6 +295,14 @@ FLAGS: tuple[Flag, ...] = (
         default=None,
         help="logical layers per recompute chunk (uniform) or recomputed (block)",
     ),
+    _flag(
+        "--no-gradient-accumulation-fusion",
+        _TRAIN,
+        action="store_false",
+        dest="gradient_accumulation_fusion",
+        help="on GPUs, let DDP add each local linear's weight gradient into main_grad rather "
+        "than the weight-gradient GEMM (docs/performance.md)",
+    ),
     _flag("--save", _CKPT, type=str, default=None, help="directory to save checkpoints to"),
     _flag("--load", _CKPT, type=str, default=None, help="directory to resume from"),
     _flag(
@@ -403,7 +416,7 @@ def model_setting_dests() -> tuple[str, ...]:
     """The ``dest`` of every model setting, in ``--help`` order: the model-shape flags without
     :data:`RUNTIME_CHOICES` (what a ``train`` checkpoint records)."""
     return tuple(
-        dest_of(flag.option)
+        flag.dest
         for flag in FLAGS
         if flag.group in MODEL_SHAPE_GROUPS and flag.option not in RUNTIME_CHOICES
     )
@@ -430,7 +443,13 @@ class _GivenStoreTrue(argparse._StoreTrueAction):
         _record_given(namespace, self.dest)
 
 
-_RECORDING = {None: _GivenStore, "store_true": _GivenStoreTrue}
+class _GivenStoreFalse(argparse._StoreFalseAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        _record_given(namespace, self.dest)
+
+
+_RECORDING = {None: _GivenStore, "store_true": _GivenStoreTrue, "store_false": _GivenStoreFalse}
 
 
 def given_flags(args: argparse.Namespace) -> frozenset[str]:

@@ -1,8 +1,8 @@
-"""megatron-core's fused SwiGLU and cross-entropy for ``train`` on GPUs, where they compute what
-the unfused modules compute.
+"""megatron-core's fused SwiGLU, cross-entropy and weight-gradient accumulation for ``train`` on
+GPUs, where they compute what the unfused modules compute.
 
-``TransformerConfig`` leaves both off. megatron-core 0.19.2 provides them without
-TransformerEngine or apex:
+``TransformerConfig`` leaves them off. megatron-core 0.19.2 provides the first two without
+TransformerEngine or apex, and the package the third (Megatron-LM turns it on by default):
 
 * ``bias_activation_fusion``: the MLPs' and routed experts' SwiGLU through
   ``fusions/fused_bias_swiglu.py`` (``bias_swiglu_impl``, ``weighted_bias_swiglu_impl`` with the
@@ -15,17 +15,30 @@ TransformerEngine or apex:
   ``tensor_parallel.vocab_parallel_cross_entropy`` with one all-reduce instead of two and
   compiled kernels, except that its backward hands back the logits' gradient in bfloat16
   (``calculate_gradients``): exact for bf16 logits (the unfused gradient is cast to the logits'
-  dtype too), a loss of precision for float32 or float16 ones.
+  dtype too), a loss of precision for float32 or float16 ones;
+* ``gradient_accumulation_fusion``: the local linear layers add their weight gradient into
+  megatron DDP's float32 ``main_grad`` in the GEMM (``modules/fast/wgrad.py``, torch's
+  ``addmm`` with a float32 output standing in for apex's ``fused_weight_gradient_mlp_cuda``)
+  instead of a bfloat16 gradient that DDP's hook then adds: one kernel and one bfloat16 rounding
+  fewer per weight and micro-batch. ``train`` always wraps its chunks in megatron's DDP, which
+  the fused layers need (``main_grad``); ``--no-gradient-accumulation-fusion`` keeps it off.
+  TransformerEngine's linears get the flag from megatron as ``fuse_wgrad_accumulation``; it is
+  turned on here for the ``local`` layers only.
 
 :func:`fusion_reasons` says which apply to a config and why the others do not;
 :func:`apply_gpu_fusions` turns on those that apply (the ``train`` command and
-``benchmarks/mfu.py`` call it on GPUs). On the CPU they stay off: the compiled functions would
-run eagerly there, and CPU runs keep the unfused path's rounding.
+``benchmarks/mfu.py`` call it on GPUs, before the model is built). On the CPU they stay off: the
+compiled functions would run eagerly there, and CPU runs keep the unfused path's rounding.
 """
 
 from __future__ import annotations
 
-__all__ = ["apply_gpu_fusions", "fusion_reasons"]
+from megatron_hybrid.modules.fast.wgrad import install_wgrad_kernels, wgrad_kernels_reason
+
+__all__ = ["WGRAD_FUSION_OFF", "apply_gpu_fusions", "fusion_reasons"]
+
+#: The reason when the run turns the weight-gradient fusion off (Megatron-LM's flag).
+WGRAD_FUSION_OFF = "--no-gradient-accumulation-fusion"
 
 
 def _swiglu_reason(config) -> str | None:
@@ -48,26 +61,52 @@ def _cross_entropy_reason(config) -> str | None:
     return None
 
 
+def _wgrad_reason(config) -> str | None:
+    if config.transformer_impl != "local":
+        return (
+            f"transformer_impl={config.transformer_impl!r}: TransformerEngine's linears take the "
+            "flag as fuse_wgrad_accumulation, which train leaves as configured"
+        )
+    return wgrad_kernels_reason()
+
+
 def fusion_reasons(config) -> dict[str, str | None]:
-    """``{config field: None (it applies) or why not}`` for ``bias_activation_fusion`` and
-    ``cross_entropy_loss_fusion``."""
+    """``{config field: None (it applies) or why not}`` for ``bias_activation_fusion``,
+    ``cross_entropy_loss_fusion`` and ``gradient_accumulation_fusion``."""
     return {
         "bias_activation_fusion": _swiglu_reason(config),
         "cross_entropy_loss_fusion": _cross_entropy_reason(config),
+        "gradient_accumulation_fusion": _wgrad_reason(config),
     }
 
 
-def apply_gpu_fusions(config) -> dict[str, str | None]:
+def apply_gpu_fusions(
+    config, *, gradient_accumulation_fusion: bool = True
+) -> dict[str, str | None]:
     """Turn on each fusion of :func:`fusion_reasons` that applies to ``config`` (in place;
-    the cross-entropy's ``native`` implementation, which needs no TransformerEngine).
+    the cross-entropy's ``native`` implementation, which needs no TransformerEngine; the
+    weight-gradient kernels handed to megatron's linear layers where apex's are missing).
+
+    The model must be built after this call (the linear layers read the flags then) and, with
+    ``gradient_accumulation_fusion``, trained under megatron's DDP (the fused layers add into
+    ``main_grad``).
+
+    Args:
+        config: a ``TransformerConfig``.
+        gradient_accumulation_fusion: False: leave it off (:data:`WGRAD_FUSION_OFF`).
 
     Returns:
-        :func:`fusion_reasons` of ``config``.
+        :func:`fusion_reasons` of ``config`` (:data:`WGRAD_FUSION_OFF` where it was left off).
     """
     reasons = fusion_reasons(config)
+    if not gradient_accumulation_fusion:
+        reasons["gradient_accumulation_fusion"] = WGRAD_FUSION_OFF
     if reasons["bias_activation_fusion"] is None:
         config.bias_activation_fusion = True
     if reasons["cross_entropy_loss_fusion"] is None:
         config.cross_entropy_loss_fusion = True
         config.cross_entropy_fusion_impl = "native"
+    if reasons["gradient_accumulation_fusion"] is None:
+        install_wgrad_kernels()
+        config.gradient_accumulation_fusion = True
     return reasons

@@ -264,8 +264,8 @@ def model_config(args: TrainSettings, source, backend: RuntimeBackend):
         config = hf_training_config(source, args, **overrides)
     else:
         config = hybrid_config_from_args(args, **overrides)
-    if backend.on_gpu:  # megatron's fused SwiGLU and cross-entropy, where they are exact
-        apply_gpu_fusions(config)
+    if backend.on_gpu:  # megatron's fused SwiGLU, cross-entropy and wgrad add, where exact
+        apply_gpu_fusions(config, gradient_accumulation_fusion=args.gradient_accumulation_fusion)
     return config
 
 

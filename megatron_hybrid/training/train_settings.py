@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_hybrid.training.arguments import FLAGS, Flag, dest_of, given_flags
+from megatron_hybrid.training.arguments import FLAGS, Flag, given_flags
 from megatron_hybrid.training.train_flags import TRAIN_FLAGS
 
 __all__ = [
@@ -130,6 +130,7 @@ class TrainSettings:
     recompute_granularity: str | None
     recompute_method: str | None
     recompute_num_layers: int | None
+    gradient_accumulation_fusion: bool
 
     # checkpointing
     save: str | None
@@ -186,13 +187,15 @@ _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainSettings)) - set(NOT
 
 
 def _flag_default(flag: Flag) -> Any:
-    """What a parser gives for ``flag`` when it is not given (``False`` for a switch)."""
-    return flag.kwargs.get("default", False if flag.kwargs.get("action") else None)
+    """What a parser gives for ``flag`` when it is not given (``False`` for a ``store_true``
+    switch, ``True`` for a ``store_false`` one)."""
+    switch = {"store_true": False, "store_false": True}.get(flag.kwargs.get("action"))
+    return flag.kwargs.get("default", switch)
 
 
 def flag_defaults() -> dict[str, Any]:
     """Every flag's default, as ``train``'s parser would give it without the flag."""
-    values = {dest_of(flag.option): _flag_default(flag) for flag in (*FLAGS, *TRAIN_FLAGS)}
+    values = {flag.dest: _flag_default(flag) for flag in (*FLAGS, *TRAIN_FLAGS)}
     values.update(COMMAND_DEFAULTS)
     return values
 

@@ -124,6 +124,17 @@ def world():
     dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def _default_stream_after_test():
+    """The default CUDA stream current again after each test: CUDA graphs move the process to a
+    side stream (``schedule/graph_capture.py``, ``use_side_stream``), which later tests must not
+    inherit."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+
+
 @pytest.fixture
 def shared_dir(world, tmp_path_factory):
     """A directory every rank of this (single-host) job sees: rank 0's temporary folder."""
@@ -192,6 +203,18 @@ def bf16_config(pattern: str, **changes):
         pattern, **TEST_SIZES, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, **changes,
     )  # fmt: skip
+
+
+def with_mla(config):
+    """``config`` as an ``MLATransformerConfig`` (small MLA sizes) for patterns with ``+``."""
+    import dataclasses
+
+    from megatron.core.transformer import MLATransformerConfig
+
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    fields.update(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=64, qk_head_dim=32,
+                  qk_pos_emb_head_dim=16, v_head_dim=32, rope_type="rope")  # fmt: skip
+    return MLATransformerConfig(**fields)
 
 
 def device_inputs(device, **kwargs) -> dict:

@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from conftest import ON_CPU, bf16_config, device_inputs, report, require_ep_overlap
+from conftest import ON_CPU, bf16_config, device_inputs, report, require_ep_overlap, with_mla
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -46,6 +46,7 @@ CASES = [
     pytest.param("[*E]", id="attention-moe"),
     pytest.param("[GE]", id="gated-delta-net-moe"),
     pytest.param("[*-]", id="attention-dense"),
+    pytest.param("[+-]", id="mla-dense"),
     pytest.param("M", id="mamba"),
 ]
 STEPS = 3
@@ -110,6 +111,7 @@ def test_graphed_matches_eager(world, pattern):
     runs_on = _requirements(pattern)
     pg = initialize_model_parallel(ep=1, seed=5)
     config = bf16_config(pattern)
+    config = with_mla(config) if "+" in pattern else config
     torch.manual_seed(3)
     inner = build_hybrid(config, pattern, pg).to(device)
     model = Float16Module(config, inner)

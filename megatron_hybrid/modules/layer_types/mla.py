@@ -47,9 +47,4 @@ def flops(config, batch: SequenceBatch) -> dict[str, float]:
     return {**projection_flops(config, batch.tokens), **attention_flops(config, pairs)}
 
 
-RUNTIME = attention_half_runtime(
-    MLA,
-    "mla_layer",
-    unverified="multi-latent attention has not been verified under CUDA graph capture",
-    flops=flops,
-)
+RUNTIME = attention_half_runtime(MLA, "mla_layer", flops=flops)

@@ -110,10 +110,19 @@ def test_kernel_breakdown():
     assert breakdown["kernels"][0]["mean_us"] == 20
 
 
-@pytest.mark.parametrize("manual", [True, False], ids=["manual-gc", "default"])
-def test_manual_gc_reaches_trains_settings(monkeypatch, manual):
-    """``mfu.py --manual-gc`` gives ``train`` its ``--manual-gc`` (the benchmark then wraps the
-    steps in the same collector) and names it in the results' file; without it neither."""
+@pytest.mark.parametrize(
+    ("flag", "field", "given", "stem"),
+    [
+        pytest.param("--manual-gc", "manual_gc", True, "_manualgc", id="manual-gc"),
+        pytest.param("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False,
+                     "_nowgradfusion", id="no-wgrad-fusion"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("on", [True, False], ids=["given", "default"])
+def test_train_flags_reach_trains_settings(monkeypatch, flag, field, given, stem, on):
+    """``mfu.py --manual-gc`` / ``--no-gradient-accumulation-fusion`` give ``train`` its flag
+    (for ``--manual-gc`` the benchmark then wraps the steps in the same collector) and name it in
+    the results' file; without it neither."""
     from types import SimpleNamespace
 
     import torch
@@ -124,11 +133,11 @@ def test_manual_gc_reaches_trains_settings(monkeypatch, manual):
     finally:
         sys.path.remove(str(BENCHMARKS))
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
-    args = mfu.build_parser().parse_args(["--quick"] + (["--manual-gc"] if manual else []))
+    args = mfu.build_parser().parse_args(["--quick"] + ([flag] if on else []))
     flags = mfu.train_flags(SimpleNamespace(**mfu.SHAPES["tiny"]), "star_e", "fast", args)
-    assert ("--manual-gc" in flags) is manual
-    assert mfu.train_args(flags).manual_gc is manual
-    assert mfu.result_stem(args, "tiny", "CPU").endswith("_manualgc") is manual
+    assert (flag in flags) is on
+    assert getattr(mfu.train_args(flags), field) is (given if on else not given)
+    assert mfu.result_stem(args, "tiny", "CPU").endswith(stem) is on
 
 
 def _module(name: str):

@@ -1,4 +1,5 @@
-"""train's GPU defaults for megatron's fused SwiGLU and cross-entropy: where they apply, and that
+"""train's GPU defaults for megatron's fused SwiGLU, cross-entropy and weight-gradient accumulation:
+where they apply (``test_wgrad_fusion.py`` checks the last one's gradients), and that
 they compute what the unfused modules compute (on the CPU, where the fused functions run
 eagerly): the cross-entropy bitwise for bf16 logits, SwiGLU (plain and with the routing weight)
 within float32 rounding of float64, forward and backward. Negative controls: the fused
@@ -17,6 +18,18 @@ U = 2.0**-24
 MODEL = ("--num-experts", "4", "--hidden-size", "16", "--num-attention-heads", "2")
 
 
+@pytest.fixture(autouse=True)
+def _megatron_linears_restored(monkeypatch):
+    """``apply_gpu_fusions`` hands megatron's linear layers the weight-gradient kernels; each
+    test leaves megatron's module as it was."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_hybrid.modules.fast.wgrad import APEX_MODULE
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
+    monkeypatch.setattr(layers, APEX_MODULE, getattr(layers, APEX_MODULE, None), raising=False)
+
+
 def _config(*flags, **overrides):
     from megatron_hybrid.training.config import config_from_flags
 
@@ -31,11 +44,17 @@ def _config(*flags, **overrides):
         pytest.param(("--swiglu",), {}, {"cross_entropy_loss_fusion": "not bf16"}, id="fp32"),
         pytest.param(("--swiglu", "--bf16"), {"activation_func_clamp_value": 7.0},
                      {"bias_activation_fusion": "clamps its inputs"}, id="clamped-glu"),
+        pytest.param(("--swiglu", "--bf16"), {"transformer_impl": "transformer_engine"},
+                     {"gradient_accumulation_fusion": "fuse_wgrad_accumulation"}, id="te"),
+        pytest.param(("--swiglu", "--bf16", "--no-gradient-accumulation-fusion"), {},
+                     {"gradient_accumulation_fusion": "--no-gradient-accumulation-fusion"},
+                     id="wgrad-off"),
     ],
 )  # fmt: skip
 def test_which_fusions_apply(flags, overrides, expected):
     config = _config(*flags, **overrides)
-    reasons = apply_gpu_fusions(config)
+    off = "--no-gradient-accumulation-fusion" in flags
+    reasons = apply_gpu_fusions(config, gradient_accumulation_fusion=not off)
     for field, reason in reasons.items():
         if field in expected:
             assert reason is not None and expected[field].split()[-1] in reason
@@ -66,6 +85,7 @@ def test_train_turns_them_on_on_gpus_only():
     assert fusion_reasons(cpu) == {
         "bias_activation_fusion": None,
         "cross_entropy_loss_fusion": None,
+        "gradient_accumulation_fusion": None,
     }
     assert run.apply_gpu_fusions is apply_gpu_fusions
 

@@ -38,7 +38,7 @@ def _flag_actions() -> dict[str, argparse.Action]:
 
 def _parsed_type(action: argparse.Action) -> str:
     """The type the parser gives ``action``'s value, written as the field's annotation."""
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "bool"
     if isinstance(action, argparse.BooleanOptionalAction):
         return "bool | None"

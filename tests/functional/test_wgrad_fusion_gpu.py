@@ -1,0 +1,164 @@
+"""``gradient_accumulation_fusion`` with the package's weight-gradient kernels on a GPU.
+
+    torchrun --nproc_per_node 1 -m pytest -q -s tests/functional/test_wgrad_fusion_gpu.py
+
+``train`` turns it on for its local linear layers on GPUs (``training/fusions.py``): each adds
+``grad_output^T @ input`` into its weight's float32 ``main_grad`` with one ``torch.addmm``
+(bfloat16 operands, a float32 output written in place; ``modules/fast/wgrad.py``). Checked here:
+the kernel against float64 at ``benchmarks/mfu.py``'s expert-free linear sizes, in place; and a
+bf16 model in megatron's DDP (reference modules, deterministic on the GPU, tied output weight)
+whose every ``main_grad`` after two micro-batches is the unfused path's within the two paths'
+roundings (``support/wgrad_check.py``), parameters outside the linears bit for bit; and the
+same chunk with its pieces CUDA-graphed (``--hybrid-cuda-graphs``) bit for bit the eager one.
+Controls: the kernel result without the old ``main_grad`` added, and kernels that overwrite
+instead of adding (eager, and captured in the graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.wgrad_check import U32, capture_products, main_grad_ratios
+
+PATTERN = "[*-]{2}"
+BATCH, SEQ = 2, 64
+
+
+@pytest.fixture
+def pg(world):
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+
+    if not torch.cuda.is_available():
+        pytest.skip("the float32-output GEMM runs on CUDA")
+    if world[1] > 1:
+        pytest.skip("one process: the bound follows one rank's whole micro-batches")
+    yield initialize_model_parallel(seed=1)
+    reset_megatron_state()
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_hybrid.modules.fast import wgrad
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
+    monkeypatch.setattr(layers, wgrad.APEX_MODULE, getattr(layers, wgrad.APEX_MODULE, None),
+                        raising=False)  # fmt: skip
+    wgrad.install_wgrad_kernels()
+    return wgrad
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048, 6144), (4096, 2048, 32768)], ids=["qkv", "vocab"])
+def test_kernel_adds_in_place_within_float32_rounding(pg, kernels, shape):
+    tokens, inner, outer = shape
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, inner, device="cuda", generator=generator).bfloat16()
+    g = torch.randn(tokens, outer, device="cuda", generator=generator).bfloat16()
+    main = torch.randn(outer, inner, device="cuda", generator=generator)
+    before, address = main.clone(), main.data_ptr()
+    kernels.WGRAD_KERNELS.wgrad_gemm_accum_fp32(x, g, main)
+    torch.cuda.synchronize()
+    assert main.data_ptr() == address and main.dtype == torch.float32
+    products = g.double().t() @ x.double()
+    bound = (tokens + 1) * U32 * (before.double().abs() + g.double().abs().t() @ x.double().abs())
+    ratio = float(((main.double() - before.double() - products).abs() / bound).max())
+    # Control: the same result without the old main_grad added is far outside the bound.
+    control = float(((main.double() - products).abs() / bound).max())
+    print(f"\n{shape}: error / bound {ratio:.3g}; control (no accumulation) {control:.3g}")
+    assert ratio <= 1 < control
+
+
+def _chunk(pg, *, fused: bool, like=None, graphs: bool = False):
+    """A chunk in megatron's DDP; ``like``'s weights where given (megatron initialises on the
+    GPU with its own RNG tracker, so a seed alone does not repeat them); ``graphs``: its pieces
+    graphed as ``train --hybrid-cuda-graphs`` builds them (before DDP wraps the model)."""
+    from megatron_hybrid.modules import hybrid_stack_spec
+    from megatron_hybrid.training.config import config_from_flags
+    from megatron_hybrid.training.loop import build_model_chunks
+
+    flags = ("--hidden-size", "256", "--num-attention-heads", "4", "--swiglu", "--bf16",
+             "--disable-bias-linear", "--ffn-hidden-size", "512",
+             "--vocab-size", "512")  # fmt: skip
+    config = config_from_flags(PATTERN, *flags, gradient_accumulation_fusion=fused)
+    spec = hybrid_stack_spec("local", config=config, local_impl="reference")
+    torch.manual_seed(7)
+    (chunk,) = build_model_chunks(config, PATTERN, pg, backend="local", vocab_size=512,
+                                  max_sequence_length=SEQ, stack_spec=spec,
+                                  hybrid_cuda_graphs=graphs)  # fmt: skip
+    if like is not None:
+        chunk.module.load_state_dict(like.module.state_dict())
+    return chunk
+
+
+def _steps(chunk) -> dict[str, torch.Tensor]:
+    chunk.zero_grad_buffer()
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, 512, (BATCH, SEQ), generator=generator).cuda()
+        positions = torch.arange(SEQ).expand(BATCH, SEQ).cuda()
+        logits = chunk(input_ids=tokens, position_ids=positions, attention_mask=None)
+        weights = torch.randn(logits.shape, generator=generator).cuda()
+        (logits.float() * weights).sum().backward()
+    chunk.finish_grad_sync()
+    return {name: p.main_grad.clone() for name, p in chunk.module.named_parameters()}
+
+
+def _overwrite(total_input, grad_output, main_grad):
+    torch.mm(grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fused", "control-overwrite"])
+def test_bf16_model_main_grads_are_the_unfused_ones(pg, kernels, monkeypatch, control):
+    if control:
+        monkeypatch.setattr(kernels.WGRAD_KERNELS, "wgrad_gemm_accum_fp32", _overwrite)
+    first = _chunk(pg, fused=False)
+    chunk = _chunk(pg, fused=True, like=first)
+    unfused = _steps(first)
+    captured = capture_products(chunk.module)
+    fused = _steps(chunk)
+    named = dict(chunk.module.named_parameters())
+    assert captured and all(named[n].grad_added_to_main_grad
+                            for n in named if id(named[n]) in captured)  # fmt: skip
+    ratios = main_grad_ratios(fused, unfused, named, captured, BATCH * SEQ, rounded_to_bf16=True)
+    worst = max(ratios, key=ratios.get)
+    print(f"\nworst main_grad error / bound: {ratios[worst]:.3g} ({worst})")
+    assert (ratios[worst] <= 1) is not control
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["graphed", "control-overwrite-in-graph"])
+def test_graphed_pieces_add_what_eager_ones_add(pg, kernels, monkeypatch, control):
+    """``train --hybrid-cuda-graphs``: a captured backward holds the fused add into
+    ``main_grad`` (replayed, its Python flag set again by the graphs, ``schedule/graphs.py``):
+    two steps of two micro-batches give the eager chunk's ``main_grad`` bit for bit. Control: the
+    graphs capture kernels that overwrite instead of adding."""
+    eager = _chunk(pg, fused=True)
+    graphed = _chunk(pg, fused=True, like=eager, graphs=True)
+    report = graphed.module.module.hybrid_cuda_graphs
+    expected = [_steps(eager) for _ in range(2)]
+    if control:
+        monkeypatch.setattr(kernels.WGRAD_KERNELS, "wgrad_gemm_accum_fp32", _overwrite)
+    got = [_steps(graphed) for _ in range(2)]
+    assert report.graphed and all(
+        g.disabled is None and g.captures >= 1 and g.replays >= 3 and not g.eager_calls
+        for g in report.graphed.values()
+    ), report.summary()
+    differ = sorted({n for a, b in zip(got, expected, strict=True) for n in a
+                     if not torch.equal(a[n], b[n])})  # fmt: skip
+    print(f"\ngraphed pieces: {len(report.graphed)}; main_grads that differ: {differ[:3]}")
+    assert bool(differ) is control
+
+
+def test_pieces_graphed_after_ddp_wrapped_say_how_to_order_it(pg):
+    """The control of the test above: pieces graphed after megatron's DDP made its gradient
+    accumulators on the default stream fail to capture, run eager, and say to graph first."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    chunk = _chunk(pg, fused=False)
+    report = enable_cuda_graphs(chunk)
+    grads = [_steps(chunk) for _ in range(2)]
+    reasons = {name: g.disabled for name, g in report.graphed.items()}
+    print(f"\n{report.summary()}")
+    assert reasons and all(r is not None and "graph them first" in r for r in reasons.values())
+    assert all(torch.isfinite(g).all() for step in grads for g in step.values())
