@@ -112,15 +112,13 @@ def count_step(pattern: str, layers: int, microbatches: int, impl: str) -> colle
     ``train``'s model chunks in megatron's DDP, its optimizer and step function
     (``benchmarks/mfu.py``'s :class:`Run`), every sequence ``seq`` long; ``G`` on the fast
     path's torch scan (fla's kernels need a GPU)."""
-    from mfu import Run
+    from mfu import Run, build_parser
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_hybrid.training.param_order import EXPERTS_ORDER
-
     shape = SimpleNamespace(**{**SHAPE, "layers": layers, "microbatches": microbatches})
-    args = SimpleNamespace(warmup=1, steps=1, quick=False, data="full", packed=False, ep=1,
-                           overlap=False, gdn_kernel="torch", manual_gc=False,
-                           param_order=EXPERTS_ORDER)  # fmt: skip
+    # mfu.py's defaults (train's parameter order and fusions), every sequence full, G's scan.
+    args = build_parser().parse_args(["--data", "full", "--gdn-kernel", "torch"])
+    args.warmup, args.steps, args.ep = 1, 1, 1
     run = Run(args, shape, pattern, impl)
     try:
         run.step(run.batches())
