@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -68,6 +69,7 @@ from megatron_hybrid.schedule.graph_capture import (
 
 __all__ = [
     "MAX_SIGNATURES",
+    "PACKED_REASON",
     "CudaGraphReport",
     "GraphCaptureError",
     "GraphedForward",
@@ -75,6 +77,7 @@ __all__ = [
     "check_cuda_graph_config",
     "disable_cuda_graphs",
     "enable_cuda_graphs",
+    "graphs_digest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,6 +174,13 @@ class _Release(torch.autograd.Function):
         return (None, *grads)
 
 
+#: Why a call with packed (THD) micro-batches runs eager.
+PACKED_REASON = (
+    "packed (THD) micro-batches: their sequence count and lengths change per micro-batch; "
+    "padded rows of one length replay graphs"
+)
+
+
 def _split(args: tuple, kwargs: dict):
     """``(tensors, rebuild, key)`` of a call, or a string saying why it cannot be graphed."""
     tensors, positions, constants = [], [], []
@@ -181,6 +191,8 @@ def _split(args: tuple, kwargs: dict):
             tensors.append(value)
         elif isinstance(value, _SCALARS):
             constants.append((name, value))
+        elif isinstance(value, PackedSeqParams):
+            return PACKED_REASON
         else:
             return f"argument {name!r} is a {type(value).__name__}"
     signature = tuple(
@@ -316,6 +328,40 @@ class CudaGraphReport:
         ]
         lines += [f"eager   {name}: {reason}" for name, reason in self.eager.items()]
         return "\n".join(lines)
+
+    def digest(self) -> str:
+        """:func:`graphs_digest` of this report's pieces."""
+        return _digest(list(self.graphed.values()))
+
+
+def graphs_digest(model) -> str:
+    """What the graphed pieces of ``model`` did, said once (``train`` prints it after its first
+    step): how many replayed, and each reason a graphed piece ran eager, with how many pieces
+    and calls it held back (pieces eager by design are in :meth:`CudaGraphReport.summary`).
+
+    Args:
+        model: HybridModel chunks built with ``hybrid_cuda_graphs`` (their wrappers, or a list).
+    """
+    pieces = []
+    for chunk in model if isinstance(model, list | tuple) else [model]:
+        report = getattr(_unwrap(chunk), "hybrid_cuda_graphs", None)
+        pieces += report.graphed.values() if report else []
+    return _digest(pieces)
+
+
+def _digest(pieces: list[GraphedForward]) -> str:
+    reasons: dict[str, list[int]] = {}
+    for piece in pieces:
+        calls = dict(piece.eager_calls)
+        if piece.disabled is not None:
+            calls.setdefault(piece.disabled, 0)
+        for reason, count in calls.items():
+            held, total = reasons.get(reason, (0, 0))
+            reasons[reason] = [held + 1, total + count]
+    text = f"{sum(1 for g in pieces if g.replays)} of {len(pieces)} graphed pieces replay"
+    for reason, (held, calls) in sorted(reasons.items(), key=lambda item: -item[1][1]):
+        text += f"; {held} ran eager ({calls} calls): {reason}"
+    return text
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

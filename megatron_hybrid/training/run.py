@@ -26,6 +26,7 @@ from megatron_hybrid.hf.api import stack_spec_for
 from megatron_hybrid.pattern import GDN, parse_pattern
 from megatron_hybrid.process_groups import init_world, initialize_model_parallel
 from megatron_hybrid.runtime import RuntimeBackend, prefer_expandable_segments, select_backend
+from megatron_hybrid.schedule.graphs import graphs_digest
 from megatron_hybrid.training import resume
 from megatron_hybrid.training.arguments import model_setting_dests, spec_backend
 from megatron_hybrid.training.checkpoint import consumed_samples, load_checkpoint, save_checkpoint
@@ -443,6 +444,8 @@ def _train(
                 metrics.step(done, loss=result.loss, lr=lr, grad_norm=result.grad_norm,
                              tokens_per_second=rate, tflops_per_gpu=tflops)  # fmt: skip
             collector.after_step(done)
+            if args.hybrid_cuda_graphs and iteration == start:
+                progress.note(f"CUDA graphs: {graphs_digest(chunks)}")
             if setup.autotunes and iteration == start:
                 progress.note(
                     f"first step took {elapsed:.0f} s with fla's kernel autotuning "

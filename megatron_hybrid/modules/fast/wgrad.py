@@ -9,7 +9,7 @@ AsyncCommunication.backward`` in megatron-core 0.19.2 ``tensor_parallel/layers.p
 Without apex the flag cannot be set (``ColumnParallelLinear`` refuses it), so each linear
 computes a bfloat16 weight gradient and megatron DDP's hook adds it into ``main_grad``: a
 second kernel per weight and micro-batch that reads 2 and reads and writes 4 bytes per element
-(at ``benchmarks/mfu.py``'s ``issue`` shape 312 such adds, 28 ms of an ``[*E]`` step on one
+(at ``benchmarks/mfu.py``'s ``issue`` shape 64 adds, 2.3 ms of a profiled ``[*E]`` step on one
 H200), and the weight gradient rounded to bfloat16 on the way.
 
 :data:`WGRAD_KERNELS` computes the same with torch alone: ``torch.addmm`` with

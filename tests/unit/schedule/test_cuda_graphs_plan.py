@@ -643,3 +643,28 @@ def test_failed_capture_recovers_after_restoring_the_piece(monkeypatch, pg):
     with pytest.raises(graph_capture.GraphCaptureError, match="^RuntimeError: Cannot copy"):
         graph_capture.capture_cuda_graph(mlp, (x,))
     assert events == [[0.5] * len(list(mlp.parameters()))]  # recovered once, grads restored
+
+
+def test_the_digest_says_what_replayed_and_why_the_rest_ran_eager(pg):
+    """What ``train --hybrid-cuda-graphs`` prints after its first step: pieces that replayed, and
+    each reason graphed pieces ran eager (a packed micro-batch's ``PackedSeqParams``, evaluation),
+    through the model's wrappers. Control: before any call nothing has replayed."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.schedule.graphs import PACKED_REASON, _split, graphs_digest
+
+    model = build_hybrid(small_config("[*-]"), "[*-]", pg)
+    model.hybrid_cuda_graphs = enable_cuda_graphs(model, capture=StandIn())  # as HybridModel does
+    wrapper = torch.nn.Module()  # as DDP and Float16Module hold it
+    wrapper.module = model
+    wrapped = [wrapper]
+    assert graphs_digest(wrapped) == "0 of 2 graphed pieces replay"
+    _step(model)
+    assert graphs_digest(wrapped) == "2 of 2 graphed pieces replay"
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 8]))
+    assert _split((torch.ones(2),), {"packed_seq_params": packed}) == PACKED_REASON
+    with torch.no_grad():
+        model(**model_inputs(seed=1))
+    digest = graphs_digest(wrapped)
+    assert digest.startswith("2 of 2 graphed pieces replay; 2 ran eager (2 calls): no backward")
