@@ -329,10 +329,6 @@ class CudaGraphReport:
         lines += [f"eager   {name}: {reason}" for name, reason in self.eager.items()]
         return "\n".join(lines)
 
-    def digest(self) -> str:
-        """:func:`graphs_digest` of this report's pieces."""
-        return _digest(list(self.graphed.values()))
-
 
 def graphs_digest(model) -> str:
     """What the graphed pieces of ``model`` did, said once (``train`` prints it after its first

@@ -124,6 +124,19 @@ def world():
     dist.destroy_process_group()
 
 
+def one_process_groups(world, cuda_reason: str, one_process_reason: str):
+    """Body of a ``pg`` fixture for tests that need CUDA and a job of one process: skips with
+    the reasons given, yields fresh process groups, resets megatron's state afterwards."""
+    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
+
+    if not torch.cuda.is_available():
+        pytest.skip(cuda_reason)
+    if world[1] > 1:
+        pytest.skip(one_process_reason)
+    yield initialize_model_parallel(seed=1)
+    reset_megatron_state()
+
+
 @pytest.fixture(autouse=True)
 def _default_stream_after_test():
     """The default CUDA stream current again after each test: CUDA graphs move the process to a

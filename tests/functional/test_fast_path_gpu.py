@@ -19,11 +19,9 @@ runs the same single-GPU models (EP = 1), so the test passes on 1, 2 or 4 GPUs a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import exact_float32, rel_error, report
+from conftest import exact_float32, rel_error, report, with_mla
 
 SEQ, BATCH = 256, 2
 # The fast path may round differently (fused kernels, another summation order): a few times
@@ -51,21 +49,7 @@ def _config(pattern: str, dtype: torch.dtype, deterministic: bool):
         mamba_num_groups=2, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32,
     )  # fmt: skip
-    if "+" not in pattern:
-        return config
-    from megatron.core.transformer import MLATransformerConfig
-
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    fields.update(
-        multi_latent_attention=True,
-        q_lora_rank=None,
-        kv_lora_rank=64,
-        qk_head_dim=32,
-        qk_pos_emb_head_dim=16,
-        v_head_dim=32,
-        rope_type="rope",
-    )
-    return MLATransformerConfig(**fields)  # fmt: skip
+    return with_mla(config) if "+" in pattern else config
 
 
 def _model(pg, pattern, dtype, local_impl, deterministic, device, weights=None):

@@ -20,20 +20,17 @@ import math
 
 import pytest
 import torch
+from conftest import one_process_groups
 
 STEPS = 6
 
 
 @pytest.fixture
 def pg(world):
-    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
-
-    if not torch.cuda.is_available():
-        pytest.skip("megatron's distributed optimizer needs CUDA")
-    if world[1] > 1:
-        pytest.skip("one process: the float64 oracle follows one rank's (whole) shards")
-    yield initialize_model_parallel(seed=1)
-    reset_megatron_state()
+    yield from one_process_groups(
+        world, "megatron's distributed optimizer needs CUDA",
+        "one process: the float64 oracle follows one rank's (whole) shards",
+    )  # fmt: skip
 
 
 def _setup(pg):

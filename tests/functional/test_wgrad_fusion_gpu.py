@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.wgrad_check import U32, capture_products, main_grad_ratios
+from conftest import one_process_groups
+from support.wgrad_check import (
+    U32,
+    capture_products,
+    keep_megatron_linears_module,
+    main_grad_ratios,
+)
 
 PATTERN = "[*-]{2}"
 BATCH, SEQ = 2, 64
@@ -26,25 +32,17 @@ BATCH, SEQ = 2, 64
 
 @pytest.fixture
 def pg(world):
-    from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
-
-    if not torch.cuda.is_available():
-        pytest.skip("the float32-output GEMM runs on CUDA")
-    if world[1] > 1:
-        pytest.skip("one process: the bound follows one rank's whole micro-batches")
-    yield initialize_model_parallel(seed=1)
-    reset_megatron_state()
+    yield from one_process_groups(
+        world, "the float32-output GEMM runs on CUDA",
+        "one process: the bound follows one rank's whole micro-batches",
+    )  # fmt: skip
 
 
 @pytest.fixture
 def kernels(monkeypatch):
-    from megatron.core.tensor_parallel import layers
-
     from megatron_hybrid.modules.fast import wgrad
 
-    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
-    monkeypatch.setattr(layers, wgrad.APEX_MODULE, getattr(layers, wgrad.APEX_MODULE, None),
-                        raising=False)  # fmt: skip
+    keep_megatron_linears_module(monkeypatch)
     wgrad.install_wgrad_kernels()
     return wgrad
 

@@ -21,6 +21,18 @@ U32 = 2.0**-24
 U_BF16 = 2.0**-8
 
 
+def keep_megatron_linears_module(monkeypatch) -> None:
+    """Put megatron's ``tensor_parallel.layers`` weight-gradient kernels back as they were when
+    the test ends (``install_wgrad_kernels`` and ``apply_gpu_fusions`` set them for the
+    process)."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_hybrid.modules.fast.wgrad import APEX_MODULE
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
+    monkeypatch.setattr(layers, APEX_MODULE, getattr(layers, APEX_MODULE, None), raising=False)
+
+
 def _megatron_linears(model) -> list:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

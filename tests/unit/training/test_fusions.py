@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from support.wgrad_check import keep_megatron_linears_module
 
 from megatron_hybrid.training.fusions import apply_gpu_fusions, fusion_reasons
 
@@ -22,12 +23,7 @@ MODEL = ("--num-experts", "4", "--hidden-size", "16", "--num-attention-heads", "
 def _megatron_linears_restored(monkeypatch):
     """``apply_gpu_fusions`` hands megatron's linear layers the weight-gradient kernels; each
     test leaves megatron's module as it was."""
-    from megatron.core.tensor_parallel import layers
-
-    from megatron_hybrid.modules.fast.wgrad import APEX_MODULE
-
-    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
-    monkeypatch.setattr(layers, APEX_MODULE, getattr(layers, APEX_MODULE, None), raising=False)
+    keep_megatron_linears_module(monkeypatch)
 
 
 def _config(*flags, **overrides):

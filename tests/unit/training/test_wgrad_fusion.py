@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.wgrad_check import capture_products, main_grad_ratios
+from support.wgrad_check import capture_products, keep_megatron_linears_module, main_grad_ratios
 
 PATTERN = "[*E]{2}"
 U = 2.0**-24
@@ -29,9 +29,7 @@ def wgrad_kernels(monkeypatch):
 
     from megatron_hybrid.modules.fast import wgrad
 
-    monkeypatch.setattr(layers, "_grad_accum_fusion_available", layers._grad_accum_fusion_available)
-    monkeypatch.setattr(layers, wgrad.APEX_MODULE, getattr(layers, wgrad.APEX_MODULE, None),
-                        raising=False)  # fmt: skip
+    keep_megatron_linears_module(monkeypatch)
     assert wgrad.install_wgrad_kernels() == "torch"
     return layers
 
