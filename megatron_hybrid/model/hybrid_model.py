@@ -27,6 +27,7 @@ from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
 from megatron_hybrid.checks import check_int
+from megatron_hybrid.padding.fixed import rope_table_params
 from megatron_hybrid.pattern import (
     ParsedPattern,
     parse_pattern,
@@ -400,7 +401,13 @@ class HybridModel(LanguageModule):
             position_ids=position_ids,
             decoder_input=decoder_input,
             inference_context=inference_context,
-            packed_seq_params=packed_seq_params,
+            # Graphed pieces replay one shape: a rotary table per row length, not per longest
+            # sequence (padding/fixed.py).
+            packed_seq_params=(
+                rope_table_params(packed_seq_params)
+                if self.hybrid_cuda_graphs is not None
+                else packed_seq_params
+            ),
             padding_mask=padding_mask,
         )
         decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = (

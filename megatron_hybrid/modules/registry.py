@@ -130,10 +130,14 @@ class GraphPiece(NamedTuple):
             return tensors, and must not synchronise with the host.
         reason: None if it can be captured, else why it runs eager (a host sync, a dynamic
             shape, communication, an unsupported setting).
+        packed: its forward reads packed (THD) boundaries on the device only, given them of a
+            fixed size (:class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`), so packed
+            micro-batches replay its graphs; otherwise they run it eager.
     """
 
     module: nn.Module
     reason: str | None = None
+    packed: bool = False
 
 
 #: ``layer -> {piece name: GraphPiece}``: what of a layer CUDA graphs may capture.

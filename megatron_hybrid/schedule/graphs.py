@@ -37,14 +37,22 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
   which a replay does not run: those pieces stay eager (megatron-core captures a separate wgrad
   graph instead).
 
+Packed (THD) micro-batches: a piece that reads their boundaries on the device only
+(``GraphPiece.packed``: the fast attention, whose varlen FlashAttention and RoPE take them as
+tensors) gets them as :class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, boundaries
+padded with empty sequences to a power-of-two capacity and ``max_seqlen`` the row's length, so
+every micro-batch of one row length and capacity replays one graph whatever its sequences; the
+two boundary tensors are graph inputs like the hidden states. Other pieces run such calls eager
+(:data:`PACKED_REASON`).
+
 Calls that cannot replay a graph run the original forward, with the reason kept in
 :attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the
-graph), an argument that is neither a tensor nor a plain scalar (``packed_seq_params``,
-``inference_context``), inputs not on a CUDA device, a new input shape once a piece has graphs
-for :data:`MAX_SIGNATURES` shapes (variable-length micro-batches), and a capture that failed (a
-host sync or an operation that capture forbids; the piece then stays eager for good, which is
-logged once with the operation that failed, and the process is as it was before the capture:
-:mod:`~megatron_hybrid.schedule.graph_capture`).
+graph), an argument that is neither a tensor nor a plain scalar (``inference_context``), packed
+boundaries a piece reads on the host, inputs not on a CUDA device, a new input shape once a
+piece has graphs for :data:`MAX_SIGNATURES` shapes (variable-length micro-batches), and a
+capture that failed (a host sync or an operation that capture forbids; the piece then stays
+eager for good, which is logged once with the operation that failed, and the process is as it
+was before the capture: :mod:`~megatron_hybrid.schedule.graph_capture`).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from megatron_hybrid.modules.registry import layer_runtime
+from megatron_hybrid.padding.fixed import fixed_capacity_params
 from megatron_hybrid.schedule.graph_capture import (
     GraphCaptureError,
     capture_cuda_graph,
@@ -174,16 +183,21 @@ class _Release(torch.autograd.Function):
         return (None, *grads)
 
 
-#: Why a call with packed (THD) micro-batches runs eager.
+#: Why a call with packed (THD) micro-batches runs a piece eager that reads their boundaries on
+#: the host (``GraphPiece.packed`` False).
 PACKED_REASON = (
-    "packed (THD) micro-batches: their sequence count and lengths change per micro-batch; "
-    "padded rows of one length replay graphs"
+    "packed (THD) micro-batches: this piece reads their sequence boundaries on the host, and "
+    "their count and lengths change per micro-batch; padded rows of one length replay graphs"
 )
 
 
-def _split(args: tuple, kwargs: dict):
-    """``(tensors, rebuild, key)`` of a call, or a string saying why it cannot be graphed."""
-    tensors, positions, constants = [], [], []
+def _split(args: tuple, kwargs: dict, packed: bool = False):
+    """``(tensors, rebuild, key)`` of a call, or a string saying why it cannot be graphed.
+
+    ``packed``: the piece takes fixed-size packed boundaries (``GraphPiece.packed``); a
+    ``PackedSeqParams`` argument then becomes its two boundary tensors (graph inputs, whose
+    values change per replay) and a template of the rest (part of the key)."""
+    tensors, positions, constants, templates = [], [], [], []
     named = [(i, v) for i, v in enumerate(args)] + list(kwargs.items())
     for name, value in named:
         if torch.is_tensor(value):
@@ -192,23 +206,35 @@ def _split(args: tuple, kwargs: dict):
         elif isinstance(value, _SCALARS):
             constants.append((name, value))
         elif isinstance(value, PackedSeqParams):
-            return PACKED_REASON
+            fixed = fixed_capacity_params(value) if packed else PACKED_REASON
+            if isinstance(fixed, str):
+                return fixed
+            boundaries = (fixed.cu_seqlens_q, fixed.cu_seqlens_q_padded)
+            positions += [(name, "cu_seqlens"), (name, "cu_seqlens_padded")]
+            tensors += boundaries
+            templates.append((name, fixed.with_boundaries(None, None)))
         else:
             return f"argument {name!r} is a {type(value).__name__}"
     signature = tuple(
         (name, tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
         for name, t in zip(positions, tensors, strict=True)
     )
+    # Boundaries of one capacity differ only in the row's length (max_seqlen, total_tokens).
+    packed_key = tuple((name, t.total_tokens) for name, t in templates)
     count = len(args)
 
     def rebuild(values: tuple[Tensor, ...]):
         merged = dict(constants)
         merged.update(zip(positions, values, strict=True))
+        for name, template in templates:
+            merged[name] = template.with_boundaries(
+                merged.pop((name, "cu_seqlens")), merged.pop((name, "cu_seqlens_padded"))
+            )
         return tuple(merged[i] for i in range(count)), {
             k: v for k, v in merged.items() if not isinstance(k, int)
         }
 
-    return tensors, rebuild, (signature, tuple(constants))
+    return tensors, rebuild, (signature, tuple(constants), packed_key)
 
 
 def _fresh_grad(param: Tensor, grad: Tensor) -> Tensor:
@@ -229,8 +255,10 @@ class GraphedForward:
         disabled: why the piece runs eager for good (a failed capture), or None.
     """
 
-    def __init__(self, module: nn.Module, name: str, capture: CaptureFunction):
-        self.module, self.name, self.capture = module, name, capture
+    def __init__(
+        self, module: nn.Module, name: str, capture: CaptureFunction, *, packed: bool = False
+    ):
+        self.module, self.name, self.capture, self.packed = module, name, capture, packed
         self.original = module.forward
         self.instances: dict[tuple, list[_Instance]] = {}
         self.captures = self.replays = 0
@@ -251,7 +279,7 @@ class GraphedForward:
             return self._eager(self.disabled, args, kwargs)
         if not (self.module.training and torch.is_grad_enabled()):
             return self._eager("no backward (eval or no_grad) would free a graph", args, kwargs)
-        split = _split(args, kwargs)
+        split = _split(args, kwargs, self.packed)
         if isinstance(split, str):
             return self._eager(split, args, kwargs)
         tensors, rebuild, key = split
@@ -379,7 +407,8 @@ def enable_cuda_graphs(model, *, capture: CaptureFunction = capture_cuda_graph) 
     accumulators made on the default stream make every backward capture fail.
 
     Returns:
-        What was graphed and what stays eager, with the reasons.
+        What was graphed and what stays eager, with the reasons (also set as each HybridModel
+        chunk's ``hybrid_cuda_graphs``).
 
     Raises:
         ValueError: a config setting the graphs cannot capture (see
@@ -400,11 +429,13 @@ def enable_cuda_graphs(model, *, capture: CaptureFunction = capture_cuda_graph) 
                     continue
                 if isinstance(piece.module.forward, GraphedForward):
                     raise ValueError(f"{name} is graphed already; call enable_cuda_graphs once")
-                graphed = GraphedForward(piece.module, name, capture)
+                graphed = GraphedForward(piece.module, name, capture, packed=piece.packed)
                 piece.module.forward = graphed
                 report.graphed[name] = graphed
         if getattr(chunk, "mtp", None) is not None:
             report.eager["mtp"] = "MTP depths are not graphed"
+        if hasattr(chunk, "hybrid_cuda_graphs"):  # HybridModel: sizes its rotary table for them
+            chunk.hybrid_cuda_graphs = report
     return report
 
 

@@ -40,6 +40,7 @@ from megatron_hybrid.modules.fast.selection import (
     varlen_reason,
 )
 from megatron_hybrid.padding.batch import host_values
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams
 
 __all__ = [
     "FastSelfAttention",
@@ -110,6 +111,10 @@ def sdpa_packed_attention(
     One call of torch's varlen FlashAttention over the whole row where
     :func:`~megatron_hybrid.modules.fast.selection.varlen_reason` allows it, else one SDPA call
     per sequence (:func:`packed_attention_per_sequence`). Pad rows get zero output either way.
+    Fixed-size boundaries (:class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, which
+    CUDA graphs replay) go to the varlen kernel without a host read; where it does not apply,
+    the per-sequence calls read them on the host (eager only: a graph capture of that fails and
+    says so).
 
     Args:
         query: ``[t, heads, dim_qk]``.
@@ -121,9 +126,16 @@ def sdpa_packed_attention(
         causal: causal mask within each sequence.
         dropout_p: dropout probability on the attention weights.
     """
-    lengths = host_values(packed_seq_params.cu_seqlens_q)
+    read = host_values
+    if isinstance(packed_seq_params, FixedPackedSeqParams):
+        out = _varlen_fixed(query, key, value, packed_seq_params, scale, causal, dropout_p)
+        if out is not None:
+            return out
+        # A graph's inputs, whose values change in place: read, never kept.
+        read = torch.Tensor.tolist
+    lengths = read(packed_seq_params.cu_seqlens_q)
     padded = packed_seq_params.cu_seqlens_q_padded
-    starts = host_values(padded) if padded is not None else lengths
+    starts = read(padded) if padded is not None else lengths
     total = query.shape[0]
     gaps = starts != lengths or starts[-1] < total
     reason = varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=gaps)
@@ -160,6 +172,8 @@ def packed_attention_per_sequence(
     pieces, position = [], 0
     for index in range(len(lengths) - 1):
         start, length = starts[index], lengths[index + 1] - lengths[index]
+        if not length:  # an empty sequence (fixed-size boundaries end with them)
+            continue
         if start > position:
             pieces.append(query.new_zeros(start - position, width))
         part = slice(start, start + length)
@@ -231,11 +245,30 @@ def _varlen_packed(query, key, value, offsets, cu_seqlens, lengths, starts, *, s
     out = varlen_call(query, key, value, offsets, longest, scale=scale, causal=causal)
     if bounds == lengths:
         return out
-    # Row r of segment i is real if r - start_i < length_i (an appended segment: length 0).
     real = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     real = torch.cat([real, real.new_zeros(len(bounds) - len(lengths))])
+    return _zero_pad_rows(out, offsets, real)
+
+
+def _varlen_fixed(query, key, value, params, scale, causal, dropout_p) -> torch.Tensor | None:
+    """:func:`varlen_call` over fixed-size boundaries (every segment a sequence and its pad
+    rows, then empty ones), reading nothing on the host; None where the varlen kernel does not
+    apply. The longest segment is bounded by the row's length, which is what the kernel is told
+    (it only sizes its grid by it)."""
+    reason = varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=True)
+    if reason is not None or varlen_probe(query.device, query.dtype) is not None:
+        return None
+    offsets, cu_seqlens = params.cu_seqlens_q_padded, params.cu_seqlens_q
+    out = varlen_call(query, key, value, offsets, query.shape[0], scale=scale, causal=causal)
+    return _zero_pad_rows(out, offsets, (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+
+
+def _zero_pad_rows(out: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``out`` (``[t, width]``) with every row of segment ``i`` (``offsets[i]`` on) past its first
+    ``real[i]`` rows zeroed, found on the device."""
+    # Row r of segment i is real if r - start_i < real_i; empty segments own no row.
     segment_starts = offsets[:-1].long()
-    rows = torch.arange(total, device=query.device)
+    rows = torch.arange(out.shape[0], device=out.device)
     segment = torch.searchsorted(segment_starts, rows, right=True) - 1
     keep = (rows - segment_starts[segment]) < real[segment]
     return out.masked_fill(~keep.unsqueeze(1), 0.0)
@@ -340,12 +373,22 @@ class _SDPAForward:
 
 class SDPACoreAttention(_SDPAForward, LocalCoreAttention):
     """The package's local core attention (``*``; megatron-core's ``DotProductAttention`` with
-    packed input) computed through SDPA."""
+    packed input) computed through SDPA.
+
+    Fixed-size packed boundaries run one varlen call with no host read (CUDA graphs replay it:
+    ``GraphPiece.packed``).
+    """
+
+    reads_fixed_packed_on_device = True
 
 
 class SDPAMLACoreAttention(_SDPAForward, MLACoreAttention):
     """The package's MLA core attention (``+``) computed through SDPA: query/key heads of
-    ``qk_head_dim + qk_pos_emb_head_dim``, value heads of ``v_head_dim``."""
+    ``qk_head_dim + qk_pos_emb_head_dim``, value heads of ``v_head_dim`` (on packed rows
+    megatron-core 0.19.2 pads them to the query's width before the core attention,
+    ``_prepare_mla_core_attention_value``, so the varlen kernel takes them too)."""
+
+    reads_fixed_packed_on_device = True
 
 
 class FastSelfAttention(SelfAttention):
@@ -361,6 +404,8 @@ class FastSelfAttention(SelfAttention):
 
     fast_path_reason: str | None = "not run"
     _pending_rope = None
+    #: Its RoPE reads packed boundaries on the device (``GraphPiece.packed``).
+    reads_fixed_packed_on_device = True
 
     def forward(self, hidden_states, *args, rotary_pos_emb=None, **kwargs):
         """megatron's ``SelfAttention.forward``; its layers pass ``rotary_pos_emb`` by keyword."""
@@ -382,7 +427,10 @@ class FastSelfAttention(SelfAttention):
                 _first(packed.cu_seqlens_q_padded, packed.cu_seqlens_q),
                 _first(packed.cu_seqlens_kv_padded, packed.cu_seqlens_kv),
             )
-        self._pending_rope = (*rotary_pos_emb, *offsets)
+        # Fixed-size boundaries: positions restart in every sequence, whatever the table's
+        # length (padding/fixed.py sizes it by the row).
+        restart = True if isinstance(packed, FixedPackedSeqParams) else None
+        self._pending_rope = (*rotary_pos_emb, *offsets, restart)
         try:
             return super().forward(hidden_states, *args, rotary_pos_emb=None, **kwargs)
         finally:
@@ -395,12 +443,12 @@ class FastSelfAttention(SelfAttention):
         if pending is None:
             return out
         mscale = self._yarn_concentration_factor
-        q_freqs, k_freqs, q_offsets, k_offsets = pending
+        q_freqs, k_freqs, q_offsets, k_offsets, restart = pending
         query, key = out[0], out[1]
         if q_freqs is not None:
-            query = _rope(query, q_freqs, q_offsets, mscale)
+            query = _rope(query, q_freqs, q_offsets, mscale, restart)
         if k_freqs is not None:
-            key = _rope(key, k_freqs, k_offsets, mscale)
+            key = _rope(key, k_freqs, k_offsets, mscale, restart)
         return (query, key, *out[2:])
 
 
@@ -408,8 +456,8 @@ def _first(*values):
     return next((v for v in values if v is not None), None)
 
 
-def _rope(t, freqs, offsets, mscale):
+def _rope(t, freqs, offsets, mscale, restart):
     """RoPE of a padded batch, or of a packed row at its sequences' ``offsets``."""
     if offsets is None:
         return apply_rope(t, freqs, mscale)
-    return apply_rope_thd(t, freqs, offsets, mscale)
+    return apply_rope_thd(t, freqs, offsets, mscale, restart)

@@ -21,6 +21,7 @@ so, megatron's own RoPE runs (``fast_path_reason``).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from megatron.core.transformer import multi_latent_attention
@@ -28,6 +29,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron_hybrid.modules.fast.rope import apply_rope, apply_rope_thd
 from megatron_hybrid.modules.fast.selection import mla_rope_reason
 from megatron_hybrid.modules.mla import HybridMLASelfAttention
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams
 
 __all__ = ["FastMLASelfAttention", "mla_rope"]
 
@@ -42,6 +44,7 @@ def mla_rope(
     mscale: float = 1.0,
     cp_group=None,
     mla_rotary_interleaved: bool = False,
+    restart: bool | None = None,
 ) -> torch.Tensor:
     """megatron-core 0.19.2's ``apply_rotary_pos_emb`` as MLA calls it (unfused,
     non-interleaved rotation, no context parallelism: :func:`mla_rope_reason` holds these),
@@ -53,13 +56,14 @@ def mla_rope(
         t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
     if cu_seqlens is None:
         return apply_rope(t, freqs, mscale)
-    return apply_rope_thd(t, freqs, cu_seqlens, mscale)
+    return apply_rope_thd(t, freqs, cu_seqlens, mscale, restart)
 
 
 @contextlib.contextmanager
-def _rope_in_megatrons_mla():
-    """``mla_rope`` in place of megatron's function for the duration of one call."""
-    multi_latent_attention.apply_rotary_pos_emb = mla_rope
+def _rope_in_megatrons_mla(restart: bool | None):
+    """``mla_rope`` in place of megatron's function for the duration of one call; ``restart``
+    as :func:`~megatron_hybrid.modules.fast.rope.apply_rope_thd` takes it."""
+    multi_latent_attention.apply_rotary_pos_emb = functools.partial(mla_rope, restart=restart)
     try:
         yield
     finally:
@@ -72,6 +76,9 @@ class FastMLASelfAttention(HybridMLASelfAttention):
     the rest of the forward pass are the reference's."""
 
     fast_path_reason: str | None = "not run"
+    #: Its RoPE reads packed boundaries on the device (``GraphPiece.packed``); megatron sizes
+    #: MLA's rotary table by ``max_seqlen_q``, which fixed-size boundaries hold fixed.
+    reads_fixed_packed_on_device = True
 
     def get_query_key_value_tensors(
         self,
@@ -87,7 +94,10 @@ class FastMLASelfAttention(HybridMLASelfAttention):
         :func:`mla_rope_reason` allows it."""
         reason = mla_rope_reason(self, packed_seq_params, inference_context or inference_params)
         self.fast_path_reason = reason
-        context = _rope_in_megatrons_mla() if reason is None else contextlib.nullcontext()
+        # Fixed-size boundaries size the table by the row, which megatron's MLA cuts to the
+        # row's length: its length no longer tells whole-row positions apart.
+        restart = True if isinstance(packed_seq_params, FixedPackedSeqParams) else None
+        context = _rope_in_megatrons_mla(restart) if reason is None else contextlib.nullcontext()
         with context:
             return super().get_query_key_value_tensors(
                 hidden_states, key_value_states, position_ids, packed_seq_params,

@@ -49,7 +49,7 @@ def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0):
     """``(cos, signed sin)`` of ``freqs`` in ``dtype``, kept for as long as ``freqs`` lives (and
     is not modified); rebuilt, not kept, during CUDA-graph capture (so a replay recomputes
     them from the graph's input)."""
-    if freqs.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(freqs):
         return _build(freqs, dtype, mscale)
     tables = per_tensor(_TABLES, freqs)
     spec = (dtype, float(mscale), freqs._version)
@@ -105,27 +105,51 @@ def thd_positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool = True) -
     entries = per_tensor(_THD, cu_seqlens)
     key = ("positions", tokens, restart, cu_seqlens._version)
     if key not in entries:
-        index = torch.arange(tokens, device=cu_seqlens.device)
-        if restart:
-            offsets = cu_seqlens.to(torch.int64)
-            # The sequence of each token: how many sequence ends lie at or before it.
-            sequence = torch.searchsorted(offsets[1:], index, right=True)
-            index = index - offsets[sequence.clamp_(max=offsets.numel() - 2)]
-        entries[key] = index
+        entries[key] = _positions(cu_seqlens, tokens, restart)
     return entries[key]
 
 
+def _positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool) -> torch.Tensor:
+    index = torch.arange(tokens, device=cu_seqlens.device)
+    if restart:
+        offsets = cu_seqlens.to(torch.int64)
+        # The sequence of each token: how many sequence ends lie at or before it (trailing
+        # empty segments, as fixed-size boundaries have, end at the row's length: none).
+        sequence = torch.searchsorted(offsets[1:], index, right=True)
+        index = index - offsets[sequence.clamp_(max=offsets.numel() - 2)]
+    return index
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def apply_rope_thd(
-    t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float = 1.0
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    mscale: float = 1.0,
+    restart: bool | None = None,
 ) -> torch.Tensor:
     """megatron's non-interleaved RoPE of a packed row ``t`` (``[tokens, heads, dim]`` or
     ``[tokens, 1, heads, dim]``), with ``freqs`` ``[max positions, 1, 1, rot]`` and the
     sequences' offsets ``cu_seqlens``, as ``_apply_rotary_pos_emb_thd`` without context
-    parallelism computes it (see the module doc)."""
+    parallelism computes it (see the module doc).
+
+    ``restart``: positions restart in every sequence; None decides as megatron does, by the
+    table's length (fixed-size boundaries pass True: their table is sized by the row, and
+    megatron's MLA cuts it to the row's length)."""
     tokens = t.shape[0]
-    restart = freqs.shape[0] != tokens  # megatron's exact mapping: one frequency per token
+    if restart is None:
+        restart = freqs.shape[0] != tokens  # megatron's exact mapping: one frequency per token
+    if _capturing(t):  # a replay computes them from the graph's inputs (see rope_tables)
+        positions = _positions(cu_seqlens, tokens, restart)
+        cos, signed_sin = rope_tables(freqs, t.dtype, mscale)
+        rows = (cos.index_select(0, positions), signed_sin.index_select(0, positions))
+        return _rotate_rows(t, *rows)
     entries = per_tensor(_THD, cu_seqlens)
-    key = ("tables", id(freqs), freqs._version, t.dtype, float(mscale), tokens, restart)
+    key = ("tables", id(freqs), freqs._version, cu_seqlens._version, t.dtype, float(mscale),
+           tokens, restart)  # fmt: skip
     found = entries.get(key)
     if found is None or found[0]() is not freqs:
         positions = thd_positions(cu_seqlens, tokens, restart)
@@ -133,7 +157,10 @@ def apply_rope_thd(
         found = (weakref.ref(freqs), cos.index_select(0, positions),
                  signed_sin.index_select(0, positions))  # fmt: skip
         entries[key] = found
-    _, cos, signed_sin = found
+    return _rotate_rows(t, found[1], found[2])
+
+
+def _rotate_rows(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     if t.dim() == 3:
         return _rotate(t.unsqueeze(1), cos, signed_sin).squeeze(1)
     return _rotate(t, cos, signed_sin)

@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 from rounding import float32_bounds
+from support.mla import mla_config
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -88,21 +89,7 @@ def _config(pattern: str):
 
     config = small_config(pattern, gated_linear_unit=True,
                           activation_func=torch.nn.functional.silu)  # fmt: skip
-    if "+" not in pattern:
-        return config
-    from megatron.core.transformer import MLATransformerConfig
-
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    fields.update(
-        multi_latent_attention=True,
-        q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_head_dim=16,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=16,
-        rope_type="rope",
-    )
-    return MLATransformerConfig(**fields)  # fmt: skip
+    return mla_config(config) if "+" in pattern else config
 
 
 def _model(model_parallel, pattern, local_impl):

@@ -17,6 +17,7 @@ import types
 
 import pytest
 import torch
+from support.mla import mla_config
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -199,10 +200,24 @@ def test_mla_rope_equals_megatrons(pg, packed, interleaved):
         plain = mla.mla_rope(t, freqs, config, **{**kwargs, "mla_rotary_interleaved": False})
         assert rel_error(plain, theirs[0]) > 0.1
     with pytest.raises(ZeroDivisionError):
-        with mla._rope_in_megatrons_mla():
-            assert multi_latent_attention.apply_rotary_pos_emb is mla.mla_rope
+        with mla._rope_in_megatrons_mla(None):
+            assert multi_latent_attention.apply_rotary_pos_emb.func is mla.mla_rope
             raise ZeroDivisionError
     assert multi_latent_attention.apply_rotary_pos_emb is apply_rotary_pos_emb
+
+
+def test_restart_can_be_forced_where_the_table_is_the_rows_length():
+    """Fixed-size boundaries (CUDA graphs) size the table by the row and megatron's MLA cuts it
+    to the row's length, where megatron's rule would read whole-row positions: ``restart=True``
+    keeps per-sequence positions (those of a longer table). Control: the rule by length."""
+    from megatron_hybrid.modules.fast.rope import apply_rope_thd
+
+    t, _, offsets, freqs = _thd_inputs("plain", 16, 32, torch.float32)
+    tokens = t.shape[0]
+    longer = _freqs(tokens + 1, 32)
+    want = apply_rope_thd(t, longer, offsets)
+    assert torch.equal(apply_rope_thd(t, longer[:tokens], offsets, restart=True), want)
+    assert rel_error(apply_rope_thd(t, longer[:tokens], offsets), want) > 0.1
 
 
 def test_thd_positions_that_do_not_restart_are_caught(pg):
@@ -237,20 +252,10 @@ def test_thd_rope_reads_nothing_on_the_host(pg, monkeypatch):
 
 
 def _packed_config(pattern: str):
-    import dataclasses
-
     from megatron_hybrid.testing.models import small_config
 
     config = small_config(pattern)
-    if "+" not in pattern:
-        return config
-    from megatron.core.transformer import MLATransformerConfig
-
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    fields.update(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=32,
-                  qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-                  rope_type="rope")  # fmt: skip
-    return MLATransformerConfig(**fields)
+    return mla_config(config) if "+" in pattern else config
 
 
 @pytest.mark.parametrize("pattern", ["[*-]", "[+-]"], ids=["attention", "mla"])

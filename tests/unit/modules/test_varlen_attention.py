@@ -26,13 +26,17 @@ TOL = 1e-5  # float32 both ways; the same sums in another order
 
 
 def _fake_varlen(style: str, ignore_offsets: bool = False):
-    """A stand-in for ``varlen_attn`` with the signature of ``style`` ("window" or "is_causal")."""
+    """A stand-in for ``varlen_attn`` with the signature of ``style`` ("window" or "is_causal").
+
+    ``max_q`` must bound the longest segment: exactly, or by the row's length (fixed-size
+    boundaries, whose longest segment is not known on the host)."""
 
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal, gqa):
         assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
         bounds = [0, q.shape[0]] if ignore_offsets else cu_q.tolist()
         assert bounds[-1] == q.shape[0], "the segments must cover the row"
-        assert max(b - a for a, b in itertools.pairwise(bounds)) == max_q or ignore_offsets
+        longest = max(b - a for a, b in itertools.pairwise(bounds))
+        assert max_q in (longest, q.shape[0]) or ignore_offsets
         if k.shape[1] != q.shape[1]:
             assert gqa, "grouped key/value heads without enable_gqa"
         out = []
@@ -127,6 +131,52 @@ def test_one_varlen_call_equals_one_sdpa_call_per_sequence(fake_kernel, style, g
     assert bool(pad.any()) == (layout != "back-to-back")
     for name in varlen:  # pad rows: zero output and zero gradients, exactly
         assert torch.count_nonzero(varlen[name][pad]) == 0, name
+
+
+@pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fixed_size_boundaries_need_no_host_read(fake_kernel, monkeypatch, groups, layout):
+    """Fixed-size boundaries (what CUDA graphs replay: empty sequences to a power-of-two count,
+    max_seqlen the row's length) give what one SDPA call per sequence gives, and nothing is read
+    on the host (host_values raises)."""
+    from megatron_hybrid.padding.fixed import FixedPackedSeqParams, fixed_capacity_params
+
+    lengths, padded, total = LAYOUTS[layout]
+    params = _params(lengths, padded)
+    params.total_tokens = total
+    fixed = fixed_capacity_params(params)
+    assert isinstance(fixed, FixedPackedSeqParams) and fixed.capacity == 8
+    host = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    starts = None if padded is None else [0, *torch.tensor(padded).cumsum(0).tolist()]
+    per_sequence = _run(lambda q, k, v: attention.packed_attention_per_sequence(
+        q, k, v, host, starts, scale=0.3, causal=True), total, groups)  # fmt: skip
+    fake_kernel("window")
+
+    def no_host_read(tensor):
+        raise AssertionError("fixed-size boundaries were read on the host")
+
+    monkeypatch.setattr(attention, "host_values", no_host_read)
+    varlen = _run(lambda q, k, v: attention.sdpa_packed_attention(
+        q, k, v, fixed, scale=0.3, causal=True), total, groups)  # fmt: skip
+    errors = {name: rel_error(varlen[name], ref) for name, ref in per_sequence.items()}
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fixed_size_boundaries_per_sequence_skip_the_empty_ones(layout):
+    """Without the varlen kernel (the CPU), fixed-size boundaries run the per-sequence calls
+    (read on the host, eager), the empty sequences at the end skipped: bitwise the variable
+    boundaries' result."""
+    from megatron_hybrid.padding.fixed import fixed_capacity_params
+
+    lengths, padded, total = LAYOUTS[layout]
+    params = _params(lengths, padded)
+    params.total_tokens = total
+    fixed = fixed_capacity_params(params)
+    results = [_run(lambda q, k, v, p=p: attention.sdpa_packed_attention(
+        q, k, v, p, scale=0.3, causal=True), total, 2) for p in (params, fixed)]  # fmt: skip
+    for name, ref in results[0].items():
+        assert torch.equal(results[1][name], ref), name
 
 
 def test_negative_control_a_kernel_that_ignores_the_offsets(fake_kernel):

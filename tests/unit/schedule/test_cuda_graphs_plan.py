@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.mla import mla_config
 
 from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
 
@@ -668,3 +669,105 @@ def test_the_digest_says_what_replayed_and_why_the_rest_ran_eager(pg):
         model(**model_inputs(seed=1))
     digest = graphs_digest(wrapped)
     assert digest.startswith("2 of 2 graphed pieces replay; 2 ran eager (2 calls): no backward")
+
+
+class StaticInputStandIn(StandIn):
+    """A stand-in that keeps, as a graph does, the capture's input tensors and copies each
+    replay's inputs into them; ``stale`` skips the integer ones (boundaries captured as
+    constants rather than graph inputs: the deliberate bug of the negative control)."""
+
+    def __init__(self, stale: bool = False):
+        super().__init__()
+        self.stale = stale
+
+    def __call__(self, piece, sample_args):
+        static = [t.detach().clone() for t in sample_args]
+        run = super().__call__(piece, sample_args)
+
+        def replay(*tensors):
+            inputs = []
+            for buffer, value in zip(static, tensors, strict=True):
+                if value.is_floating_point():
+                    inputs.append(value)  # autograd must reach the caller's tensors
+                else:
+                    if not self.stale:
+                        buffer.copy_(value)
+                    inputs.append(buffer)
+            return run(*inputs)
+
+        return replay
+
+
+#: Sequences per packed row of 48 tokens: 3 and 5 share capacity 8, 10 needs 16.
+PACKED_ROWS = [[10, 20, 18], [5, 9, 11, 13, 10], [4] * 9 + [12], [7, 41]]
+
+
+def _packed_steps(model, rows=PACKED_ROWS) -> list:
+    from megatron_hybrid.padding import pack_thd, thd_pack
+
+    out = []
+    for seed, lengths in enumerate(rows):
+        gen = torch.Generator().manual_seed(seed)
+        sequences = [{"input_ids": torch.randint(1, 128, (n,), generator=gen)} for n in lengths]
+        plan = thd_pack(lengths, tp=1, cp=1, sp=False, hybridep=False)
+        batch = pack_thd(sequences, plan)
+        model.zero_grad(set_to_none=True)
+        ids = batch.tensors["input_ids"]
+        logits = model(ids, batch.tensors["position_ids"], None,
+                       packed_seq_params=batch.packed_seq_params)  # fmt: skip
+        loss = logits.float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((loss.detach(), grads))
+    return out
+
+
+@pytest.mark.parametrize("pattern", ["[*-]", "[+-]"], ids=["attention", "mla"])
+def test_packed_micro_batches_replay_the_fast_attention(pg, pattern):
+    """Packed rows with 3, 5, 10 and 2 sequences (one row length): the fast attention (MLA's
+    too, which sizes its own rotary table) takes fixed-size boundaries as graph inputs, so
+    capacity 8 and 16 are one capture each and every call replays, bitwise the ungraphed
+    model's. Negative control: boundaries kept from the capture (not graph inputs) give other
+    losses from the second row on."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    config = small_config(pattern)
+    config = mla_config(config) if "+" in pattern else config
+    torch.manual_seed(3)
+    reference = build_hybrid(config, pattern, pg, local_impl="fast")
+    models = {}
+    for stale in (False, True):
+        torch.manual_seed(3)
+        models[stale] = build_hybrid(config, pattern, pg, local_impl="fast")
+        models[stale].load_state_dict(reference.state_dict())
+    report = enable_cuda_graphs(models[False], capture=StaticInputStandIn())
+    enable_cuda_graphs(models[True], capture=StaticInputStandIn(stale=True))
+
+    expected = _packed_steps(reference)
+    for got, want in zip(_packed_steps(models[False]), expected, strict=True):
+        _assert_same(got, want)
+    attention = report.graphed["decoder.layers.0.layers.0.self_attention"]
+    assert (attention.captures, attention.replays, attention.eager_calls) == (2, 4, {})
+    mlp = report.graphed["decoder.layers.0.layers.1.mlp"]
+    assert (mlp.captures, mlp.replays) == (1, 4)
+
+    stale = [loss for loss, _ in _packed_steps(models[True])]
+    assert torch.equal(stale[0], expected[0][0])
+    assert not torch.equal(stale[1], expected[1][0]), "stale boundaries went unnoticed"
+
+
+def test_packed_micro_batches_run_reference_attention_eager(pg):
+    """The reference attention reads packed boundaries on the host: its packed calls run eager
+    and say so; the MLP still replays; bitwise either way."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.schedule.graphs import PACKED_REASON
+
+    reference = _build("[*-]", pg)
+    model = _build("[*-]", pg, like=reference)
+    report = enable_cuda_graphs(model, capture=StaticInputStandIn())
+    rows = PACKED_ROWS[:2]
+    for got, want in zip(_packed_steps(model, rows), _packed_steps(reference, rows), strict=True):
+        _assert_same(got, want)
+    attention = report.graphed["decoder.layers.0.layers.0.self_attention"]
+    assert attention.captures == 0 and attention.eager_calls == {PACKED_REASON: 2}
+    assert report.graphed["decoder.layers.0.layers.1.mlp"].replays == 2
