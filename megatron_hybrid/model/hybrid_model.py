@@ -259,9 +259,9 @@ class HybridModel(LanguageModule):
         if config.overlap_moe_expert_parallel_comm:
             # Refuse now what the EP-overlap schedule cannot run, not in the first step.
             check_schedulable(self)
-        self.hybrid_cuda_graphs = None
+        self.hybrid_cuda_graphs = None  # enable_cuda_graphs sets its report here
         if hybrid_cuda_graphs:
-            self.hybrid_cuda_graphs = enable_cuda_graphs(self)
+            enable_cuda_graphs(self)
 
     def _build_embedding(self, scatter_to_sequence_parallel: bool) -> None:
         """megatron-core's word (and position) embedding, on the first stage and for MTP."""

@@ -27,13 +27,14 @@ RoPE reads as positions counted over the whole row. :func:`rope_table_params` gi
 preprocessing parameters sized so.
 
 Only pieces that read the boundaries on the device take these parameters
-(``schedule.graphs``: the fast attention's varlen FlashAttention and its THD RoPE); everything
-else keeps the micro-batch's own ``PackedSeqParams``.
+(``schedule.graphs``: the fast attention and MLA, through the varlen FlashAttention and the THD
+RoPE); everything else keeps the micro-batch's own ``PackedSeqParams``.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,9 @@ class FixedPackedSeqParams(PackedSeqParams):
 def fixed_capacity_params(params: PackedSeqParams) -> FixedPackedSeqParams | str:
     """``params`` as :class:`FixedPackedSeqParams`, or why they cannot be.
 
-    Computed once per micro-batch (kept for as long as its ``cu_seqlens_q`` lives: the layers of a
-    forward share it) in a few device kernels; nothing is read on the host.
+    Computed once per micro-batch (kept for as long as its ``cu_seqlens_q`` lives and neither
+    boundary tensor changes: the layers of a forward share them) in a few device kernels;
+    nothing is read on the host.
 
     Args:
         params: a packed micro-batch's parameters with ``total_tokens`` set (the row's length,
@@ -102,7 +104,7 @@ def fixed_capacity_params(params: PackedSeqParams) -> FixedPackedSeqParams | str
     Returns:
         The fixed-size parameters, or a sentence saying why there are none: not THD, context
         parallelism (each rank holds its own part of every sequence), cross-attention
-        boundaries, or no ``total_tokens``.
+        boundaries, no ``total_tokens``, or boundary tensors of different sizes.
     """
     if params.qkv_format != "thd":
         return f"packed_seq_params in the {params.qkv_format!r} format, not 'thd'"
@@ -116,18 +118,22 @@ def fixed_capacity_params(params: PackedSeqParams) -> FixedPackedSeqParams | str
         kv_padded is None or kv_padded is params.cu_seqlens_q_padded
     ):
         return "key/value boundaries that are not the query's (cross-attention)"
-    key = ("fixed_capacity", params.total_tokens, id(params.cu_seqlens_q_padded))
-    return derived(params.cu_seqlens_q, key, lambda: _fixed(params))
-
-
-def _fixed(params: PackedSeqParams) -> FixedPackedSeqParams:
-    real = params.cu_seqlens_q
-    padded = real if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
+    real, given = params.cu_seqlens_q, params.cu_seqlens_q_padded
+    padded = real if given is None else given
     if padded.numel() != real.numel():
-        raise ValueError(
+        return (
             f"packed_seq_params: cu_seqlens_q_padded has {padded.numel()} entries and "
             f"cu_seqlens_q {real.numel()}; both need one per sequence and one more"
         )
+    # Versions: a loader may refill its boundary buffers in place.
+    key = ("fixed_capacity", params.total_tokens, real._version, id(padded), padded._version)
+    held, fixed = derived(real, key, lambda: (weakref.ref(padded), _fixed(real, padded, params)))
+    if held() is not padded:  # another tensor at a freed one's address
+        return _fixed(real, padded, params)
+    return fixed
+
+
+def _fixed(real: torch.Tensor, padded: torch.Tensor, params) -> FixedPackedSeqParams:
     total = params.total_tokens
     extra = sequence_capacity(real.numel() - 1) + 1 - real.numel()
     fixed_real = torch.cat([real, real[-1:].expand(extra)])

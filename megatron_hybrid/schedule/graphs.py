@@ -38,12 +38,15 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
   graph instead).
 
 Packed (THD) micro-batches: a piece that reads their boundaries on the device only
-(``GraphPiece.packed``: the fast attention, whose varlen FlashAttention and RoPE take them as
-tensors) gets them as :class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, boundaries
-padded with empty sequences to a power-of-two capacity and ``max_seqlen`` the row's length, so
-every micro-batch of one row length and capacity replays one graph whatever its sequences; the
-two boundary tensors are graph inputs like the hidden states. Other pieces run such calls eager
-(:data:`PACKED_REASON`).
+(``GraphPiece.packed``: the fast attention and MLA, whose varlen FlashAttention and RoPE take
+them as tensors) gets them as :class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`,
+boundaries padded with empty sequences to a power-of-two capacity and ``max_seqlen`` the row's
+length plus one, so every micro-batch of one row length and capacity replays one graph whatever
+its sequences; the two boundary tensors are graph inputs like the hidden states. Other pieces run
+such calls eager (:data:`PACKED_REASON`). Whether the device-only path runs is decided per call
+(dtype, settings); where it does not, the capture fails on its host read, and packed calls of
+that piece run eager from then on, with the failure as their reason, while its other calls
+still replay.
 
 Calls that cannot replay a graph run the original forward, with the reason kept in
 :attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the
@@ -191,12 +194,13 @@ PACKED_REASON = (
 )
 
 
-def _split(args: tuple, kwargs: dict, packed: bool = False):
+def _split(args: tuple, kwargs: dict, packed_reason: str | None = PACKED_REASON):
     """``(tensors, rebuild, key)`` of a call, or a string saying why it cannot be graphed.
 
-    ``packed``: the piece takes fixed-size packed boundaries (``GraphPiece.packed``); a
-    ``PackedSeqParams`` argument then becomes its two boundary tensors (graph inputs, whose
-    values change per replay) and a template of the rest (part of the key)."""
+    ``packed_reason``: None where the piece takes fixed-size packed boundaries
+    (``GraphPiece.packed``); a ``PackedSeqParams`` argument then becomes its two boundary
+    tensors (graph inputs, whose values change per replay) and a template of the rest, whose
+    row length is part of the key. Else why packed calls run eager."""
     tensors, positions, constants, templates = [], [], [], []
     named = [(i, v) for i, v in enumerate(args)] + list(kwargs.items())
     for name, value in named:
@@ -206,7 +210,7 @@ def _split(args: tuple, kwargs: dict, packed: bool = False):
         elif isinstance(value, _SCALARS):
             constants.append((name, value))
         elif isinstance(value, PackedSeqParams):
-            fixed = fixed_capacity_params(value) if packed else PACKED_REASON
+            fixed = packed_reason or fixed_capacity_params(value)
             if isinstance(fixed, str):
                 return fixed
             boundaries = (fixed.cu_seqlens_q, fixed.cu_seqlens_q_padded)
@@ -258,7 +262,9 @@ class GraphedForward:
     def __init__(
         self, module: nn.Module, name: str, capture: CaptureFunction, *, packed: bool = False
     ):
-        self.module, self.name, self.capture, self.packed = module, name, capture, packed
+        self.module, self.name, self.capture = module, name, capture
+        #: Why packed micro-batches run eager, or None: they replay.
+        self.packed_reason: str | None = None if packed else PACKED_REASON
         self.original = module.forward
         self.instances: dict[tuple, list[_Instance]] = {}
         self.captures = self.replays = 0
@@ -279,7 +285,7 @@ class GraphedForward:
             return self._eager(self.disabled, args, kwargs)
         if not (self.module.training and torch.is_grad_enabled()):
             return self._eager("no backward (eval or no_grad) would free a graph", args, kwargs)
-        split = _split(args, kwargs, self.packed)
+        split = _split(args, kwargs, self.packed_reason)
         if isinstance(split, str):
             return self._eager(split, args, kwargs)
         tensors, rebuild, key = split
@@ -322,6 +328,10 @@ class GraphedForward:
         try:
             graphed = self.capture(piece, sample)
         except GraphCaptureError as error:
+            if key[2]:  # packed boundaries: this piece's device-only path did not run
+                self.packed_reason = f"packed micro-batches: capture failed: {error}"
+                logger.warning("CUDA graph of %s: %s", self.name, self.packed_reason)
+                return self.packed_reason
             self.disabled = f"capture failed: {error}"
             logger.warning("CUDA graph of %s runs eager: %s", self.name, self.disabled)
             return self.disabled

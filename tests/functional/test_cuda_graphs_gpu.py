@@ -149,8 +149,9 @@ def test_graphed_matches_eager(world, pattern):
     assert not beyond, f"gradients differ beyond eager's own run-to-run difference: {beyond}"
 
 
-#: Packed rows of 256 tokens: 3, 5 and 2 sequences (capacity 8), then 10 (capacity 16).
-PACKED_ROWS = [[60, 120, 76], [40, 31, 70, 55, 60], [7, 249], [25] * 9 + [31]]
+#: Packed rows of 256 tokens, each sequence padded to a multiple of 4 (pad rows between them and
+#: after the last): 3, 5 and 2 sequences (capacity 8), then 10 (capacity 16).
+PACKED_ROWS = [[57, 118, 70], [38, 31, 66, 51, 50], [7, 241], [21] * 9 + [17]]
 
 
 def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
@@ -160,7 +161,8 @@ def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
     for seed, lengths in enumerate(rows):
         gen = torch.Generator().manual_seed(seed)
         sequences = [{"input_ids": torch.randint(1, 128, (n,), generator=gen)} for n in lengths]
-        batch = pack_thd(sequences, thd_pack(lengths, tp=1, cp=1, sp=False, hybridep=False))
+        plan = thd_pack(lengths, tp=4, cp=1, sp=True, hybridep=False, force_total=256)
+        batch = pack_thd(sequences, plan)
         model.zero_grad(set_to_none=True)
         tensors = {k: v.to(device) for k, v in batch.tensors.items()}
         logits = model(

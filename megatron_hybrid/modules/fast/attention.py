@@ -17,7 +17,10 @@ Packed (THD) batches run one call of torch's varlen FlashAttention (``torch.nn.a
 size, no dropout: :func:`~megatron_hybrid.modules.fast.selection.varlen_reason`), else one SDPA
 call per sequence on the host copy of ``cu_seqlens`` (read once per micro-batch: the layers of
 one forward share the tensor, so the copy is cached by tensor); ``cu_seqlens_q_padded`` places
-each sequence, and padding rows between sequences get zero output.
+each sequence, and padding rows between sequences get zero output. Fixed-size boundaries (CUDA
+graphs' inputs, :mod:`~megatron_hybrid.padding.fixed`) go to the varlen kernel with nothing
+read on the host; where it does not apply they are read uncached (a graph's inputs change in
+place), which a capture refuses.
 """
 
 from __future__ import annotations
@@ -255,6 +258,12 @@ def _varlen_fixed(query, key, value, params, scale, causal, dropout_p) -> torch.
     rows, then empty ones), reading nothing on the host; None where the varlen kernel does not
     apply. The longest segment is bounded by the row's length, which is what the kernel is told
     (it only sizes its grid by it)."""
+    if params.total_tokens != query.shape[0]:  # their segments would not cover this row
+        raise ValueError(
+            f"fixed-size packed boundaries of a row of {params.total_tokens} tokens given "
+            f"{query.shape[0]} rows; make them from this micro-batch's PackedSeqParams "
+            "(total_tokens = its row's length)"
+        )
     reason = varlen_reason(query, value, causal=causal, dropout_p=dropout_p, gaps=True)
     if reason is not None or varlen_probe(query.device, query.dtype) is not None:
         return None

@@ -18,10 +18,13 @@ Packed (THD) rows: megatron's ``_apply_rotary_pos_emb_thd`` reads the sequence l
 total on the host (``.tolist()``, ``.item()``: a wait for the GPU in every attention layer of
 every micro-batch) and rotates one sequence at a time. :func:`apply_rope_thd` computes each
 token's position on the device from ``cu_seqlens`` (one ``searchsorted``, cached per
-``cu_seqlens`` tensor, which every layer of a micro-batch shares), gathers the tables at those
-positions and rotates the whole row at once. Positions restart in every sequence, except where
-megatron's frequencies cover the whole packed row (``freqs`` as long as the row: its "exact
-mapping" case), where a token's position is its index in the row, as in megatron.
+``cu_seqlens`` tensor and version, which every layer of a micro-batch shares; not while a CUDA
+graph captures, so that a replay computes them from the graph's inputs), gathers the tables at
+those positions and rotates the whole row at once. Positions restart in every sequence, except
+where megatron's frequencies cover the whole packed row (``freqs`` as long as the row: its
+"exact mapping" case), where a token's position is its index in the row, as in megatron;
+callers with fixed-size boundaries (CUDA graphs) pass ``restart=True``, their table being sized
+by the row.
 """
 
 from __future__ import annotations

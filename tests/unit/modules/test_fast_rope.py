@@ -220,6 +220,21 @@ def test_restart_can_be_forced_where_the_table_is_the_rows_length():
     assert rel_error(apply_rope_thd(t, longer[:tokens], offsets), want) > 0.1
 
 
+def test_thd_rope_while_capturing_skips_its_caches(monkeypatch):
+    """While a CUDA graph captures, the positions and tables come from the inputs (a replay
+    recomputes them): the same rotation, nothing cached. Control: outside capture the cache
+    gets its entries."""
+    from megatron_hybrid.modules.fast import rope
+
+    t, _, offsets, freqs = _thd_inputs("plain", 16, 32, torch.float32)
+    want = rope.apply_rope_thd(t, freqs, offsets)
+    assert rope.per_tensor(rope._THD, offsets)  # control: cached outside capture
+    fresh = offsets.clone()
+    monkeypatch.setattr(rope, "_capturing", lambda tensor: True)
+    assert torch.equal(rope.apply_rope_thd(t, freqs, fresh), want)
+    assert not rope.per_tensor(rope._THD, fresh)
+
+
 def test_thd_positions_that_do_not_restart_are_caught(pg):
     """Negative control: the packed row rotated as one sequence."""
     from megatron_hybrid.modules.fast import rope

@@ -25,10 +25,10 @@ from megatron_hybrid.testing.overlap import rel_error
 TOL = 1e-5  # float32 both ways; the same sums in another order
 
 
-def _fake_varlen(style: str, ignore_offsets: bool = False):
+def _fake_varlen(style: str, ignore_offsets: bool = False, max_is_row: bool = False):
     """A stand-in for ``varlen_attn`` with the signature of ``style`` ("window" or "is_causal").
 
-    ``max_q`` must bound the longest segment: exactly, or by the row's length (fixed-size
+    ``max_q`` must be the longest segment, or with ``max_is_row`` the row's length (fixed-size
     boundaries, whose longest segment is not known on the host)."""
 
     def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal, gqa):
@@ -36,7 +36,7 @@ def _fake_varlen(style: str, ignore_offsets: bool = False):
         bounds = [0, q.shape[0]] if ignore_offsets else cu_q.tolist()
         assert bounds[-1] == q.shape[0], "the segments must cover the row"
         longest = max(b - a for a, b in itertools.pairwise(bounds))
-        assert max_q in (longest, q.shape[0]) or ignore_offsets
+        assert max_q == (q.shape[0] if max_is_row else longest) or ignore_offsets
         if k.shape[1] != q.shape[1]:
             assert gqa, "grouped key/value heads without enable_gqa"
         out = []
@@ -71,8 +71,8 @@ def fake_kernel(monkeypatch):
     """Install a stand-in kernel and let the selection choose it on the CPU."""
     import torch.nn.attention.varlen as varlen
 
-    def install(style: str, ignore_offsets: bool = False):
-        kernel = _fake_varlen(style, ignore_offsets)
+    def install(style: str, ignore_offsets: bool = False, max_is_row: bool = False):
+        kernel = _fake_varlen(style, ignore_offsets, max_is_row)
         monkeypatch.setattr(varlen, "varlen_attn", kernel)
         selection.varlen_parameters.cache_clear()
         monkeypatch.setattr(attention, "varlen_reason", lambda *a, **k: None)
@@ -136,9 +136,10 @@ def test_one_varlen_call_equals_one_sdpa_call_per_sequence(fake_kernel, style, g
 @pytest.mark.parametrize("groups", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fixed_size_boundaries_need_no_host_read(fake_kernel, monkeypatch, groups, layout):
-    """Fixed-size boundaries (what CUDA graphs replay: empty sequences to a power-of-two count,
-    max_seqlen the row's length) give what one SDPA call per sequence gives, and nothing is read
-    on the host (host_values raises)."""
+    """Fixed-size boundaries (what CUDA graphs replay: empty sequences to a power-of-two count)
+    go to one varlen call told the row's length as its longest sequence, and give what one SDPA
+    call per sequence gives; nothing is read on the host (host_values and the per-sequence path
+    raise)."""
     from megatron_hybrid.padding.fixed import FixedPackedSeqParams, fixed_capacity_params
 
     lengths, padded, total = LAYOUTS[layout]
@@ -150,16 +151,32 @@ def test_fixed_size_boundaries_need_no_host_read(fake_kernel, monkeypatch, group
     starts = None if padded is None else [0, *torch.tensor(padded).cumsum(0).tolist()]
     per_sequence = _run(lambda q, k, v: attention.packed_attention_per_sequence(
         q, k, v, host, starts, scale=0.3, causal=True), total, groups)  # fmt: skip
-    fake_kernel("window")
+    fake_kernel("window", max_is_row=True)
 
-    def no_host_read(tensor):
+    def no_host_read(*args, **kwargs):
         raise AssertionError("fixed-size boundaries were read on the host")
 
     monkeypatch.setattr(attention, "host_values", no_host_read)
+    monkeypatch.setattr(attention, "packed_attention_per_sequence", no_host_read)
     varlen = _run(lambda q, k, v: attention.sdpa_packed_attention(
         q, k, v, fixed, scale=0.3, causal=True), total, groups)  # fmt: skip
     errors = {name: rel_error(varlen[name], ref) for name, ref in per_sequence.items()}
     assert max(errors.values()) < TOL, errors
+
+
+def test_fixed_size_boundaries_of_another_row_are_refused(fake_kernel):
+    """Boundaries made for a row of another length (``total_tokens``): their segments would not
+    cover the row, so the call says so before any kernel runs."""
+    from megatron_hybrid.padding.fixed import fixed_capacity_params
+
+    lengths, padded, total = LAYOUTS["rows-after-the-last"]
+    params = _params(lengths, padded)
+    params.total_tokens = total + 4
+    fake_kernel("window", max_is_row=True)
+    q = torch.zeros(total, 4, 16)
+    with pytest.raises(ValueError, match="a row of 20 tokens given 16 rows"):
+        attention.sdpa_packed_attention(q, q, q, fixed_capacity_params(params), scale=0.3,
+                                        causal=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -698,8 +698,9 @@ class StaticInputStandIn(StandIn):
         return replay
 
 
-#: Sequences per packed row of 48 tokens: 3 and 5 share capacity 8, 10 needs 16.
-PACKED_ROWS = [[10, 20, 18], [5, 9, 11, 13, 10], [4] * 9 + [12], [7, 41]]
+#: Sequences per packed row of 64 tokens, each padded to a multiple of 4 (pad rows between them
+#: and after the last): 3, 5 and 2 share capacity 8, 10 needs 16.
+PACKED_ROWS = [[10, 20, 18], [5, 9, 11, 13, 10], [3] * 9 + [12], [7, 41]]
 
 
 def _packed_steps(model, rows=PACKED_ROWS) -> list:
@@ -709,7 +710,7 @@ def _packed_steps(model, rows=PACKED_ROWS) -> list:
     for seed, lengths in enumerate(rows):
         gen = torch.Generator().manual_seed(seed)
         sequences = [{"input_ids": torch.randint(1, 128, (n,), generator=gen)} for n in lengths]
-        plan = thd_pack(lengths, tp=1, cp=1, sp=False, hybridep=False)
+        plan = thd_pack(lengths, tp=4, cp=1, sp=True, hybridep=False, force_total=64)
         batch = pack_thd(sequences, plan)
         model.zero_grad(set_to_none=True)
         ids = batch.tensors["input_ids"]
@@ -754,6 +755,37 @@ def test_packed_micro_batches_replay_the_fast_attention(pg, pattern):
     stale = [loss for loss, _ in _packed_steps(models[True])]
     assert torch.equal(stale[0], expected[0][0])
     assert not torch.equal(stale[1], expected[1][0]), "stale boundaries went unnoticed"
+
+
+def test_a_failed_packed_capture_keeps_padded_rows_replaying(pg, caplog):
+    """Where a piece's device-only path does not run (here: the capture of its packed call
+    fails), its packed calls run eager from then on with the failure as their reason, once
+    warned, and its padded calls still replay; bitwise either way."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+    from megatron_hybrid.schedule.graph_capture import GraphCaptureError
+
+    class PackedFails(StandIn):
+        def __call__(self, piece, sample_args):
+            if any(not t.is_floating_point() for t in sample_args):
+                raise GraphCaptureError("RuntimeError: a host read of the boundaries")
+            return super().__call__(piece, sample_args)
+
+    pattern = "[*-]"
+    torch.manual_seed(3)
+    reference = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
+    torch.manual_seed(3)
+    model = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
+    model.load_state_dict(reference.state_dict())
+    report = enable_cuda_graphs(model, capture=PackedFails())
+    rows = PACKED_ROWS[:2]
+    for got, want in zip(_packed_steps(model, rows), _packed_steps(reference, rows), strict=True):
+        _assert_same(got, want)
+    _assert_same(_step(model), _step(reference))
+    attention = report.graphed["decoder.layers.0.layers.0.self_attention"]
+    reason = "packed micro-batches: capture failed: RuntimeError: a host read of the boundaries"
+    assert attention.disabled is None and attention.packed_reason == reason
+    assert attention.eager_calls == {reason: 2} and attention.replays == 1
+    assert sum(reason in r.getMessage() for r in caplog.records) == 1
 
 
 def test_packed_micro_batches_run_reference_attention_eager(pg):
