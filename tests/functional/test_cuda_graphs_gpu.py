@@ -79,12 +79,14 @@ def _steps(model, device) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         inputs = device_inputs(device, batch=2, seq=64, seed=seed)
         loss = model(**inputs).float().mean()
         loss.backward()
-        grads = {
-            n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
-        }
-        out.append((loss.detach(), grads))
+        out.append((loss.detach(), _grads(model)))
     torch.cuda.synchronize()
     return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, a float32 copy."""
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _worst(actual, reference) -> dict[str, float]:
@@ -155,14 +157,13 @@ PACKED_ROWS = [[57, 118, 70], [38, 31, 66, 51, 50], [7, 241], [21] * 9 + [17]]
 
 
 def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
-    from megatron_hybrid.padding import pack_thd, packed_seq_params_to, thd_pack
+    from support.packing import pack_apart
+
+    from megatron_hybrid.padding import packed_seq_params_to
 
     out = []
     for seed, lengths in enumerate(rows):
-        gen = torch.Generator().manual_seed(seed)
-        sequences = [{"input_ids": torch.randint(1, 128, (n,), generator=gen)} for n in lengths]
-        plan = thd_pack(lengths, tp=4, cp=1, sp=True, hybridep=False, force_total=256)
-        batch = pack_thd(sequences, plan)
+        batch = pack_apart(lengths, total=256, seed=seed)
         model.zero_grad(set_to_none=True)
         tensors = {k: v.to(device) for k, v in batch.tensors.items()}
         logits = model(
@@ -173,10 +174,7 @@ def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
         )
         loss = logits.float().square().mean()
         loss.backward()
-        grads = {
-            n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
-        }
-        out.append((loss.detach(), grads))
+        out.append((loss.detach(), _grads(model)))
     torch.cuda.synchronize()
     return out
 

@@ -20,6 +20,7 @@ from megatron_hybrid.padding.batch import packed_seq_params_from
 
 __all__ = [
     "PACKING_LENGTHS",
+    "pack_apart",
     "pack_with_gaps",
     "packing_errors",
     "random_sequences",
@@ -57,6 +58,18 @@ def pack_with_gaps(sequences: Sequence[torch.Tensor], *, tp: int = 1, chunk: int
         mode="upstream",
     )
     return pack_thd([{"input_ids": s} for s in sequences], plan)
+
+
+def pack_apart(lengths: Sequence[int], total: int, seed: int = 0):
+    """Random sequences of ``lengths`` (:func:`random_sequences`) packed into one row of
+    ``total`` tokens, each padded to a multiple of 4 (pad rows between the sequences and after the
+    last): rows of one length whatever their sequences, as CUDA graphs replay them.
+
+    Returns:
+        A :class:`~megatron_hybrid.padding.PackedBatch`.
+    """
+    plan = thd_pack(lengths, tp=4, cp=1, sp=True, hybridep=False, force_total=total)
+    return pack_thd([{"input_ids": s} for s in random_sequences(lengths, seed=seed)], plan)
 
 
 def packing_errors(

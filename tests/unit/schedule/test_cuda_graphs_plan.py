@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.mla import mla_config
+from support.packing import pack_apart
 
 from megatron_hybrid.testing.models import build_hybrid, model_inputs, small_config
 
@@ -78,11 +79,13 @@ def _needs(pattern: str) -> None:
         pytest.importorskip("fla")
 
 
-def _build(pattern, pg, like=None, **changes):
-    """A small model; ``like``: a model whose weights it takes (GatedDeltaNet's initialisation
-    draws from an RNG that the seed does not reset)."""
+def _build(pattern, pg, like=None, local_impl="reference", **changes):
+    """A small model (MLA's config for ``+``); ``like``: a model whose weights it takes
+    (GatedDeltaNet's initialisation draws from an RNG that the seed does not reset)."""
     torch.manual_seed(3)
-    model = build_hybrid(small_config(pattern, **changes), pattern, pg)
+    config = small_config(pattern, **changes)
+    config = mla_config(config) if "+" in pattern else config
+    model = build_hybrid(config, pattern, pg, local_impl=local_impl)
     if like is not None:
         model.load_state_dict(like.state_dict())
     return model
@@ -152,11 +155,8 @@ def test_fast_path_experts_are_graphed_at_ep1(pg):
     from megatron_hybrid.schedule import enable_cuda_graphs
 
     pattern = "[*E]"
-    torch.manual_seed(3)
-    reference = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
-    torch.manual_seed(3)
-    model = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
-    model.load_state_dict(reference.state_dict())
+    reference = _build(pattern, pg, local_impl="fast")
+    model = _build(pattern, pg, like=reference, local_impl="fast")
     stand_in = StandIn()
     report = enable_cuda_graphs(model, capture=stand_in)
     moe = "decoder.layers.0.layers.1.mlp"
@@ -704,14 +704,9 @@ PACKED_ROWS = [[10, 20, 18], [5, 9, 11, 13, 10], [3] * 9 + [12], [7, 41]]
 
 
 def _packed_steps(model, rows=PACKED_ROWS) -> list:
-    from megatron_hybrid.padding import pack_thd, thd_pack
-
     out = []
     for seed, lengths in enumerate(rows):
-        gen = torch.Generator().manual_seed(seed)
-        sequences = [{"input_ids": torch.randint(1, 128, (n,), generator=gen)} for n in lengths]
-        plan = thd_pack(lengths, tp=4, cp=1, sp=True, hybridep=False, force_total=64)
-        batch = pack_thd(sequences, plan)
+        batch = pack_apart(lengths, total=64, seed=seed)
         model.zero_grad(set_to_none=True)
         ids = batch.tensors["input_ids"]
         logits = model(ids, batch.tensors["position_ids"], None,
@@ -732,15 +727,9 @@ def test_packed_micro_batches_replay_the_fast_attention(pg, pattern):
     losses from the second row on."""
     from megatron_hybrid.schedule import enable_cuda_graphs
 
-    config = small_config(pattern)
-    config = mla_config(config) if "+" in pattern else config
-    torch.manual_seed(3)
-    reference = build_hybrid(config, pattern, pg, local_impl="fast")
-    models = {}
-    for stale in (False, True):
-        torch.manual_seed(3)
-        models[stale] = build_hybrid(config, pattern, pg, local_impl="fast")
-        models[stale].load_state_dict(reference.state_dict())
+    reference = _build(pattern, pg, local_impl="fast")
+    models = {stale: _build(pattern, pg, like=reference, local_impl="fast")
+              for stale in (False, True)}  # fmt: skip
     report = enable_cuda_graphs(models[False], capture=StaticInputStandIn())
     enable_cuda_graphs(models[True], capture=StaticInputStandIn(stale=True))
 
@@ -770,12 +759,8 @@ def test_a_failed_packed_capture_keeps_padded_rows_replaying(pg, caplog):
                 raise GraphCaptureError("RuntimeError: a host read of the boundaries")
             return super().__call__(piece, sample_args)
 
-    pattern = "[*-]"
-    torch.manual_seed(3)
-    reference = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
-    torch.manual_seed(3)
-    model = build_hybrid(small_config(pattern), pattern, pg, local_impl="fast")
-    model.load_state_dict(reference.state_dict())
+    reference = _build("[*-]", pg, local_impl="fast")
+    model = _build("[*-]", pg, like=reference, local_impl="fast")
     report = enable_cuda_graphs(model, capture=PackedFails())
     rows = PACKED_ROWS[:2]
     for got, want in zip(_packed_steps(model, rows), _packed_steps(reference, rows), strict=True):
