@@ -23,6 +23,11 @@ wait for the GPU or fla's backward cannot run:
   and keys to one per value head (``_prepare_input_for_gated_delta_rule``) is a copy of
   ``HV / H`` times their size per layer that the rule does not need
   (:meth:`HybridGatedDeltaNet._prepare_input_for_gated_delta_rule`);
+* packed rows under CUDA graphs: given fixed-size boundaries
+  (:class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, what a graphed piece gets), the
+  layer reads nothing on the host and fla's kernels get a chunk table of a fixed size built on
+  the device (:func:`fixed_chunk_indices`), so one graph replays every packed row of one length
+  and capacity (:meth:`HybridGatedDeltaNet.forward`);
 * where fla's kernels run (on GPUs without ``deterministic_mode``) the package's gated
   ``chunk_bwd_dqkwg`` is registered with fla: fla refuses its own on Hopper with Triton
   3.4-3.7.0 (:mod:`~megatron_hybrid.modules.fla_backend` says what runs where and why).
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from itertools import pairwise
+from typing import Any
 
 import torch
 from megatron.core.jit import jit_fuser
@@ -42,8 +48,15 @@ from torch.nn.functional import softplus
 
 from megatron_hybrid.modules.fla_backend import register_fla_backend
 from megatron_hybrid.padding.batch import derived, host_values, to_device
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams
 
-__all__ = ["FLA_CHUNK_SIZE", "HybridGatedDeltaNet", "fla_chunk_indices"]
+__all__ = [
+    "FLA_CHUNK_SIZE",
+    "HybridGatedDeltaNet",
+    "fixed_chunk_indices",
+    "fixed_fla_boundaries",
+    "fla_chunk_indices",
+]
 
 #: The chunk size of fla 0.6.0's ``chunk_gated_delta_rule`` and ``causal_conv1d`` (both default
 #: to 64 and megatron-core passes none).
@@ -71,6 +84,65 @@ def fla_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE
         return to_device(host, cu_seqlens.device)
 
     return derived(cu_seqlens, ("fla_chunk_indices", chunk_size), make)
+
+
+def fixed_chunk_indices(
+    cu_seqlens: torch.Tensor, rows: int, chunk_size: int = FLA_CHUNK_SIZE
+) -> torch.Tensor:
+    """fla's chunk indices for boundaries of a fixed size, built on the device in a fixed size.
+
+    :func:`fla_chunk_indices` has one row per chunk, a number that follows the lengths; a CUDA
+    graph replays the grid it was captured with. This table has ``rows // chunk_size +
+    segments`` rows (``segments = cu_seqlens.numel() - 1``), a bound on the chunks of any
+    ``rows`` tokens in that many segments (each adds at most one partial chunk): first the real
+    chunks, as :func:`fla_chunk_indices` gives them, then spare rows that name chunk 0 of the
+    last segment. That segment must be empty (:func:`fixed_fla_boundaries` appends one): fla
+    0.6.0's chunk kernels take a chunk's length from the boundaries and mask every load and
+    store by it, so a spare row's program reads and writes nothing (its per-chunk partial sums,
+    the conv's weight gradient, are zeros).
+
+    Args:
+        cu_seqlens: ``[segments + 1]`` boundaries, from 0 to ``rows``, the last segment empty.
+        rows: the row's length (tokens).
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``[rows // chunk_size + segments, 2]`` ``(segment, chunk within it)`` rows in
+        ``cu_seqlens``' dtype and device; no host read.
+    """
+    segments = cu_seqlens.numel() - 1
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    counts = (lengths + (chunk_size - 1)).div(chunk_size, rounding_mode="floor")
+    starts = torch.nn.functional.pad(counts.cumsum(0), (1, 0))  # first table row per segment
+    slots = torch.arange(
+        rows // chunk_size + segments, device=cu_seqlens.device, dtype=starts.dtype
+    )
+    # The segment whose chunks hold the slot (empty segments own none); spare slots fall past
+    # the last start and go to the last segment.
+    segment = (torch.searchsorted(starts, slots, right=True) - 1).clamp_(max=segments - 1)
+    real = slots < starts[-1]
+    chunk = torch.where(real, slots - starts[segment], 0)
+    return torch.stack([segment, chunk], 1).to(cu_seqlens.dtype)
+
+
+def fixed_fla_boundaries(
+    params: FixedPackedSeqParams, chunk_size: int = FLA_CHUNK_SIZE
+) -> torch.Tensor:
+    """The boundaries fla's kernels get for fixed-size packed parameters, with their chunk table.
+
+    megatron's GatedDeltaNet takes the physical boundaries (``cu_seqlens_q_padded``): pad rows
+    between sequences run with the sequence before them, as in eager calls. One empty segment is
+    appended, where the spare rows of :func:`fixed_chunk_indices` point (the capacity may leave
+    none: rows after the last sequence fill the segment after it). The table is kept for
+    :func:`fla_chunk_indices` to find. Both are made anew on every call, from the tensors given:
+    inside a CUDA-graph capture they are recorded and recomputed on each replay, where a table
+    kept from the capture's warm-up would hold the warm-up's boundaries.
+    """
+    padded = params.cu_seqlens_q_padded
+    boundaries = torch.cat([padded, padded[-1:]])
+    table = fixed_chunk_indices(boundaries, params.total_tokens, chunk_size)
+    derived(boundaries, ("fla_chunk_indices", chunk_size), lambda: table)
+    return boundaries
 
 
 def _with_chunk_indices(kernel):
@@ -104,6 +176,9 @@ def _with_chunk_indices(kernel):
 class HybridGatedDeltaNet(GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` with ``g`` computed in float32 (see the module doc)."""
 
+    #: The boundaries of the forward under way with fixed-size parameters (:meth:`forward`).
+    _fixed_cu_seqlens: torch.Tensor | None = None
+
     def __init__(self, config, *args, **kwargs):
         fla_kernels = torch.cuda.is_available() and not config.deterministic_mode
         if fla_kernels:
@@ -120,6 +195,61 @@ class HybridGatedDeltaNet(GatedDeltaNet):
         self.rule_takes_key_heads = rule is not None and rule is megatron_gdn.chunk_gated_delta_rule
         if fla_kernels and self.rule_takes_key_heads:
             self.gated_delta_rule = _with_chunk_indices(rule)
+
+    @property
+    def reads_fixed_packed_on_device(self) -> bool:
+        """Whether packed calls take fixed-size boundaries (CUDA graphs of packed rows): where
+        fla's rule is bound (or the CPU runtime's stand-in, with its contract), which reads the
+        boundaries and the chunk table on the device; megatron's torch path of
+        ``deterministic_mode`` takes no packed rows."""
+        return self.rule_takes_key_heads and not self.config.deterministic_mode
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: int | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """megatron-core's forward; with :class:`~megatron_hybrid.padding.fixed.
+        FixedPackedSeqParams` (a graphed piece's packed call) on :func:`fixed_fla_boundaries`,
+        with no host read.
+
+        Raises:
+            ValueError: fixed-size parameters where the rule cannot take them, or for a row of
+                another length.
+        """
+        if not isinstance(packed_seq_params, FixedPackedSeqParams):
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                inference_context,
+                packed_seq_params,
+                sequence_len_offset,
+                **kwargs,
+            )
+        rows = hidden_states.shape[0] * self.sp_size * self.cp_size
+        if not self.reads_fixed_packed_on_device or packed_seq_params.total_tokens != rows:
+            raise ValueError(
+                f"GatedDeltaNet: fixed-size packed boundaries for rows of "
+                f"{packed_seq_params.total_tokens} tokens, given {rows} rows"
+                + ("" if self.reads_fixed_packed_on_device else " and a rule without fla's")
+                + "; pass the micro-batch's own PackedSeqParams"
+            )
+        self._fixed_cu_seqlens = fixed_fla_boundaries(packed_seq_params)
+        try:
+            return super().forward(
+                hidden_states,
+                attention_mask,
+                inference_context,
+                packed_seq_params,
+                sequence_len_offset,
+                **kwargs,
+            )
+        finally:
+            self._fixed_cu_seqlens = None
 
     def _prepare_input_for_gated_delta_rule(
         self, qkv: torch.Tensor, gate: torch.Tensor, batch: int, seq_len: int, *gate_feats
@@ -171,8 +301,13 @@ class HybridGatedDeltaNet(GatedDeltaNet):
         megatron reads ``cu_seqlens[-1]`` and tests the lengths' divisibility on the device:
         three host synchronisations per layer and micro-batch. The boundaries are one tensor
         that every layer receives, so :func:`~megatron_hybrid.padding.batch.host_values` reads
-        them once (or never, where the batch came from the host).
+        them once (or never, where the batch came from the host). Fixed-size boundaries
+        (:meth:`forward`) are read by nobody: they end at the row's length by construction, and
+        context parallelism has none. Both calls return one tensor, so megatron's
+        ``torch.equal`` of the two compares a tensor with itself (no device read).
         """
+        if self._fixed_cu_seqlens is not None:
+            return self._fixed_cu_seqlens
         cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
         offsets = host_values(cu_seqlens)
         if offsets[-1] != total_seq_len:

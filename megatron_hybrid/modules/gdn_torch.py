@@ -15,7 +15,8 @@ with fla's signatures, in torch:
   ``H`` query/key heads, value head ``i`` reading key head ``i // (HV // H)``);
 * :func:`l2norm`: ``x / sqrt(sum(x^2) + eps)`` over the last dimension, in float32.
 
-Each packed sequence therefore gets exactly the computation it gets alone. The CPU runtime
+Each packed sequence therefore gets exactly the computation it gets alone; an empty one (fixed-size
+boundaries pad with them) owns no rows and adds nothing. The CPU runtime
 (:mod:`megatron_hybrid.runtime.cpu`) installs them into megatron's GatedDeltaNet module with
 :func:`install`; that is the one place packed GatedDeltaNet differs between CPU and GPU (on GPUs
 megatron calls fla itself, with the same ``cu_seqlens``).
@@ -114,10 +115,12 @@ def causal_conv1d(
     bias = None if bias is None else bias.to(x.dtype)
     pieces = []
     for start, end in sequence_spans(cu_seqlens, x.shape[1]):
+        if start == end:  # an empty sequence (fixed-size boundaries) has no output
+            continue
         # Left padding only: step t sees its own sequence's x[t - W + 1 .. t] and nothing else.
         segment = pad(x[:, start:end].transpose(1, 2), (width - 1, 0))
         pieces.append(conv1d(segment, filters, bias, groups=channels))
-    y = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+    y = torch.cat(pieces, dim=-1) if len(pieces) != 1 else pieces[0]
     return _ACTIVATIONS[activation](y).transpose(1, 2), None
 
 
@@ -192,6 +195,10 @@ def chunk_gated_delta_rule(
         state = None
         if initial_state is not None:
             state = initial_state if row is None else initial_state[index : index + 1]
+        if start == end:  # an empty sequence (fixed-size boundaries): no output, state as given
+            outputs.append(q.new_empty(1, 0, *v.shape[2:]))
+            finals.append(_empty_sequence_state(q, v, state) if output_final_state else None)
+            continue
         out, final = torch_chunk_gated_delta_rule(
             q[pick, part],
             k[pick, part],
@@ -206,6 +213,13 @@ def chunk_gated_delta_rule(
         finals.append(final)
     o = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
     return o, torch.cat(finals) if output_final_state else None
+
+
+def _empty_sequence_state(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None):
+    """The final state of an empty sequence: its initial state (zero if none), float32."""
+    if state is not None:
+        return state.float()
+    return q.new_zeros(1, v.shape[2], q.shape[-1], v.shape[-1], dtype=torch.float32)
 
 
 def install() -> None:

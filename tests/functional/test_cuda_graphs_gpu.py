@@ -179,15 +179,33 @@ def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
     return out
 
 
+def _keep_fla_boundaries(monkeypatch) -> None:
+    """The deliberate bug of GatedDeltaNet's control: fla's fixed boundaries and chunk table
+    kept per boundary tensor, so the capture reuses its warm-up's (made outside the graph)."""
+    from megatron_hybrid.modules import gated_delta_net
+    from megatron_hybrid.padding.batch import derived
+
+    made = gated_delta_net.fixed_fla_boundaries
+
+    def kept(params, chunk_size=gated_delta_net.FLA_CHUNK_SIZE):
+        padded = params.cu_seqlens_q_padded
+        return derived(padded, ("kept fla boundaries", chunk_size), lambda: made(params))
+
+    monkeypatch.setattr(gated_delta_net, "fixed_fla_boundaries", kept)
+
+
 @pytest.mark.parametrize(
-    "pattern", ["[*-]", "[*E]", "[+-]"], ids=["attention-dense", "attention-moe", "mla-dense"]
+    "pattern",
+    ["[*-]", "[*E]", "[+-]", "[G-]", "[GE]"],
+    ids=["attention-dense", "attention-moe", "mla-dense", "gdn-dense", "gdn-moe"],
 )
-def test_packed_rows_replay_the_fast_attention(world, monkeypatch, pattern):
+def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, pattern):
     """Packed rows of one length with 3, 5, 2 and 10 sequences through the fast path: the
-    attention replays its graphs for every row (fixed-size boundaries as graph inputs: one
-    capture per capacity), equal to eager within eager's own run-to-run difference. Each model
-    is graphed before its first forward (as train graphs before DDP), the eager one has the same
-    weights. Negative control: THD RoPE positions kept from before the capture (a cache hit
+    attention (MLA's too) and GatedDeltaNet on fla's kernels replay their graphs for every row
+    (fixed-size boundaries as graph inputs: one capture per capacity), equal to eager within
+    eager's own run-to-run difference. Each model is graphed before its first forward (as train
+    graphs before DDP), the eager one has the same weights. Negative control: THD RoPE positions
+    (GatedDeltaNet: fla's boundaries and chunk table) kept from before the capture (a cache hit
     inside it) are stale on replay, and the second row's loss moves off."""
     from megatron.core.transformer.module import Float16Module
 
@@ -197,8 +215,19 @@ def test_packed_rows_replay_the_fast_attention(world, monkeypatch, pattern):
     from megatron_hybrid.testing.models import build_hybrid
 
     rank, world_size, device = world
+    changes = {}
+    if "G" in pattern:
+        if ON_CPU:
+            pytest.skip("GatedDeltaNet's packed rows run on fla's kernels (a GPU)")
+        pytest.importorskip("fla", reason="megatron's GatedDeltaNet imports fla-core")
+        from megatron_hybrid.training.capabilities import fla_gated_backward_refused
+
+        refused = fla_gated_backward_refused()
+        if refused is not None:
+            pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
+        changes["deterministic_mode"] = False  # fla's kernels, which take packed rows
     pg = initialize_model_parallel(ep=1, seed=5)
-    config = bf16_config(pattern)
+    config = bf16_config(pattern, **changes)
     config = with_mla(config) if "+" in pattern else config
     weights = {}
 
@@ -232,7 +261,10 @@ def test_packed_rows_replay_the_fast_attention(world, monkeypatch, pattern):
     loss_diff = max(abs(g[0] - e[0]).item() for g, e in zip(graphed, eager, strict=True))
     stale_diff = None
     if not ON_CPU:  # the eager stand-in capture has no capture for a cache to hide in
-        monkeypatch.setattr(rope, "_capturing", lambda t: False)
+        if "G" in pattern:
+            _keep_fla_boundaries(monkeypatch)
+        else:
+            monkeypatch.setattr(rope, "_capturing", lambda t: False)
         stale = _packed_steps(build(True)[0], device)
         # The second row, which replays the first row's graph, by the criteria above.
         stale_diff = max(
@@ -248,7 +280,7 @@ def test_packed_rows_replay_the_fast_attention(world, monkeypatch, pattern):
              f"{max(diff.values()):.2e} ({max(noise.values()):.2e})"),
             ("parameters with bitwise gradients",
              f"{sum(d == 0 for d in diff.values())} of {len(diff)}"),
-            ("control, stale RoPE positions: worst difference / allowed", stale_diff),
+            ("control, stale positions or boundaries: worst difference / allowed", stale_diff),
         ],
     )  # fmt: skip
     assert loss_diff <= 2 * loss_noise, f"losses differ: {loss_diff} (eager vs eager {loss_noise})"

@@ -181,9 +181,9 @@ def mixer_graph_pieces(
                     "attention dropout draws from megatron's CUDA RNG tracker, whose state a "
                     "replayed graph does not advance; set attention_dropout=0"
                 )
-        # The fast attention and its core attention say whether they read packed boundaries
-        # on the device only (FastSelfAttention, SDPACoreAttention).
-        inner = (mixer, getattr(mixer, "core_attention", None))
+        # The mixer and its core attention, if any, say whether they read packed boundaries on
+        # the device only (FastSelfAttention and SDPACoreAttention, GatedDeltaNet on fla).
+        inner = [m for m in (mixer, getattr(mixer, "core_attention", None)) if m is not None]
         packed = all(getattr(m, "reads_fixed_packed_on_device", False) for m in inner)
         return {"mixer": GraphPiece(mixer, reason, packed)}
 

@@ -718,17 +718,23 @@ def _packed_steps(model, rows=PACKED_ROWS) -> list:
     return out
 
 
-@pytest.mark.parametrize("pattern", ["[*-]", "[+-]"], ids=["attention", "mla"])
-def test_packed_micro_batches_replay_the_fast_attention(pg, pattern):
+@pytest.mark.parametrize(
+    "pattern", ["[*-]", "[+-]", "[G-]"], ids=["attention", "mla", "gated-delta-net"]
+)
+def test_packed_micro_batches_replay_the_fixed_boundary_mixers(pg, pattern):
     """Packed rows with 3, 5, 10 and 2 sequences (one row length): the fast attention (MLA's
-    too, which sizes its own rotary table) takes fixed-size boundaries as graph inputs, so
-    capacity 8 and 16 are one capture each and every call replays, bitwise the ungraphed
-    model's. Negative control: boundaries kept from the capture (not graph inputs) give other
-    losses from the second row on."""
+    too, which sizes its own rotary table) and GatedDeltaNet (its fla contract; the CPU
+    runtime's stand-ins here) take fixed-size boundaries as graph inputs, so capacity 8 and 16
+    are one capture each and every call replays, bitwise the ungraphed model's. Negative
+    control: boundaries kept from the capture (not graph inputs) give other losses from the
+    second row on."""
     from megatron_hybrid.schedule import enable_cuda_graphs
 
-    reference = _build(pattern, pg, local_impl="fast")
-    models = {stale: _build(pattern, pg, like=reference, local_impl="fast")
+    _needs(pattern)
+    # GatedDeltaNet takes packed rows on fla's contract, not megatron's deterministic torch path.
+    changes = {"deterministic_mode": False} if "G" in pattern else {}
+    reference = _build(pattern, pg, local_impl="fast", **changes)
+    models = {stale: _build(pattern, pg, like=reference, local_impl="fast", **changes)
               for stale in (False, True)}  # fmt: skip
     report = enable_cuda_graphs(models[False], capture=StaticInputStandIn())
     enable_cuda_graphs(models[True], capture=StaticInputStandIn(stale=True))
