@@ -17,12 +17,14 @@ benchmark measures the product and cannot drift from it. ``--host-profile N`` ru
 under cProfile and lists the N Python functions with the most own time.
 
 Per run: the median step over ``--steps`` steps after ``--warmup`` (the first step, which
-compiles and autotunes, reported on its own), real tokens per second, peak allocated memory,
-TFLOP/s per GPU and MFU (``training.throughput``: the step's model FLOPs over its real tokens,
-from the per-layer-type formulas, over the GPU's dense bf16 peak), where one step's time goes by
-phase (``training.phases``: data, forward-backward, gradient finalisation, guard, optimizer,
-host; an extra step with device waits around each phase), and from one profiled step the GPU's
-busy fraction, kernels per step and a per-kernel breakdown (``trace_summary.py``).
+compiles and autotunes, reported on its own; each step builds the next one's micro-batches while
+the device runs it, as ``train``'s loop does, and its time counts them), real tokens per second,
+peak allocated memory, TFLOP/s per GPU and MFU (``training.throughput``: the step's model FLOPs
+over its real tokens, from the per-layer-type formulas, over the GPU's dense bf16 peak), where
+one step's time goes by phase (``training.phases``: data, forward-backward, gradient
+finalisation, guard, optimizer, host; an extra step with device waits around each phase), and
+from one profiled step the GPU's busy fraction, kernels per step and a per-kernel breakdown
+(``trace_summary.py``).
 
 Patterns (``--patterns``): ``star_e`` ``[*E]{L}``, ``ge`` ``[GE]{L}``, ``me`` ``[ME]{L}``,
 ``plus_e`` ``[+E]{L}``. Implementations: ``fast`` (``train``'s default: the ``local`` backend's
@@ -78,12 +80,23 @@ SHAPES = {
                  qk_rope_dim=8, v_head_dim=16),
 }  # fmt: skip
 
-TARGETS = (
-    ("star_e fast MFU >= 0.30", "star_e/fast", 0.30),
-    ("ge fast MFU >= 0.20", "ge/fast", 0.20),
-    ("me fast MFU >= 0.20", "me/fast", 0.20),
-    ("plus_e fast MFU >= 0.20", "plus_e/fast", 0.20),
-)
+#: The issue's MFU targets per pattern, through train's step: its default (``fast``) or with
+#: ``--hybrid-cuda-graphs`` (``fast-graphs``), whichever was measured faster.
+TARGETS = (("star_e", 0.30), ("ge", 0.20), ("me", 0.20), ("plus_e", 0.20))
+TARGET_IMPLS = ("fast", "fast-graphs")
+
+
+def target_rows(results: dict) -> list[tuple[str, float | None, float]]:
+    """``(label, MFU or None, bound)`` per target: the best measured of :data:`TARGET_IMPLS`,
+    named in the label."""
+    rows = []
+    for name, bound in TARGETS:
+        measured = {i: _get(results, f"{name}/{i}", "mfu") for i in TARGET_IMPLS}
+        measured = {i: v for i, v in measured.items() if v is not None}
+        best = max(measured, key=measured.get) if measured else None
+        label = f"{name} MFU >= {bound:.2f} ({best or ' or '.join(TARGET_IMPLS)})"
+        rows.append((label, measured.get(best), bound))
+    return rows
 
 
 def te_available() -> bool:
@@ -230,14 +243,16 @@ class Run:
             self.inputs.micro_batches(self.inputs.train, first, self.num_microbatches)
         )
 
-    def step(self, batches, timer=None):
-        """``train``'s step on ``batches``."""
+    def step(self, batches, timer=None, upcoming: list | None = None):
+        """``train``'s step on ``batches``; given ``upcoming``, it builds the next step's
+        micro-batches into it while the device runs, as ``train`` does."""
         from megatron_hybrid.training.loop import train_step
 
         seq_length, rows = self.inputs.step_shape
+        prefetch = None if upcoming is None else lambda: upcoming.append(self.batches())
         return train_step(
             self.chunks, self.optimizer, batches, self.config, seq_length=seq_length,
-            micro_batch_size=rows, pg_collection=self.pg, timer=timer,
+            micro_batch_size=rows, pg_collection=self.pg, timer=timer, while_queued=prefetch,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -294,16 +309,20 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     if args.quick and impl == "reference":  # seconds per step at the issue's shape
         warmup, steps = 1, 2
     times, flops, tokens, first = [], [], [], None
+    # As train: each step builds the next one's micro-batches while the device runs it, and
+    # its time counts them.
+    batches = run.batches()
     for index in range(warmup + steps):
         if index == warmup and CUDA:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        batches = run.batches()
+        upcoming = []
         sync()
         began = time.perf_counter()
-        result = run.step(batches)
+        result = run.step(batches, upcoming=upcoming)
         sync()
         elapsed = time.perf_counter() - began
+        (batches,) = upcoming
         if index == 0:
             first = elapsed
         if index >= warmup:
@@ -315,10 +334,8 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     rate = tflops_per_gpu(flops, times, world)
     # One more step with a wait around each phase: where the step's time goes.
     timer = PhaseTimer(run.backend.synchronize)
-    with timer.step():
-        with timer.phase("data"):
-            batches = run.batches()
-        run.step(batches, timer=timer)
+    with timer.step():  # its data phase: the next step's micro-batches, built inside it
+        run.step(batches, timer=timer, upcoming=[])
     result = {
         "pattern": run.args.hybrid_layer_pattern,
         "impl": impl,
@@ -346,7 +363,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
         result["cuda_graphs"] = graphs.summary().splitlines()
     if CUDA and not args.no_profile:
         batches = run.batches()
-        summary, breakdown, host_ops = profile(lambda: run.step(batches))
+        summary, breakdown, host_ops = profile(lambda: run.step(batches, upcoming=[]))
         window = summary["window_ms"]
         matmul_ms = sum(breakdown["categories"].get(c, {}).get("ms", 0.0)
                         for c in ("gemm", "attention"))  # fmt: skip
@@ -418,7 +435,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = result_stem(args, shape_name, meta["device"])
-    targets = [(label, _get(results, run, "mfu"), bound) for label, run, bound in TARGETS]
+    targets = target_rows(results)
     checked = [dict(target=t, value=v, bound=b, met=_met(v, b)) for t, v, b in targets]
     (out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "results": results, "targets": checked}, indent=1)

@@ -12,6 +12,7 @@ data-parallel size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -239,6 +240,7 @@ def train_step(
     timer: PhaseTimer | None = None,
     forward_step=lm_forward_step,
     loss_key: str = LM_LOSS,
+    while_queued: Callable[[], None] | None = None,
 ) -> StepResult:
     """One optimizer step over ``batches`` (a list of micro-batch dicts, or one list per chunk).
 
@@ -260,6 +262,11 @@ def train_step(
             (``calculate_per_token_loss``). Default: the language-model step.
         loss_key: the report whose entries 0 and 1 are the loss sum and its count (the step's
             ``loss`` is their ratio).
+        while_queued: called once while the device runs the step: after its last device work
+            is queued, before its first read on the host (the fused path: after the update;
+            megatron's: after the schedule, before its guard reads the gradients). ``train``
+            builds the next step's micro-batches there, so the host builds them while the GPU
+            computes instead of after it; under a ``timer`` it is the ``data`` phase.
 
     Returns:
         The step's loss (summed over the global batch, divided by its count), the gradient norm
@@ -276,6 +283,8 @@ def train_step(
                                forward_step=forward_step)  # fmt: skip
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     fused = fused_step_enabled()
+    if not fused:  # megatron's guard and optimizer read the device: the step is queued so far
+        _while_queued(while_queued, timer)
     with phase(timer, "guard"):
         stats = _step_statistics(reports, per_chunk[0], pg_collection, device, loss_key)
         if fused:
@@ -286,6 +295,7 @@ def train_step(
     if fused:
         with phase(timer, "optimizer"):
             apply_step(optimizer, guard, _clip_grad(optimizer))
+        _while_queued(while_queued, timer)
         # The step's one copy to the host: loss, tokens, FLOPs, norm and the guard's flag.
         norm_and_flag = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()])
         loss_sum, loss_tokens, tokens, flops, grad_norm, flagged = torch.cat(
@@ -321,6 +331,12 @@ def train_step(
         flops=flops,
         reports={key: value.cpu() for key, value in summed.items()},
     )
+
+
+def _while_queued(work: Callable[[], None] | None, timer: PhaseTimer | None) -> None:
+    if work is not None:
+        with phase(timer, "data"):
+            work()
 
 
 def _step_statistics(reports, batches, pg_collection, device, loss_key: str) -> torch.Tensor:

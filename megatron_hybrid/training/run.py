@@ -13,6 +13,7 @@ The data (:mod:`~megatron_hybrid.training.inputs`), the learning-rate schedule
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -413,18 +414,34 @@ def _train(
     collector = ManualCollection(
         args.manual_gc, args.manual_gc_interval, not args.no_manual_gc_eval
     )
+
+    def fetch(first: int, into: list | None = None) -> list[dict]:
+        batches = counter.annotate(
+            inputs.micro_batches(inputs.train, first, setup.num_microbatches)
+        )
+        if into is not None:
+            into.append(batches)
+        return batches
+
+    batches = fetch(consumed) if start < args.train_iters else None
     with collector:
         for iteration in range(start, args.train_iters):
-            batches = counter.annotate(
-                inputs.micro_batches(inputs.train, consumed, setup.num_microbatches)
-            )
+            # The next step's micro-batches are built while the GPU runs this step (its time
+            # counts them, as Megatron-LM's iteration time counts its data loading).
+            upcoming: list[list[dict]] = []
+            following = consumed + setup.global_batch
+            prefetch = None
+            if iteration + 1 < args.train_iters:
+                prefetch = functools.partial(fetch, following, upcoming)
             lr = current_lr(optimizer)
             began = time.perf_counter()
             result = train_step(chunks, optimizer, batches, setup.config, seq_length=seq_length,
-                                micro_batch_size=rows, pg_collection=setup.pg)  # fmt: skip
+                                micro_batch_size=rows, pg_collection=setup.pg,
+                                while_queued=prefetch)  # fmt: skip
             setup.backend.synchronize()
             elapsed = time.perf_counter() - began
-            consumed += setup.global_batch
+            batches = upcoming[0] if upcoming else None
+            consumed = following
             done = iteration + 1
             if check_step(result, done, args.on_nonfinite, saved):
                 if rank == 0:
