@@ -40,6 +40,7 @@ from torch import nn
 
 from megatron_hybrid.modules.registry import layer_runtime
 from megatron_hybrid.modules.ssd import gated_rms_norm, mamba2_scan
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams, fixed_seq_idx
 from megatron_hybrid.pattern import MAMBA
 
 __all__ = [
@@ -164,6 +165,10 @@ class TorchMambaMixer(MegatronModule):
         pp_layer_offset: unused (only inference caches need it).
         name: module name, passed to the linear layers.
     """
+
+    #: Packed calls take fixed-size boundaries (CUDA graphs of packed rows, ``schedule.graphs``):
+    #: the scan reads only ``seq_idx``, made from them on the device (:func:`fixed_seq_idx`).
+    reads_fixed_packed_on_device = True
 
     def __init__(
         self,
@@ -386,7 +391,9 @@ class TorchMambaMixer(MegatronModule):
                 "mamba-ssm and causal-conv1d on a GPU)"
             )
         seq_idx = None
-        if packed_seq_params is not None:
+        if isinstance(packed_seq_params, FixedPackedSeqParams):
+            seq_idx = fixed_seq_idx(packed_seq_params)  # on the device: CUDA graphs replay it
+        elif packed_seq_params is not None:
             seq_idx = packed_seq_params.seq_idx
             if seq_idx is None:
                 raise ValueError(

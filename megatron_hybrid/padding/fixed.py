@@ -26,9 +26,10 @@ one, longer than any of its sequences and not the row's length itself, which meg
 RoPE reads as positions counted over the whole row. :func:`rope_table_params` gives the model's
 preprocessing parameters sized so.
 
-Only pieces that read the boundaries on the device take these parameters
-(``schedule.graphs``: the fast attention and MLA, through the varlen FlashAttention and the THD
-RoPE); everything else keeps the micro-batch's own ``PackedSeqParams``.
+Only pieces that read the boundaries on the device take these parameters (``schedule.graphs``:
+the fast attention and MLA, through the varlen FlashAttention and the THD RoPE; GatedDeltaNet on
+fla's kernels; the torch Mamba mixer, through :func:`fixed_seq_idx`); everything else keeps the
+micro-batch's own ``PackedSeqParams``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "MIN_CAPACITY",
     "FixedPackedSeqParams",
     "fixed_capacity_params",
+    "fixed_seq_idx",
     "rope_table_params",
     "sequence_capacity",
 ]
@@ -149,6 +151,18 @@ def _fixed(real: torch.Tensor, padded: torch.Tensor, params) -> FixedPackedSeqPa
         total_tokens=total,
         pad_between_seqs=True,
     )
+
+
+def fixed_seq_idx(params: FixedPackedSeqParams) -> torch.Tensor:
+    """megatron-core's ``seq_idx`` of the micro-batch that ``params`` were made from, computed on
+    the device from the fixed boundaries (no host read; made anew on every call, so a CUDA graph
+    records it): ``[1, total_tokens]`` int32, each row's segment of ``cu_seqlens_q_padded``, rows
+    after the last sequence one more (0.19.2's ``PackedSeqParams.__post_init__``). The empty
+    sequences the capacity adds own no row, as empty sequences there own none."""
+    padded = params.cu_seqlens_q_padded
+    rows = torch.arange(params.total_tokens, device=padded.device, dtype=padded.dtype)
+    segment = torch.searchsorted(padded, rows, right=True) - 1
+    return segment.to(torch.int32).unsqueeze(0)
 
 
 def rope_table_params(params: PackedSeqParams | None) -> PackedSeqParams | None:

@@ -179,34 +179,35 @@ def _packed_steps(model, device, rows=PACKED_ROWS) -> list:
     return out
 
 
-def _keep_fla_boundaries(monkeypatch) -> None:
-    """The deliberate bug of GatedDeltaNet's control: fla's fixed boundaries and chunk table
+def _keep_per_boundaries(monkeypatch, module, name: str) -> None:
+    """The deliberate bug of the GatedDeltaNet and Mamba controls: ``module.name`` (what the
+    layer makes from fixed boundaries: fla's boundaries and chunk table, Mamba's ``seq_idx``)
     kept per boundary tensor, so the capture reuses its warm-up's (made outside the graph)."""
-    from megatron_hybrid.modules import gated_delta_net
     from megatron_hybrid.padding.batch import derived
 
-    made = gated_delta_net.fixed_fla_boundaries
+    made = getattr(module, name)
 
-    def kept(params, chunk_size=gated_delta_net.FLA_CHUNK_SIZE):
-        padded = params.cu_seqlens_q_padded
-        return derived(padded, ("kept fla boundaries", chunk_size), lambda: made(params))
+    def kept(params, *args):
+        return derived(params.cu_seqlens_q_padded, ("kept", name), lambda: made(params, *args))
 
-    monkeypatch.setattr(gated_delta_net, "fixed_fla_boundaries", kept)
+    monkeypatch.setattr(module, name, kept)
 
 
 @pytest.mark.parametrize(
     "pattern",
-    ["[*-]", "[*E]", "[+-]", "[G-]", "[GE]"],
-    ids=["attention-dense", "attention-moe", "mla-dense", "gdn-dense", "gdn-moe"],
-)
+    ["[*-]", "[*E]", "[+-]", "[G-]", "[GE]", "[M-]", "[ME]"],
+    ids=["attention-dense", "attention-moe", "mla-dense", "gdn-dense", "gdn-moe", "mamba-dense",
+         "mamba-moe"],
+)  # fmt: skip
 def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, pattern):
     """Packed rows of one length with 3, 5, 2 and 10 sequences through the fast path: the
-    attention (MLA's too) and GatedDeltaNet on fla's kernels replay their graphs for every row
-    (fixed-size boundaries as graph inputs: one capture per capacity), equal to eager within
-    eager's own run-to-run difference. Each model is graphed before its first forward (as train
-    graphs before DDP), the eager one has the same weights. Negative control: THD RoPE positions
-    (GatedDeltaNet: fla's boundaries and chunk table) kept from before the capture (a cache hit
-    inside it) are stale on replay, and the second row's loss moves off."""
+    attention (MLA's too), GatedDeltaNet on fla's kernels and the torch Mamba mixer replay their
+    graphs for every row (fixed-size boundaries as graph inputs: one capture per capacity), equal
+    to eager within eager's own run-to-run difference. Each model is graphed before its first
+    forward (as train graphs before DDP), the eager one has the same weights. Negative control:
+    THD RoPE positions (GatedDeltaNet: fla's boundaries and chunk table; Mamba: ``seq_idx``)
+    kept from before the capture (a cache hit inside it) are stale on replay, and the second
+    row's loss moves off."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_hybrid.modules.fast import rope
@@ -226,6 +227,8 @@ def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, patter
         if refused is not None:
             pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
         changes["deterministic_mode"] = False  # fla's kernels, which take packed rows
+    if "M" in pattern and _requirements(pattern) == "Mamba kernels":
+        pytest.skip("megatron-core's Mamba kernels run packed rows eager; the torch mixer graphs")
     pg = initialize_model_parallel(ep=1, seed=5)
     config = bf16_config(pattern, **changes)
     config = with_mla(config) if "+" in pattern else config
@@ -248,9 +251,9 @@ def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, patter
     again = _packed_steps(eager_model, device)
     model, report_ = build(True)
     graphed = _packed_steps(model, device)
-    attention = report_.graphed["decoder.layers.0.layers.0.self_attention"]
-    assert attention.disabled is None, attention.disabled
-    assert (attention.captures, attention.replays) == (2, 4), report_.summary()
+    (mixer,) = (g for n, g in report_.graphed.items() if n.startswith("decoder.layers.0.layers.0"))
+    assert mixer.disabled is None, mixer.disabled
+    assert (mixer.captures, mixer.replays) == (2, 4), report_.summary()
     for name, piece in report_.graphed.items():
         assert piece.disabled is None and piece.replays == 4, f"{name}: {report_.summary()}"
         assert not piece.eager_calls, f"{name}: {piece.eager_calls}"
@@ -262,7 +265,13 @@ def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, patter
     stale_diff = None
     if not ON_CPU:  # the eager stand-in capture has no capture for a cache to hide in
         if "G" in pattern:
-            _keep_fla_boundaries(monkeypatch)
+            from megatron_hybrid.modules import gated_delta_net
+
+            _keep_per_boundaries(monkeypatch, gated_delta_net, "fixed_fla_boundaries")
+        elif "M" in pattern:
+            from megatron_hybrid.modules import mamba_torch
+
+            _keep_per_boundaries(monkeypatch, mamba_torch, "fixed_seq_idx")
         else:
             monkeypatch.setattr(rope, "_capturing", lambda t: False)
         stale = _packed_steps(build(True)[0], device)

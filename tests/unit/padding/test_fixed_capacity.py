@@ -19,6 +19,7 @@ from megatron_hybrid.padding.fixed import (
     MIN_CAPACITY,
     FixedPackedSeqParams,
     fixed_capacity_params,
+    fixed_seq_idx,
     sequence_capacity,
 )
 
@@ -66,6 +67,8 @@ def _check(fixed, params, sequences: int) -> None:
     assert fixed.seq_idx is None and fixed.pad_between_seqs and fixed.qkv_format == "thd"
     # The same rows: megatron-core's seq_idx of the fixed boundaries is the micro-batch's.
     assert torch.equal(seq_idx_of(fixed.cu_seqlens_q_padded.tolist(), 40), seq_idx_of(padded, 40))
+    # ... and the one the torch Mamba mixer makes from them on the device.
+    assert torch.equal(fixed_seq_idx(fixed), seq_idx_of(padded, 40))
 
 
 @pytest.mark.parametrize("gaps", [False, True], ids=["back-to-back", "padded-apart"])
@@ -147,3 +150,23 @@ def test_rope_table_params_size_the_table_by_the_row():
     assert params.max_seqlen_q == 8  # the micro-batch's own parameters are untouched
     cp = _with(local_cp_size=2)
     assert rope_table_params(cp) is cp and rope_table_params(None) is None
+
+
+@pytest.mark.parametrize(
+    "padded, total",
+    [([0, 4, 4, 10], 16), ([0, 5, 7, 11], 16), ([0, 16], 16), ([0, 3, 3, 3, 9], 9)],
+    ids=["empty-sequence", "megatron-s-example", "one-sequence", "empty-at-the-end"],
+)
+def test_fixed_seq_idx_is_megatron_s(padded, total):
+    """The device-made ``seq_idx`` equals megatron-core's own ``__post_init__`` (0.19.2) for
+    the micro-batch, empty sequences and the rows after the last one included; the control
+    (``searchsorted`` to the left) gives the rows at a boundary the earlier sequence."""
+    bounds = torch.tensor(padded, dtype=torch.int32)
+    own = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                          cu_seqlens_q_padded=bounds, cu_seqlens_kv_padded=bounds,
+                          max_seqlen_q=total, max_seqlen_kv=total, total_tokens=total)  # fmt: skip
+    fixed = fixed_capacity_params(own)
+    assert torch.equal(fixed_seq_idx(fixed), own.seq_idx)
+    rows = torch.arange(total, dtype=torch.int32)
+    left = torch.searchsorted(fixed.cu_seqlens_q_padded, rows) - 1
+    assert not torch.equal(left.to(torch.int32).unsqueeze(0), own.seq_idx)
