@@ -39,14 +39,15 @@ Gradients, as megatron-core 0.19.2 treats them (``transformer/cuda_graphs.py``):
 
 Packed (THD) micro-batches: a piece that reads their boundaries on the device only
 (``GraphPiece.packed``: the fast attention and MLA, whose varlen FlashAttention and RoPE take
-them as tensors) gets them as :class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`,
-boundaries padded with empty sequences to a power-of-two capacity and ``max_seqlen`` the row's
-length plus one, so every micro-batch of one row length and capacity replays one graph whatever
-its sequences; the two boundary tensors are graph inputs like the hidden states. Other pieces run
-such calls eager (:data:`PACKED_REASON`). Whether the device-only path runs is decided per call
-(dtype, settings); where it does not, the capture fails on its host read, and packed calls of
-that piece run eager from then on, with the failure as their reason, while its other calls
-still replay.
+them as tensors; GatedDeltaNet on fla's kernels, with a chunk table built on the device; the
+torch Mamba mixer, with ``seq_idx`` made on the device) gets them as
+:class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, boundaries padded with empty
+sequences to a power-of-two capacity and ``max_seqlen`` the row's length plus one, so every
+micro-batch of one row length and capacity replays one graph whatever its sequences; the two
+boundary tensors are graph inputs like the hidden states. Other pieces run such calls eager
+(:data:`PACKED_REASON`). Whether the device-only path runs is decided per call (dtype,
+settings); where it does not, the capture fails on its host read, and packed calls of that piece
+run eager from then on, with the failure as their reason, while its other calls still replay.
 
 Calls that cannot replay a graph run the original forward, with the reason kept in
 :attr:`GraphedForward.eager_calls`: inference or ``torch.no_grad`` (no backward would free the

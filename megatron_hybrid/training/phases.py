@@ -1,10 +1,11 @@
 """Where a training step's time goes: phase timers that synchronise the device, when asked.
 
-A step's phases are the data (building its micro-batches), the forward and backward passes,
-the gradient finalisation (megatron's ``finalize_model_grads``: the data-parallel reduction and
-the division by the global token count, called at the end of the schedule), the guard (the
-loss, the gradient norm and the check that both are finite), the optimizer (clipping, the
-update, the copy back into the model's parameters). GPU work is asynchronous, so each phase
+A step's phases are the data (building micro-batches: ``train`` builds the next step's inside a
+step, once its work is queued, ``train_step``'s ``while_queued``), the forward and backward
+passes, the gradient finalisation (megatron's ``finalize_model_grads``: the data-parallel
+reduction and the division by the global token count, called at the end of the schedule), the
+guard (the loss, the gradient norm and the check that both are finite), the optimizer (clipping,
+the update, the copy back into the model's parameters). GPU work is asynchronous, so each phase
 waits for the device at its start and end: the times are the phases' own, and whatever remains
 of the step is host work between them (``host``).
 
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 __all__ = ["HOST", "PHASES", "PhaseTimer", "phase"]
 
-#: The phases a step reports, in the order a step runs them.
+#: The phases a step reports.
 PHASES = ("data", "forward-backward", "gradient finalisation", "guard", "optimizer")
 #: The rest of the step: host work outside every phase.
 HOST = "host"

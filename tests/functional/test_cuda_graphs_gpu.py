@@ -14,9 +14,10 @@ With 2 or 4 GPUs the plain-schedule test runs on every rank alone (EP=1, no comm
 the EP-overlap plan (EP = GPUs) runs graphed against ungraphed, in a torchrun job of its own
 (``own_job``); it needs EP >= 2, so it skips on one GPU.
 Under ``MH_FUNCTIONAL_ON_CPU=1`` the pieces go through an eager stand-in capture
-(checks the test logic only). GatedDeltaNet runs megatron's torch path (``deterministic_mode``:
-fla 0.6.0 refuses its gated backward on Hopper with Triton < 3.7.1); Mamba runs megatron-core's
-kernels where ``mamba_ssm`` is installed, else the package's torch mixer.
+(checks the test logic only). In ``test_graphed_matches_eager`` GatedDeltaNet runs megatron's
+torch path (``deterministic_mode``); in the packed-rows test it runs fla's kernels (the
+package's ``dqkwg`` where fla refuses its own backward: Hopper with Triton 3.4-3.7.0). Mamba runs
+megatron-core's kernels where ``mamba_ssm`` is installed, else the package's torch mixer.
 """
 
 from __future__ import annotations
