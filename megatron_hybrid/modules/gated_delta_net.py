@@ -306,8 +306,9 @@ class HybridGatedDeltaNet(GatedDeltaNet):
         context parallelism has none. Both calls return one tensor, so megatron's
         ``torch.equal`` of the two compares a tensor with itself (no device read).
         """
-        if self._fixed_cu_seqlens is not None:
-            return self._fixed_cu_seqlens
+        fixed = getattr(self, "_fixed_cu_seqlens", None)  # a function of its arguments otherwise
+        if fixed is not None:
+            return fixed
         cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
         offsets = host_values(cu_seqlens)
         if offsets[-1] != total_seq_len:
