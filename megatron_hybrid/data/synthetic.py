@@ -14,6 +14,7 @@ from ``1 << 40``, drew exactly the training split's sequences.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -66,9 +67,12 @@ class SyntheticTokens:
         generator = torch.Generator().manual_seed(self.seed)
         return torch.randint(1, self.vocab_size, (self.vocab_size, 2), generator=generator)
 
-    def sequence(self, index: int, stream: int = 0, part: int = 0) -> torch.Tensor:
+    def sequence(
+        self, index: int, stream: int = 0, part: int = 0, limit: int | None = None
+    ) -> torch.Tensor:
         """Tokens ``[L + 1]`` of sequence ``index`` of ``stream`` (and ``part``) (inputs are
-        ``[:-1]``, labels ``[1:]``)."""
+        ``[:-1]``, labels ``[1:]``); with ``limit``, its first ``limit`` tokens only (the same
+        as cutting the whole sequence, without walking the rest)."""
         draws = np.random.default_rng([self.seed, stream, index, part])
         # Log-normal lengths, like pretraining documents, clipped to the allowed range.
         median = max(self.min_length, self.max_length // 2)
@@ -76,17 +80,22 @@ class SyntheticTokens:
         length = int(min(self.max_length, max(self.min_length, round(draw))))
         token = int(draws.integers(1, self.vocab_size))
         choices = (draws.random(length) > 0.8).tolist()
-        # The walk on Python ints: indexing a tensor per token cost ~30 ms per 2,000-token
-        # sequence, host time inside every training step; this is ~100x less.
-        successors, walk = self._successor_rows, [token]
-        for choice in choices:
-            token = successors[token][choice]
-            walk.append(token)
-        return torch.tensor(walk, dtype=torch.long)
+        if limit is not None:
+            if limit < 1:
+                raise ValueError(f"SyntheticTokens.sequence: limit must be >= 1, got {limit}")
+            choices = choices[: limit - 1]
+        # The walk on Python ints, each step one lookup in the flat successor list from C's
+        # loop: indexing a tensor per token cost ~30 ms per 2,000-token sequence, host time
+        # inside every training step; a Python loop over nested lists ~0.45 us a token, this
+        # ~0.17 (one CPU core, 2026-11-29).
+        walk = itertools.accumulate(choices, self._step, initial=token)
+        return torch.from_numpy(np.fromiter(walk, dtype=np.int64, count=len(choices) + 1))
 
     @cached_property
-    def _successor_rows(self) -> list[list[int]]:
-        return self._successors.tolist()
+    def _step(self):
+        """``(token, choice) -> successor``: the table as one flat list, two entries a token."""
+        flat = self._successors.flatten().tolist()
+        return lambda token, choice: flat[token + token + choice]
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ class SyntheticSamples:
         # sample is made without the ones before it, as resuming needs.
         needed, parts = self.tokens.max_length + 1, []
         while needed > 0:
-            part = self.tokens.sequence(index, stream, len(parts))[:needed]
+            part = self.tokens.sequence(index, stream, len(parts), limit=needed)
             parts.append(part)
             needed -= len(part)
         pieces = [len(p) for p in parts]

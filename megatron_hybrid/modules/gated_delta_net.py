@@ -97,9 +97,11 @@ def fixed_chunk_indices(
     ``rows`` tokens in that many segments (each adds at most one partial chunk): first the real
     chunks, as :func:`fla_chunk_indices` gives them, then spare rows that name chunk 0 of the
     last segment. That segment must be empty (:func:`fixed_fla_boundaries` appends one): fla
-    0.6.0's chunk kernels take a chunk's length from the boundaries and mask every load and
-    store by it, so a spare row's program reads and writes nothing (its per-chunk partial sums,
-    the conv's weight gradient, are zeros).
+    0.6.0's chunk kernels take a chunk's length from the boundaries and mask every tile's loads
+    and stores by it, so a spare row's program stores nothing (its per-chunk partial sums, the
+    conv's weight gradient, are zeros; at most a scalar of the row before it is read). On a
+    segment that holds rows, a spare row would compute that segment's first chunk again from
+    state rows nobody wrote for it, and store it.
 
     Args:
         cu_seqlens: ``[segments + 1]`` boundaries, from 0 to ``rows``, the last segment empty.

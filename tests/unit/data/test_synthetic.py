@@ -121,3 +121,15 @@ def test_sequence_samples_stay_one_sequence_each():
 def test_a_negative_seed_is_refused():
     with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
         SyntheticTokens(256, max_length=64, seed=-1)
+
+
+@pytest.mark.parametrize("limit", [1, 7, 100, 10_000], ids=lambda n: f"limit-{n}")
+def test_a_limited_sequence_is_the_whole_one_cut(limit):
+    """``limit`` walks only the tokens it keeps: the same as cutting the whole sequence (longer
+    limits keep it whole); a limit below one token is refused."""
+    chain = SyntheticTokens(256, max_length=512, seed=3)
+    for index in (0, 5):
+        whole = chain.sequence(index, stream=2, part=1)
+        assert torch.equal(chain.sequence(index, stream=2, part=1, limit=limit), whole[:limit])
+    with pytest.raises(ValueError, match="limit must be >= 1, got 0"):
+        chain.sequence(0, limit=0)
