@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -92,7 +93,7 @@ class SyntheticTokens:
         return torch.from_numpy(np.fromiter(walk, dtype=np.int64, count=len(choices) + 1))
 
     @cached_property
-    def _step(self):
+    def _step(self) -> Callable[[int, bool], int]:
         """``(token, choice) -> successor``: the table as one flat list, two entries a token."""
         flat = self._successors.flatten().tolist()
         return lambda token, choice: flat[token + token + choice]

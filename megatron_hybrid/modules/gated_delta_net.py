@@ -48,7 +48,7 @@ from torch.nn.functional import softplus
 
 from megatron_hybrid.modules.fla_backend import register_fla_backend
 from megatron_hybrid.padding.batch import derived, host_values, to_device
-from megatron_hybrid.padding.fixed import FixedPackedSeqParams
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams, row_segments
 
 __all__ = [
     "FLA_CHUNK_SIZE",
@@ -97,11 +97,11 @@ def fixed_chunk_indices(
     ``rows`` tokens in that many segments (each adds at most one partial chunk): first the real
     chunks, as :func:`fla_chunk_indices` gives them, then spare rows that name chunk 0 of the
     last segment. That segment must be empty (:func:`fixed_fla_boundaries` appends one): fla
-    0.6.0's chunk kernels take a chunk's length from the boundaries and mask every tile's loads
-    and stores by it, so a spare row's program stores nothing (its per-chunk partial sums, the
-    conv's weight gradient, are zeros; at most a scalar of the row before it is read). On a
-    segment that holds rows, a spare row would compute that segment's first chunk again from
-    state rows nobody wrote for it, and store it.
+    0.6.0's chunk kernels take a chunk's length from the boundaries and mask every store by it,
+    so a spare row's program stores nothing (its per-chunk partial sums, the conv's weight
+    gradient, are zeros); what it reads (state rows nothing wrote for it, a scalar of the row
+    before) is discarded. On a segment that holds rows, a spare row would compute that
+    segment's first chunk again from those unwritten state rows, and store it.
 
     Args:
         cu_seqlens: ``[segments + 1]`` boundaries, from 0 to ``rows``, the last segment empty.
@@ -121,7 +121,7 @@ def fixed_chunk_indices(
     )
     # The segment whose chunks hold the slot (empty segments own none); spare slots fall past
     # the last start and go to the last segment.
-    segment = (torch.searchsorted(starts, slots, right=True) - 1).clamp_(max=segments - 1)
+    segment = row_segments(starts, slots).clamp_(max=segments - 1)
     real = slots < starts[-1]
     chunk = torch.where(real, slots - starts[segment], 0)
     return torch.stack([segment, chunk], 1).to(cu_seqlens.dtype)
@@ -139,6 +139,13 @@ def fixed_fla_boundaries(
     :func:`fla_chunk_indices` to find. Both are made anew on every call, from the tensors given:
     inside a CUDA-graph capture they are recorded and recomputed on each replay, where a table
     kept from the capture's warm-up would hold the warm-up's boundaries.
+
+    Args:
+        params: fixed-size parameters (``padding.fixed.fixed_capacity_params``).
+        chunk_size: tokens per chunk of fla's kernels.
+
+    Returns:
+        ``[capacity + 2]`` boundaries in ``params``' dtype and device; no host read.
     """
     padded = params.cu_seqlens_q_padded
     boundaries = torch.cat([padded, padded[-1:]])
@@ -215,9 +222,9 @@ class HybridGatedDeltaNet(GatedDeltaNet):
         sequence_len_offset: int | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """megatron-core's forward; with :class:`~megatron_hybrid.padding.fixed.
-        FixedPackedSeqParams` (a graphed piece's packed call) on :func:`fixed_fla_boundaries`,
-        with no host read.
+        """megatron-core's forward; with fixed-size packed parameters
+        (:class:`~megatron_hybrid.padding.fixed.FixedPackedSeqParams`, a graphed piece's packed
+        call) on :func:`fixed_fla_boundaries`, with no host read.
 
         Raises:
             ValueError: fixed-size parameters where the rule cannot take them, or for a row of

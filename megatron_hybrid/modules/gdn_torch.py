@@ -215,7 +215,9 @@ def chunk_gated_delta_rule(
     return o, torch.cat(finals) if output_final_state else None
 
 
-def _empty_sequence_state(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None):
+def _empty_sequence_state(
+    q: torch.Tensor, v: torch.Tensor, state: torch.Tensor | None
+) -> torch.Tensor:
     """The final state of an empty sequence: its initial state (zero if none), float32."""
     if state is not None:
         return state.float()

@@ -49,6 +49,7 @@ __all__ = [
     "fixed_capacity_params",
     "fixed_seq_idx",
     "rope_table_params",
+    "row_segments",
     "sequence_capacity",
 ]
 
@@ -153,16 +154,37 @@ def _fixed(real: torch.Tensor, padded: torch.Tensor, params) -> FixedPackedSeqPa
     )
 
 
+def row_segments(starts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The segment holding each of ``rows``, on the device (no host read).
+
+    Args:
+        starts: non-decreasing segment starts (boundaries; an empty segment repeats the next
+            one's start and holds no row).
+        rows: row indices, in ``starts``' dtype.
+
+    Returns:
+        Per row, the last ``i`` with ``starts[i] <= row`` (``-1`` before ``starts[0]``).
+    """
+    return torch.searchsorted(starts, rows, right=True) - 1
+
+
 def fixed_seq_idx(params: FixedPackedSeqParams) -> torch.Tensor:
     """megatron-core's ``seq_idx`` of the micro-batch that ``params`` were made from, computed on
-    the device from the fixed boundaries (no host read; made anew on every call, so a CUDA graph
-    records it): ``[1, total_tokens]`` int32, each row's segment of ``cu_seqlens_q_padded``, rows
-    after the last sequence one more (0.19.2's ``PackedSeqParams.__post_init__``). The empty
-    sequences the capacity adds own no row, as empty sequences there own none."""
+    the device from the fixed boundaries.
+
+    The empty sequences the capacity adds own no row, as empty sequences do in megatron's; made
+    anew on every call (no host read), so a CUDA graph records it.
+
+    Args:
+        params: fixed-size parameters (:func:`fixed_capacity_params`).
+
+    Returns:
+        ``[1, total_tokens]`` int32: each row's segment of ``cu_seqlens_q_padded``, the rows after
+        the last sequence one more (0.19.2's ``PackedSeqParams.__post_init__``).
+    """
     padded = params.cu_seqlens_q_padded
     rows = torch.arange(params.total_tokens, device=padded.device, dtype=padded.dtype)
-    segment = torch.searchsorted(padded, rows, right=True) - 1
-    return segment.to(torch.int32).unsqueeze(0)
+    return row_segments(padded, rows).to(torch.int32).unsqueeze(0)
 
 
 def rope_table_params(params: PackedSeqParams | None) -> PackedSeqParams | None:

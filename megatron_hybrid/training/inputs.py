@@ -19,6 +19,7 @@ count a checkpoint records.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,14 @@ from megatron_hybrid.padding import padding_config_from, thd_unsupported_reason_
 from megatron_hybrid.training.settings import SettingsError
 from megatron_hybrid.training.train_settings import TrainSettings
 
-__all__ = ["DEFAULT_VOCAB_SIZE", "RunInputs", "data_change_notes", "data_record", "resolve_data"]
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "RunInputs",
+    "StepFeed",
+    "data_change_notes",
+    "data_record",
+    "resolve_data",
+]
 
 #: The model's vocabulary when no tokenizer gives one (the synthetic data's).
 DEFAULT_VOCAB_SIZE = 256
@@ -371,3 +379,43 @@ class RunInputs:
         if self.layout_note:
             lines.append(f"--packed: {self.layout_note}")
         return "\n".join(lines)
+
+
+class StepFeed:
+    """The training micro-batches of consecutive steps, the next step's built while a step runs.
+
+    ``train`` hands :meth:`build_next` to ``train_step`` as ``while_queued``: the host builds the
+    next step's micro-batches once the step's work is queued on the device, and the step's time
+    counts them (as Megatron-LM's iteration time counts its data loading). A failure there is
+    the next step's: :meth:`take` raises it, after this step has been logged and saved.
+
+    Args:
+        fetch: ``first sample -> micro-batches`` of the step whose global batch starts there.
+        first: the first sample of the next step.
+        step: samples per step (the global batch).
+    """
+
+    def __init__(self, fetch: Callable[[int], list[dict]], first: int, step: int):
+        self._fetch, self._first, self._step = fetch, first, step
+        self._ready: list[dict] | Exception | None = None
+
+    def build_next(self) -> None:
+        """Build the next step's micro-batches now (a failure is kept for :meth:`take`)."""
+        try:
+            self._ready = self._fetch(self._first)
+        except Exception as error:  # re-raised unchanged by take()
+            self._ready = error
+
+    def take(self) -> list[dict]:
+        """The next step's micro-batches (built now where :meth:`build_next` did not run).
+
+        Raises:
+            Exception: what building them raised.
+        """
+        ready, self._ready = self._ready, None
+        if ready is None:
+            ready = self._fetch(self._first)
+        if isinstance(ready, Exception):
+            raise ready
+        self._first += self._step
+        return ready

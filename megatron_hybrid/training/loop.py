@@ -266,7 +266,8 @@ def train_step(
             is queued, before its first read on the host (the fused path: after the update;
             megatron's: after the schedule, before its guard reads the gradients). ``train``
             builds the next step's micro-batches there, so the host builds them while the GPU
-            computes instead of after it; under a ``timer`` it is the ``data`` phase.
+            computes instead of after it (work that reads the device waits for the queued step
+            instead); under a ``timer`` it is the ``data`` phase.
 
     Returns:
         The step's loss (summed over the global batch, divided by its count), the gradient norm

@@ -13,7 +13,6 @@ The data (:mod:`~megatron_hybrid.training.inputs`), the learning-rate schedule
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from megatron_hybrid.training.hf_source import hf_source, hf_training_config, lo
 from megatron_hybrid.training.hf_source import model_kwargs as hf_model_kwargs
 from megatron_hybrid.training.inputs import (
     RunInputs,
+    StepFeed,
     data_change_notes,
     data_record,
     resolve_data,
@@ -415,33 +415,26 @@ def _train(
         args.manual_gc, args.manual_gc_interval, not args.no_manual_gc_eval
     )
 
-    def fetch(first: int, into: list | None = None) -> list[dict]:
-        batches = counter.annotate(
+    feed = StepFeed(
+        lambda first: counter.annotate(
             inputs.micro_batches(inputs.train, first, setup.num_microbatches)
-        )
-        if into is not None:
-            into.append(batches)
-        return batches
-
-    batches = fetch(consumed) if start < args.train_iters else None
+        ),
+        consumed,
+        setup.global_batch,
+    )
     with collector:
         for iteration in range(start, args.train_iters):
-            # The next step's micro-batches are built while the GPU runs this step (its time
-            # counts them, as Megatron-LM's iteration time counts its data loading).
-            upcoming: list[list[dict]] = []
-            following = consumed + setup.global_batch
-            prefetch = None
-            if iteration + 1 < args.train_iters:
-                prefetch = functools.partial(fetch, following, upcoming)
+            batches = feed.take()
+            # The next step's micro-batches are built while the GPU runs this one.
+            following = None if iteration + 1 == args.train_iters else feed.build_next
             lr = current_lr(optimizer)
             began = time.perf_counter()
             result = train_step(chunks, optimizer, batches, setup.config, seq_length=seq_length,
                                 micro_batch_size=rows, pg_collection=setup.pg,
-                                while_queued=prefetch)  # fmt: skip
+                                while_queued=following)  # fmt: skip
             setup.backend.synchronize()
             elapsed = time.perf_counter() - began
-            batches = upcoming[0] if upcoming else None
-            consumed = following
+            consumed += setup.global_batch
             done = iteration + 1
             if check_step(result, done, args.on_nonfinite, saved):
                 if rank == 0:

@@ -47,10 +47,14 @@ def _params(with_tail_segment: bool, device) -> PackedSeqParams:
 
 
 def _poison_the_allocator(device) -> None:
-    """Fill the caching allocator's free memory with NaN: buffers made next start as NaN."""
+    """Fill free memory of both of the caching allocator's pools with NaN, so buffers made next
+    likely start as NaN: one large block, and many blocks of up to 1 MiB (the small pool, which
+    serves the layer's buffers at this size)."""
     free, _ = torch.cuda.mem_get_info(device)
-    block = torch.full((min(free // 8, 1 << 30) // 4,), float("nan"), device=device)
-    del block
+    large = torch.full((min(free // 8, 1 << 30) // 4,), float("nan"), device=device)
+    small = [torch.full((n,), float("nan"), device=device)
+             for n in (1 << 18, 1 << 16, 1 << 14) for _ in range(64)]  # fmt: skip
+    del large, small
 
 
 @pytest.mark.time_limit(300)  # fla compiles its varlen kernels on first use

@@ -43,7 +43,7 @@ from megatron_hybrid.modules.fast.selection import (
     varlen_reason,
 )
 from megatron_hybrid.padding.batch import host_values
-from megatron_hybrid.padding.fixed import FixedPackedSeqParams
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams, row_segments
 
 __all__ = [
     "FastSelfAttention",
@@ -278,7 +278,7 @@ def _zero_pad_rows(out: torch.Tensor, offsets: torch.Tensor, real: torch.Tensor)
     # Row r of segment i is real if r - start_i < real_i; empty segments own no row.
     segment_starts = offsets[:-1].long()
     rows = torch.arange(out.shape[0], device=out.device)
-    segment = torch.searchsorted(segment_starts, rows, right=True) - 1
+    segment = row_segments(segment_starts, rows)
     keep = (rows - segment_starts[segment]) < real[segment]
     return out.masked_fill(~keep.unsqueeze(1), 0.0)
 

@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from megatron_hybrid.padding.batch import per_tensor
+from megatron_hybrid.padding.fixed import row_segments
 
 __all__ = ["apply_rope", "apply_rope_thd", "rope_tables", "thd_positions"]
 
@@ -116,10 +117,11 @@ def _positions(cu_seqlens: torch.Tensor, tokens: int, restart: bool) -> torch.Te
     index = torch.arange(tokens, device=cu_seqlens.device)
     if restart:
         offsets = cu_seqlens.to(torch.int64)
-        # The sequence of each token: how many sequence ends lie at or before it (trailing
-        # empty segments, as fixed-size boundaries have, end at the row's length: none).
-        sequence = torch.searchsorted(offsets[1:], index, right=True)
-        index = index - offsets[sequence.clamp_(max=offsets.numel() - 2)]
+        # The sequence of each token (trailing empty segments, as fixed-size boundaries have,
+        # start at the row's length: they hold none); tokens past the last boundary stay in the
+        # last sequence.
+        sequence = row_segments(offsets, index).clamp_(max=offsets.numel() - 2)
+        index = index - offsets[sequence]
     return index
 
 

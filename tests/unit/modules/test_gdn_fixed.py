@@ -104,8 +104,9 @@ def _layer(pg):
 
 def test_the_layer_on_fixed_boundaries_equals_its_own_parameters_with_no_host_read(pg, monkeypatch):
     """The output and every gradient on fixed-size boundaries equal the micro-batch's own
-    parameters' bit for bit, and the layer reads no boundary on the host (``host_values``
-    raises); the control: the micro-batch's own parameters do read them."""
+    parameters' bit for bit, and the layer's own code reads no boundary on the host
+    (``host_values`` raises; the CPU stand-ins of fla's kernels read them, as emulation); the
+    control: the micro-batch's own parameters do read them."""
     layer = _layer(pg)
     batch = pack_apart([10, 20, 18], total=64, seed=1)
     own = batch.packed_seq_params

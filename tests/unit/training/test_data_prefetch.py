@@ -7,8 +7,10 @@ Megatron-LM's iteration time counts its data loading) that the GPU no longer wai
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_hybrid.testing.spawn import run_distributed
+from megatron_hybrid.training.inputs import StepFeed
 from megatron_hybrid.training.phases import HOST, PHASES, PhaseTimer
 
 
@@ -21,7 +23,7 @@ def tiny(pg):
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "megatron-step"])
 def test_while_queued_runs_after_the_last_queued_work(tiny, pg, monkeypatch, fused):
-    """The fused step queues the update before its one host read: the data comes after it.
+    """The fused step queues the update before its one host read: the data comes between them.
     megatron's guard and optimizer read the device: the data comes before them. Either way it
     runs once, and under a timer it is the step's ``data`` phase."""
     from step_setup import step
@@ -30,9 +32,12 @@ def test_while_queued_runs_after_the_last_queued_work(tiny, pg, monkeypatch, fus
 
     events = []
     if fused:
-        apply = loop.apply_step
+        apply, tolist = loop.apply_step, torch.Tensor.tolist
         monkeypatch.setattr(loop, "apply_step",
                             lambda *a: events.append("update") or apply(*a))  # fmt: skip
+        # The step's one read on the host: its results copied at the end.
+        monkeypatch.setattr(torch.Tensor, "tolist",
+                            lambda t: events.append("read") or tolist(t))  # fmt: skip
     else:
         monkeypatch.setenv("MEGATRON_HYBRID_FUSED_STEP", "0")
         update = tiny.optimizer.step
@@ -43,8 +48,34 @@ def test_while_queued_runs_after_the_last_queued_work(tiny, pg, monkeypatch, fus
         result = step(tiny, pg, tiny.batches(0), timer=timer,
                       while_queued=lambda: events.append("data"))  # fmt: skip
     assert result.finite
-    assert events == (["update", "data"] if fused else ["data", "update"])
+    if fused:  # nothing read between the update and the data; the results read after it
+        after = events[events.index("update") :]
+        assert after[:2] == ["update", "data"] and "read" in after[2:], events
+    else:
+        assert events == ["data", "update"]
     assert list(timer.breakdown()) == [*PHASES, HOST]
+
+
+def test_the_feed_hands_out_consecutive_steps_and_defers_a_failure():
+    """Steps start at samples 10, 14, 18; a step whose next batches were built ahead takes
+    those, one that was not builds them on taking; a failure building ahead is raised by the
+    next ``take``, not by ``build_next`` (inside the running step)."""
+    built = []
+
+    def fetch(first):
+        built.append(first)
+        if first == 22:
+            raise RuntimeError("no sample 22")
+        return [first]
+
+    feed = StepFeed(fetch, 10, 4)
+    assert feed.take() == [10]
+    feed.build_next()
+    assert built == [10, 14] and feed.take() == [14]
+    assert feed.take() == [18] and built == [10, 14, 18]  # not built ahead: built now
+    feed.build_next()  # fails, kept
+    with pytest.raises(RuntimeError, match="no sample 22"):
+        feed.take()
 
 
 def _train_worker(rank: int, world_size: int, argv: list[str]):
@@ -80,11 +111,11 @@ def _train_worker(rank: int, world_size: int, argv: list[str]):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_train_builds_each_next_step_s_data_inside_the_step():
-    """Three steps of two samples: the first step's data before it, the second's and third's
-    inside the step before each, none inside the last."""
+    """Three steps of two samples, an evaluation after the second: the first step's data
+    before it, the second's and third's inside the step before each, none inside the last."""
     argv = ["--hybrid-layer-pattern", "[*E]", "--num-experts", "4", "--train-iters", "3",
-            "--micro-batch-size", "2", "--global-batch-size", "2",
-            "--seq-length", "16"]  # fmt: skip
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--seq-length", "16",
+            "--eval-interval", "2", "--eval-iters", "1"]  # fmt: skip
     ((events, losses),) = run_distributed(_train_worker, 1, argv, timeout=300)
     assert events == [0, "step", 2, "end", "step", 4, "end", "step", "end"]
     assert len(losses) == 3
