@@ -230,24 +230,16 @@ class HybridGatedDeltaNet(GatedDeltaNet):
             ValueError: fixed-size parameters where the rule cannot take them, or for a row of
                 another length.
         """
-        if not isinstance(packed_seq_params, FixedPackedSeqParams):
-            return super().forward(
-                hidden_states,
-                attention_mask,
-                inference_context,
-                packed_seq_params,
-                sequence_len_offset,
-                **kwargs,
-            )
-        rows = hidden_states.shape[0] * self.sp_size * self.cp_size
-        if not self.reads_fixed_packed_on_device or packed_seq_params.total_tokens != rows:
-            raise ValueError(
-                f"GatedDeltaNet: fixed-size packed boundaries for rows of "
-                f"{packed_seq_params.total_tokens} tokens, given {rows} rows"
-                + ("" if self.reads_fixed_packed_on_device else " and a rule without fla's")
-                + "; pass the micro-batch's own PackedSeqParams"
-            )
-        self._fixed_cu_seqlens = fixed_fla_boundaries(packed_seq_params)
+        if isinstance(packed_seq_params, FixedPackedSeqParams):
+            rows = hidden_states.shape[0] * self.sp_size * self.cp_size
+            if not self.reads_fixed_packed_on_device or packed_seq_params.total_tokens != rows:
+                raise ValueError(
+                    f"GatedDeltaNet: fixed-size packed boundaries for rows of "
+                    f"{packed_seq_params.total_tokens} tokens, given {rows} rows"
+                    + ("" if self.reads_fixed_packed_on_device else " and a rule without fla's")
+                    + "; pass the micro-batch's own PackedSeqParams"
+                )
+            self._fixed_cu_seqlens = fixed_fla_boundaries(packed_seq_params)
         try:
             return super().forward(
                 hidden_states,

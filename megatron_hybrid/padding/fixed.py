@@ -48,6 +48,7 @@ __all__ = [
     "FixedPackedSeqParams",
     "fixed_capacity_params",
     "fixed_seq_idx",
+    "rope_restart",
     "rope_table_params",
     "row_segments",
     "sequence_capacity",
@@ -185,6 +186,14 @@ def fixed_seq_idx(params: FixedPackedSeqParams) -> torch.Tensor:
     padded = params.cu_seqlens_q_padded
     rows = torch.arange(params.total_tokens, device=padded.device, dtype=padded.dtype)
     return row_segments(padded, rows).to(torch.int32).unsqueeze(0)
+
+
+def rope_restart(params: PackedSeqParams | None) -> bool | None:
+    """Whether THD RoPE positions restart in every sequence for ``params``: True for fixed-size
+    boundaries, whose rotary table is sized by the row (see the module doc), so the table's
+    length no longer tells megatron's whole-row positions apart; None (megatron's own rule, by
+    the table's length) for any other parameters."""
+    return True if isinstance(params, FixedPackedSeqParams) else None
 
 
 def rope_table_params(params: PackedSeqParams | None) -> PackedSeqParams | None:

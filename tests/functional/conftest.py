@@ -204,6 +204,19 @@ def require_ep_overlap(world_size: int) -> None:
         )
 
 
+def require_fla_training(device) -> None:
+    """Skip unless fla's GatedDeltaNet kernels can train here: a GPU, fla importable, and its
+    gated backward not refused (``training.capabilities.fla_gated_backward_refused``)."""
+    if device.type != "cuda":
+        pytest.skip("fla's Triton kernels need a GPU")
+    pytest.importorskip("fla", reason="fla's GatedDeltaNet kernels (fla-core) are not installed")
+    from megatron_hybrid.training.capabilities import fla_gated_backward_refused
+
+    refused = fla_gated_backward_refused()
+    if refused is not None:
+        pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
+
+
 # The model sizes the checkpoint and TE tests share.
 TEST_SIZES = dict(hidden_size=128, num_attention_heads=8, ffn_hidden_size=256)
 

@@ -26,7 +26,15 @@ import os
 
 import pytest
 import torch
-from conftest import ON_CPU, bf16_config, device_inputs, report, require_ep_overlap, with_mla
+from conftest import (
+    ON_CPU,
+    bf16_config,
+    device_inputs,
+    report,
+    require_ep_overlap,
+    require_fla_training,
+    with_mla,
+)
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -221,12 +229,7 @@ def test_packed_rows_replay_the_fixed_boundary_mixers(world, monkeypatch, patter
     if "G" in pattern:
         if ON_CPU:
             pytest.skip("GatedDeltaNet's packed rows run on fla's kernels (a GPU)")
-        pytest.importorskip("fla", reason="megatron's GatedDeltaNet imports fla-core")
-        from megatron_hybrid.training.capabilities import fla_gated_backward_refused
-
-        refused = fla_gated_backward_refused()
-        if refused is not None:
-            pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
+        require_fla_training(device)
         changes["deterministic_mode"] = False  # fla's kernels, which take packed rows
     if "M" in pattern and _requirements(pattern) == "Mamba kernels":
         pytest.skip("megatron-core's Mamba kernels run packed rows eager; the torch mixer graphs")

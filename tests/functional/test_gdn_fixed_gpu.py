@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import report
+from conftest import report, require_fla_training
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_hybrid.testing.overlap import rel_error
@@ -64,15 +64,9 @@ def test_fixed_boundaries_on_fla_match_the_micro_batch_s_own(world, monkeypatch)
     from megatron_hybrid.modules import gated_delta_net
     from megatron_hybrid.padding.fixed import fixed_capacity_params
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
-    from megatron_hybrid.training.capabilities import fla_gated_backward_refused
 
     _, _, device = world
-    if device.type != "cuda":
-        pytest.skip("fla's Triton kernels need a GPU")
-    pytest.importorskip("fla")
-    refused = fla_gated_backward_refused()
-    if refused is not None:
-        pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
+    require_fla_training(device)
     pg = initialize_model_parallel(seed=1)
     try:
         torch.manual_seed(3)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import pytest
 import torch
-from conftest import ON_CPU, exact_float32, rel_error, report
+from conftest import ON_CPU, exact_float32, rel_error, report, require_fla_training
 from support.gdn_reference import (
     depthwise_causal_conv1d,
     make_gdn_inputs,
@@ -408,19 +408,13 @@ def test_layer_hands_fla_s_rule_its_key_heads(world, monkeypatch):
     )
 
     _, _, device = world
-    if device.type != "cuda":
-        pytest.skip("fla's Triton kernels need a GPU")
-    pytest.importorskip("fla")
+    require_fla_training(device)
     from megatron.core.ssm.gated_delta_net import common as megatron_gdn_common
     from megatron.core.ssm.gated_delta_net import gdn as megatron_gdn
 
     from megatron_hybrid.modules import gdn_torch
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
-    from megatron_hybrid.training.capabilities import fla_gated_backward_refused
 
-    refused = fla_gated_backward_refused()
-    if refused is not None:
-        pytest.skip(f"fla refuses GatedDeltaNet's backward here: {refused}")
     lengths = (3, 70, 1, 64, 29)
     pg = initialize_model_parallel(seed=1)
     try:

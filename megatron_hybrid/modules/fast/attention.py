@@ -43,7 +43,7 @@ from megatron_hybrid.modules.fast.selection import (
     varlen_reason,
 )
 from megatron_hybrid.padding.batch import host_values
-from megatron_hybrid.padding.fixed import FixedPackedSeqParams, row_segments
+from megatron_hybrid.padding.fixed import FixedPackedSeqParams, rope_restart, row_segments
 
 __all__ = [
     "FastSelfAttention",
@@ -436,10 +436,7 @@ class FastSelfAttention(SelfAttention):
                 _first(packed.cu_seqlens_q_padded, packed.cu_seqlens_q),
                 _first(packed.cu_seqlens_kv_padded, packed.cu_seqlens_kv),
             )
-        # Fixed-size boundaries: positions restart in every sequence, whatever the table's
-        # length (padding/fixed.py sizes it by the row).
-        restart = True if isinstance(packed, FixedPackedSeqParams) else None
-        self._pending_rope = (*rotary_pos_emb, *offsets, restart)
+        self._pending_rope = (*rotary_pos_emb, *offsets, rope_restart(packed))
         try:
             return super().forward(hidden_states, *args, rotary_pos_emb=None, **kwargs)
         finally:

@@ -29,7 +29,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron_hybrid.modules.fast.rope import apply_rope, apply_rope_thd
 from megatron_hybrid.modules.fast.selection import mla_rope_reason
 from megatron_hybrid.modules.mla import HybridMLASelfAttention
-from megatron_hybrid.padding.fixed import FixedPackedSeqParams
+from megatron_hybrid.padding.fixed import rope_restart
 
 __all__ = ["FastMLASelfAttention", "mla_rope"]
 
@@ -94,9 +94,9 @@ class FastMLASelfAttention(HybridMLASelfAttention):
         :func:`mla_rope_reason` allows it."""
         reason = mla_rope_reason(self, packed_seq_params, inference_context or inference_params)
         self.fast_path_reason = reason
-        # Fixed-size boundaries size the table by the row, which megatron's MLA cuts to the
-        # row's length: its length no longer tells whole-row positions apart.
-        restart = True if isinstance(packed_seq_params, FixedPackedSeqParams) else None
+        # megatron's MLA cuts the table (sized by the row for fixed-size boundaries) to the
+        # row's length: rope_restart says so explicitly.
+        restart = rope_restart(packed_seq_params)
         context = _rope_in_megatrons_mla(restart) if reason is None else contextlib.nullcontext()
         with context:
             return super().get_query_key_value_tensors(
