@@ -35,7 +35,13 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GraphCaptureError", "capture_cuda_graph", "thread_local_capture", "use_side_stream"]
+__all__ = [
+    "GraphCaptureError",
+    "capture_cuda_graph",
+    "reached_parameters",
+    "thread_local_capture",
+    "use_side_stream",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +181,51 @@ def _main_grads(module: nn.Module) -> Iterator[tuple[Tensor, str, Tensor]]:
                 yield param, attribute, value
 
 
+def reached_parameters(piece: nn.Module, sample_args: tuple[Tensor, ...]) -> list[Tensor]:
+    """The parameters of ``piece`` that autograd reaches from its outputs, in parameter order.
+
+    One forward on ``sample_args``, whose autograd graph is walked and dropped. A parameter it
+    does not reach gets no gradient through autograd: frozen ones, and the grouped experts'
+    weights where megatron DDP's hooks are idle (``modules/fast/grouped_linear.py``: their
+    backward adds into ``main_grad`` itself, and autograd does not know them). Those need not
+    be graph inputs: as inputs, each replayed backward ran autograd's accumulator node and
+    DDP's hook for every one (4,096 per ``[*E]{4}`` step of 8 micro-batches: about 36 ms of
+    host time in one profiled step on one H200, torch 2.11) to deliver nothing.
+    """
+    with torch.enable_grad():
+        outputs = piece(*sample_args)
+    nodes = [o.grad_fn for o in outputs if torch.is_tensor(o) and o.grad_fn is not None]
+    reached = {id(o) for o in outputs if torch.is_tensor(o) and o.requires_grad and o.is_leaf}
+    seen = set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            reached.add(id(variable))
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    del outputs
+    return [p for p in piece.parameters() if id(p) in reached]
+
+
+class _WithGraphInputs(nn.Module):
+    """``piece`` whose extra graph inputs (``make_graphed_callables`` takes a module's
+    ``parameters()``) are ``params`` only; ``piece``'s own parameter list is left whole."""
+
+    def __init__(self, piece: nn.Module, params: list[Tensor]):
+        super().__init__()
+        object.__setattr__(self, "piece", piece)  # not a child: its parameters are not ours
+        self.graph_params = tuple(params)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Tensor]:
+        return iter(self.graph_params)
+
+    def forward(self, *args: Tensor):
+        return self.piece(*args)
+
+
 def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
     return all(t.is_cuda for t in tensors)
 
@@ -199,8 +250,9 @@ def capture_cuda_graph(piece: nn.Module, sample_args: tuple[Tensor, ...]):
     failure = None
     try:
         with thread_local_capture(), _rng_forks_suspended():
+            inputs = _WithGraphInputs(piece, reached_parameters(piece, sample_args))
             graphed = torch.cuda.make_graphed_callables(
-                piece, sample_args, num_warmup_iters=3, allow_unused_input=True, pool=state.pool
+                inputs, sample_args, num_warmup_iters=3, allow_unused_input=True, pool=state.pool
             )
     except (RuntimeError, AssertionError) as error:
         # Recovered below, once the error's traceback (which holds the failed graphs) is gone.

@@ -453,6 +453,53 @@ def test_grouped_add_on_device(world, dest_dtype):
     assert torch.equal(buffer, expected)
 
 
+def test_gather_sum_kernel_is_embedding_bags_sum(world):
+    """The permutation's gather-and-sum at the issue's shape (4,096 tokens of 2,048, top-8 of 64
+    experts): the Triton kernel, which CUDA takes by default, bit for bit ``embedding_bag``'s
+    float32 sums (both add in index order), and their times. Control: a row left out."""
+    from torch.nn import functional
+
+    from megatron_hybrid.modules.fast.permutation import (
+        gather_sum,
+        gather_sum_reason,
+        permutation_map,
+    )
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("the Triton kernel runs on CUDA")
+    tokens, hidden, experts, topk = 4096, 2048, 64, 8
+    gen = torch.Generator(device=device).manual_seed(2)
+    logits = torch.randn(tokens, experts, device=device, generator=gen)
+    top = logits.topk(topk, dim=-1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+    index = permutation_map(routing_map, topk).token_rows
+    rows = torch.randn(tokens * topk, hidden, device=device, generator=gen).bfloat16()
+    assert gather_sum_reason(rows, index) is None
+    got = gather_sum(rows, index)
+    expected = functional.embedding_bag(index, rows, mode="sum")
+    control = gather_sum(rows, index[:, :-1].contiguous())
+
+    def time_it(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(3):
+            fn()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 * 1e3
+
+    report("gather-and-sum, 4096 x 2048 bf16, top-8", [
+        ("Triton µs", f"{time_it(lambda: gather_sum(rows, index)):.1f}"),
+        ("embedding_bag µs",
+         f"{time_it(lambda: functional.embedding_bag(index, rows, mode='sum')):.1f}"),
+    ])  # fmt: skip
+    assert torch.equal(got, expected)
+    assert not torch.equal(control, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_zero_centered_rms_norm_against_float64(world, dtype):
     """Qwen3.5's norm (``x / rms(x) * (1 + w)``, float32 inside; torch's fused rms_norm on

@@ -67,7 +67,8 @@ def test_kernel_adds_in_place_within_float32_rounding(pg, kernels, shape):
     assert ratio <= 1 < control
 
 
-def _chunk(pg, *, fused: bool, like=None, graphs: bool = False):
+def _chunk(pg, *, fused: bool, like=None, graphs: bool = False, pattern: str = PATTERN,
+           impl: str = "reference"):  # fmt: skip
     """A chunk in megatron's DDP; ``like``'s weights where given (megatron initialises on the
     GPU with its own RNG tracker, so a seed alone does not repeat them); ``graphs``: its pieces
     graphed as ``train --hybrid-cuda-graphs`` builds them (before DDP wraps the model)."""
@@ -78,10 +79,12 @@ def _chunk(pg, *, fused: bool, like=None, graphs: bool = False):
     flags = ("--hidden-size", "256", "--num-attention-heads", "4", "--swiglu", "--bf16",
              "--disable-bias-linear", "--ffn-hidden-size", "512",
              "--vocab-size", "512")  # fmt: skip
-    config = config_from_flags(PATTERN, *flags, gradient_accumulation_fusion=fused)
-    spec = hybrid_stack_spec("local", config=config, local_impl="reference")
+    if "E" in pattern:
+        flags += ("--num-experts", "16", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "128")
+    config = config_from_flags(pattern, *flags, gradient_accumulation_fusion=fused)
+    spec = hybrid_stack_spec("local", config=config, local_impl=impl)
     torch.manual_seed(7)
-    (chunk,) = build_model_chunks(config, PATTERN, pg, backend="local", vocab_size=512,
+    (chunk,) = build_model_chunks(config, pattern, pg, backend="local", vocab_size=512,
                                   max_sequence_length=SEQ, stack_spec=spec,
                                   hybrid_cuda_graphs=graphs)  # fmt: skip
     if like is not None:
@@ -145,6 +148,56 @@ def test_graphed_pieces_add_what_eager_ones_add(pg, kernels, monkeypatch, contro
                      if not torch.equal(a[n], b[n])})  # fmt: skip
     print(f"\ngraphed pieces: {len(report.graphed)}; main_grads that differ: {differ[:3]}")
     assert bool(differ) is control
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["graphed", "control-overwrite-in-graph"])
+def test_graphed_experts_take_no_weight_inputs(pg, kernels, monkeypatch, control):
+    """``train --hybrid-cuda-graphs`` on the fast path (``[*E]{2}``: grouped-GEMM experts,
+    sync-free dispatch, each MoE layer one graph): DDP's hooks are idle, so of the layer's
+    weights only the router's is a graph input (the experts' backward adds into ``main_grad``
+    inside the graph; as inputs each replay ran autograd's accumulator and DDP's hook for every
+    expert weight), and every ``main_grad`` after two steps of two micro-batches is the eager
+    chunk's within the eager chunk's own run-to-run difference (FlashAttention's backward adds
+    with atomics). Control: the captured grouped add overwrites instead of adding."""
+    from megatron_hybrid.modules.fast import grouped_add
+
+    pattern = "[*E]{2}"
+    eager = _chunk(pg, fused=True, pattern=pattern, impl="fast")
+    graphed = _chunk(pg, fused=True, like=eager, graphs=True, pattern=pattern, impl="fast")
+    report = graphed.module.module.hybrid_cuda_graphs
+    expected, again = _steps(eager), _steps(eager)
+    if control:
+        real = grouped_add.grouped_add_
+
+        def overwrite(destinations, source, **kwargs):
+            for dest in destinations:
+                dest.zero_()
+            real(destinations, source, **kwargs)
+
+        monkeypatch.setattr(grouped_add, "grouped_add_", overwrite)
+        monkeypatch.setattr("megatron_hybrid.modules.fast.grouped_linear.grouped_add_", overwrite)
+    got = [_steps(graphed) for _ in range(2)][-1]
+    # The fast path at EP 1 graphs each MoE layer whole (modules/layer_types/moe.py).
+    layers = {n: g for n, g in report.graphed.items() if n.endswith(".mlp")}
+    assert len(layers) == 2 and all(
+        g.disabled is None and g.captures == 1 and g.replays == 4 and not g.eager_calls
+        for g in report.graphed.values()
+    ), report.summary()
+    inputs = [
+        [n.rsplit(".", 2)[-2] for n, p in g.module.named_parameters()
+         if any(p is q for q in instance.graphed.graph_params)]
+        for g in layers.values() for pool in g.instances.values() for instance in pool
+    ]  # fmt: skip
+    beyond = {}
+    for name, value in got.items():
+        noise = float((again[name] - expected[name]).abs().max())
+        diff = float((value - expected[name]).abs().max())
+        if diff > 2 * noise:
+            beyond[name] = (diff, noise)
+    print(f"\nMoE layers' graph weight inputs: {inputs}; main_grads beyond eager noise: "
+          f"{sorted(beyond)[:3]} of {len(got)}")  # fmt: skip
+    assert inputs == [["router"], ["router"]]
+    assert bool(beyond) is control
 
 
 def test_pieces_graphed_after_ddp_wrapped_say_how_to_order_it(pg):

@@ -179,6 +179,7 @@ _DYNAMIC_TOKENS = (
     "to graph the experts under EP overlap too)"
 )
 _COMMUNICATION = "all-to-all communication with data-dependent split sizes read on the host"
+_SHARED_OVERLAP = "moe_shared_expert_overlap runs the shared experts on a side stream"
 
 
 def _experts_reason(moe: nn.Module) -> str | None:
@@ -191,18 +192,39 @@ def _experts_reason(moe: nn.Module) -> str | None:
     return _DYNAMIC_TOKENS
 
 
+def _whole_layer_reason(moe: nn.Module) -> str | None:
+    """Why the MoE layer is not captured whole, or None: on the fast path at EP 1 (and TP 1),
+    where the dispatcher neither copies token counts to the host nor communicates, and its
+    gathers and the grouped-GEMM experts see fixed shapes (``tokens x top-k`` rows)."""
+    dispatcher = getattr(moe, "fast_path_reason", "megatron's dispatcher")
+    if dispatcher is not None:
+        return dispatcher
+    experts = _experts_reason(moe)
+    if experts is not None:
+        return experts
+    if moe.use_shared_expert and moe.shared_expert_overlap:
+        return _SHARED_OVERLAP
+    return delayed_wgrad_reason(moe)
+
+
 def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
-    """The router and the shared experts are captured; dispatch and combine are not; the routed
+    """The whole layer where nothing in it reads the host (the fast path at EP 1); else the
+    router and the shared experts are captured, dispatch and combine are not, and the routed
     experts only where nothing reads the token counts on the host.
 
     The router maps ``[tokens, hidden]`` to fixed-shape probabilities and a routing map, with no
     host sync. Dispatch preprocessing (``MoELayer.preprocess``) of the ``alltoall`` dispatcher
     counts tokens per expert and copies the split sizes to the host for the all-to-all
     (``token_dispatcher.py``, megatron-core 0.19.2), so it stays eager with everything after it,
-    except on the fast path at EP 1, where the counts stay on the device and the grouped-GEMM
-    experts' inputs have fixed shapes (``tokens x top-k`` rows).
+    except on the fast path at EP 1, where the counts stay on the device, the all-to-alls are
+    the identity and every shape is fixed: there ``MoELayer.forward`` (router, permutation,
+    experts, unpermutation, shared experts) is one piece, one graph launch per micro-batch
+    instead of two graphs with the permutation's eager operators between them (EP overlap,
+    which calls the steps one by one, needs EP > 1).
     """
     moe = layer.mlp
+    if _whole_layer_reason(moe) is None:
+        return {"moe": GraphPiece(moe)}
     pieces = {
         "router": GraphPiece(moe.router, delayed_wgrad_reason(moe.router)),
         "dispatch_preprocess": GraphPiece(moe, _DYNAMIC_TOKENS),
@@ -213,7 +235,7 @@ def graph_pieces(layer: nn.Module) -> dict[str, GraphPiece]:
     if moe.use_shared_expert:
         reason = delayed_wgrad_reason(moe.shared_experts)
         if moe.shared_expert_overlap:
-            reason = "moe_shared_expert_overlap runs the shared experts on a side stream"
+            reason = _SHARED_OVERLAP
         pieces["shared_experts"] = GraphPiece(moe.shared_experts, reason)
     return pieces
 

@@ -239,6 +239,32 @@ def test_idle_hooks_get_no_gradient(pg, ddp, delivered):
     assert accumulated - 1 == delivered  # the tokens (a leaf) get theirs
 
 
+@pytest.mark.parametrize(
+    ("ddp", "graph_inputs"),
+    [("ddp-marked", 0), ("ddp", 2 * EXPERTS), ("overlap-marked", 2 * EXPERTS)],
+    ids=["idle-hooks", "unmarked", "overlap"],
+)
+def test_graph_inputs_are_the_parameters_autograd_reaches(pg, ddp, graph_inputs):
+    """A CUDA graph of the experts takes as extra inputs only the weights autograd delivers
+    gradients to (``schedule/graph_capture.py``): none where DDP's hooks are idle (their
+    gradients go into ``main_grad`` inside the backward), every weight otherwise (the
+    controls)."""
+    from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
+    from megatron_hybrid.schedule.graph_capture import reached_parameters
+
+    config = _config()
+    module = _experts(pg, GroupedGemmExperts, config, torch.float32)
+    model = _wrap(module, config, pg, ddp)
+    tokens = torch.randn(sum(COUNTS[0]), HIDDEN).requires_grad_()
+    args = (tokens, torch.tensor(COUNTS[0]), torch.rand(tokens.shape[0]))
+    reached = reached_parameters(model.module, args)
+    weights = {id(p) for p in module.parameters()}
+    assert len(reached) == graph_inputs and all(id(p) in weights for p in reached)
+    if graph_inputs:  # in parameter order
+        assert [id(p) for p in reached] == [id(p) for p in module.parameters()]
+    assert all(float(p.main_grad.abs().sum()) == 0 for p in module.parameters())
+
+
 def test_frozen_weights_get_no_weight_gradient_gemm(pg):
     """Frozen expert weights (LoRA): the input gradient only, one grouped GEMM per linear."""
     from torch.profiler import ProfilerActivity, profile

@@ -8,6 +8,10 @@ them: the negative control). A token-to-row map that is off by one is caught.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -122,3 +126,59 @@ def test_gather_permutation_reason(overrides, reason):
     )
     found = gather_permutation_reason(dispatcher)
     assert found is None if reason is None else reason in found
+
+
+_UNDER_INTERPRETER = """
+import torch
+from megatron_hybrid.modules.fast.permutation import gather_sum
+
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    rows = torch.randn(40, 1500, generator=gen).to(dtype)  # two column blocks, the last partial
+    index = torch.randint(0, 40, (9, 5), generator=gen)
+    total = torch.zeros(9, 1500)
+    for j in range(5):  # float32, in index order, rounded once
+        total += rows[index[:, j]].float()
+    got = gather_sum(rows, index, use_triton=True)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, total), (got - total).abs().max()
+    else:  # the interpreter rounds toward zero, CUDA to nearest (bitwise on a GPU)
+        ulp = total.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0**-7
+        assert ((got.float() - total).abs() <= ulp).all()
+    # Control: a row left out is seen.
+    assert not torch.equal(gather_sum(rows, index[:, :4], use_triton=True), got)
+    assert gather_sum(rows, index[:0], use_triton=True).shape == (0, 1500)
+print("triton gather sum ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_gather_sum_under_interpreter(tmp_path):
+    """The Triton gather-and-sum (what CUDA runs for the unpermutation and the permutation's
+    backward) on Triton's CPU interpreter: each token's rows summed in float32 in index order,
+    bit for bit (bf16: rounded once, within one unit in the last place), a partial column block
+    included; a left-out row is seen."""
+    pytest.importorskip("triton.runtime.interpreter")
+    script = tmp_path / "gather_sum.py"
+    script.write_text(_UNDER_INTERPRETER)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "triton gather sum ok" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("device", "shape", "dtype", "reason"),
+    [
+        ("cpu", (4, 8), torch.bfloat16, "not on CUDA"),
+        ("meta", (4, 8), torch.bfloat16, "not on CUDA"),
+    ],
+    ids=["cpu", "meta"],
+)
+def test_gather_sum_reason_off_cuda(device, shape, dtype, reason):
+    from megatron_hybrid.modules.fast.permutation import gather_sum_reason
+
+    rows = torch.empty(shape, dtype=dtype, device=device)
+    assert gather_sum_reason(rows, torch.zeros(2, 3, dtype=torch.long, device=device)) == reason

@@ -150,21 +150,40 @@ def test_moe_dispatch_and_experts_stay_eager_with_reasons(pg):
     assert f"{moe}.router" in replayed
 
 
-def test_fast_path_experts_are_graphed_at_ep1(pg):
-    """Grouped-GEMM experts behind the sync-free dispatcher see fixed shapes: graphed, bitwise."""
+@pytest.mark.parametrize(
+    ("changes", "graphed"),
+    [
+        ({}, {"mlp"}),
+        ({"moe_shared_expert_intermediate_size": 64}, {"mlp"}),
+        ({"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_overlap": True},
+         {"mlp.router", "mlp.experts"}),
+    ],
+    ids=["routed", "shared-experts", "shared-expert-overlap"],
+)  # fmt: skip
+def test_fast_path_moe_layer_is_one_piece_at_ep1(pg, changes, graphed):
+    """Behind the sync-free dispatcher at EP 1 nothing in the MoE layer reads the host and every
+    shape is fixed: the whole layer is one piece (router, permutation, grouped-GEMM experts,
+    unpermutation, shared experts), bitwise. With the shared experts on a side stream
+    (``moe_shared_expert_overlap``) the router and the experts are graphed apart and the rest
+    says why it runs eager (the control)."""
     from megatron_hybrid.schedule import enable_cuda_graphs
 
     pattern = "[*E]"
-    reference = _build(pattern, pg, local_impl="fast")
-    model = _build(pattern, pg, like=reference, local_impl="fast")
+    reference = _build(pattern, pg, local_impl="fast", **changes)
+    model = _build(pattern, pg, like=reference, local_impl="fast", **changes)
     stand_in = StandIn()
     report = enable_cuda_graphs(model, capture=stand_in)
-    moe = "decoder.layers.0.layers.1.mlp"
-    assert f"{moe}.experts" in report.graphed
-    assert f"{moe}.experts (experts)" not in report.eager
+    layer = "decoder.layers.0.layers.1"
+    assert {n for n in report.graphed if n.startswith(layer)} == {f"{layer}.{g}" for g in graphed}
+    eager = {n for n in report.eager if n.startswith(layer)}
+    if graphed == {"mlp"}:
+        assert not eager
+    else:
+        assert f"{layer}.mlp.shared_experts (shared_experts)" in eager
+        assert "side stream" in report.eager[f"{layer}.mlp.shared_experts (shared_experts)"]
     for seed in (0, 1):
         _assert_same(_step(model, seed), _step(reference, seed))
-    assert f"{moe}.experts" in stand_in.names(model, stand_in.replayed)
+    assert {f"{layer}.{g}" for g in graphed} <= stand_in.names(model, stand_in.replayed)
 
 
 def test_negative_control_a_wrong_graph_is_caught(pg):
@@ -433,12 +452,13 @@ def test_capture_restores_gradients_and_replays_the_fused_main_grad_flag(pg, mon
         out = piece(*sample_args)
         torch.autograd.grad([o for o in out if o.requires_grad], list(piece.parameters()),
                             [torch.ones_like(o) for o in out if o.requires_grad])  # fmt: skip
-        if piece.target is not mlp:  # the attention before it
+        if piece.piece.target is not mlp:  # the attention before it
             return piece
+        assert list(piece.parameters()) == params  # autograd reaches each: each a graph input
         for param in piece.parameters():
             param.main_grad.add_(1.0)
         fused.grad_added_to_main_grad = True
-        piece.target.counter.add_(1.0)
+        piece.piece.target.counter.add_(1.0)
         return piece
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
