@@ -355,8 +355,8 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
 def test_grouped_experts_under_megatron_ddp(world, pg, marked):
     """Weight gradients of 64 uneven experts over three micro-batches, accumulated as ``train``
     does (megatron DDP, float32 main_grad in the distributed optimizer's reversed, padded
-    layout): one grouped add per linear (the Triton kernel) against SequentialMLP's per-expert
-    adds, both bf16, against float32 SequentialMLP. ``train``'s chunks are marked
+    layout): one Triton GEMM per linear that adds into main_grad against SequentialMLP's
+    per-expert adds, both bf16, against float32 SequentialMLP. ``train``'s chunks are marked
     (``mark_idle_grad_hooks``: the expert weights untracked by autograd); unmarked, DDP's hooks
     get placeholders."""
     import contextlib
@@ -417,7 +417,7 @@ def test_grouped_experts_under_megatron_ddp(world, pg, marked):
     grouped_add._OFFSETS.clear()  # a cache: this run's two linears add one table each
     module, fast = run(GroupedGemmExperts, torch.bfloat16)
     assert module.fast_path_reason is None, module.fast_path_reason
-    if device.type == "cuda":  # float32 main_grad, bfloat16 gradients: the Triton kernel
+    if device.type == "cuda":  # float32 main_grad, bfloat16 operands: the Triton GEMM
         assert grouped_add._kernel() is not None and len(grouped_add._OFFSETS) == 2
     assert all(p.grad is None and p.grad_added_to_main_grad for p in module.parameters())
     assert _idle_hooks(module.expert_weights("linear_fc1")) is marked
@@ -451,6 +451,76 @@ def test_grouped_add_on_device(world, dest_dtype):
         piece.copy_((piece.float() + addend.float().view(-1)).to(dest_dtype))
     grouped_add_(dests, source, use_triton=device.type == "cuda")
     assert torch.equal(buffer, expected)
+
+
+@pytest.mark.parametrize("shape", [(1024, 2048), (2048, 512)], ids=["fc1", "fc2"])
+def test_grouped_wgrad_adds_into_main_grads(world, shape):
+    """The experts' weight gradient multiplied and added into float32 ``main_grad`` by one
+    Triton GEMM (``modules/fast/grouped_wgrad.py``) at the issue's expert shapes (64 experts,
+    32,768 rows, bf16), destinations in megatron DDP's reversed order: every element within
+    float32 accumulation's bound of the float64 products plus the old value, an expert without
+    rows untouched; and the times of the path it replaces (``torch._grouped_mm``'s bf16 stack
+    plus the grouped add). Controls: that path's bf16 rounding breaks the bound (so the bound
+    tells float32 accumulation from it), and so does the fused result without the old value."""
+    from megatron_hybrid.modules.fast.grouped_add import grouped_add_
+    from megatron_hybrid.modules.fast.grouped_wgrad import (
+        grouped_wgrad_into_main_grads,
+        grouped_wgrad_reason,
+    )
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("the Triton kernel runs on CUDA")
+    out_f, in_f = shape
+    experts, rows = 64, 32768
+    gen = torch.Generator(device=device).manual_seed(3)
+    counts = torch.multinomial(torch.ones(experts, device=device), rows, replacement=True,
+                               generator=gen).bincount(minlength=experts)  # fmt: skip
+    counts[5] += counts[7]
+    counts[7] = 0  # an expert without rows
+    ends = counts.cumsum(0).int()
+    grad = torch.randn(rows, out_f, device=device, generator=gen).bfloat16()
+    tokens = torch.randn(rows, in_f, device=device, generator=gen).bfloat16()
+    buffer = torch.randn(experts * out_f * in_f, device=device, generator=gen)
+    dests = [buffer[(experts - 1 - e) * out_f * in_f:][: out_f * in_f].view(out_f, in_f)
+             for e in range(experts)]  # fmt: skip
+    before = [d.clone() for d in dests]
+    assert grouped_wgrad_reason(grad, tokens, dests) is None
+    assert grouped_wgrad_into_main_grads(grad, tokens, ends, dests)
+    unfused = [d.clone() for d in before]
+    grouped_add_(unfused, torch._grouped_mm(grad.t(), tokens, offs=ends))
+    worst = {"fused": 0.0, "unfused bf16 stack": 0.0, "fused, no old value": 0.0}
+    starts = [0, *ends[:-1].tolist()]
+    for e, (start, end) in enumerate(zip(starts, ends.tolist(), strict=True)):
+        g, x = grad[start:end].double(), tokens[start:end].double()
+        exact = before[e].double() + g.t() @ x
+        bound = (end - start + 1) * 2.0**-24 * (before[e].double().abs() + g.abs().t() @ x.abs())
+        bound = bound.clamp(min=1e-300)
+        for name, got in (("fused", dests[e]), ("unfused bf16 stack", unfused[e]),
+                          ("fused, no old value", dests[e] - before[e])):  # fmt: skip
+            worst[name] = max(worst[name], float(((got.double() - exact).abs() / bound).max()))
+    assert torch.equal(dests[7], before[7])
+
+    def time_it(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 10 * 1e3
+
+    fused_us = time_it(lambda: grouped_wgrad_into_main_grads(grad, tokens, ends, dests))
+    gemm_us = time_it(lambda: torch._grouped_mm(grad.t(), tokens, offs=ends))
+    stack = torch._grouped_mm(grad.t(), tokens, offs=ends)
+    add_us = time_it(lambda: grouped_add_(dests, stack))
+    report(f"grouped weight gradient into main_grad, 64 experts, {shape}", [
+        *((f"error / bound, {k}", f"{v:.3g}") for k, v in worst.items()),
+        ("fused µs", f"{fused_us:.0f}"),
+        ("grouped_mm + grouped add µs", f"{gemm_us:.0f} + {add_us:.0f}"),
+    ])  # fmt: skip
+    assert worst["fused"] <= 1 < min(worst["unfused bf16 stack"], worst["fused, no old value"])
 
 
 def test_gather_sum_kernel_is_embedding_bags_sum(world):

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["grouped_add_", "stacked_view"]
+__all__ = ["destination_offsets", "grouped_add_", "stacked_view"]
 
 _OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_TABLES = 1024  # one per expert linear and model chunk; a bound, not a tuning knob
@@ -90,8 +90,10 @@ def _kernel():
     return grouped_add_kernel, triton.cdiv
 
 
-def _offsets(destinations, capturing: bool) -> torch.Tensor | None:
-    """The device table of element offsets of ``destinations`` from the first, or None."""
+def destination_offsets(destinations, capturing: bool) -> torch.Tensor | None:
+    """The device table of element offsets of ``destinations`` from the first (``int64``, kept
+    per set of addresses), or None where it is not built yet and ``capturing`` (the copy to the
+    device would synchronise inside a CUDA-graph capture) or an offset is not whole elements."""
     first = destinations[0]
     size = first.element_size()
     # The element size is part of the key: the same addresses in another dtype are other
@@ -132,7 +134,7 @@ def _triton_add(destinations, source: torch.Tensor) -> bool:
         if dest.numel() != numel:
             return False
     capturing = first.is_cuda and torch.cuda.is_current_stream_capturing()
-    table = _offsets(destinations, capturing)
+    table = destination_offsets(destinations, capturing)
     if table is None:
         return False
     kernel[(cdiv(numel, _BLOCK), len(destinations))](first, table, source, numel, BLOCK=_BLOCK)

@@ -19,9 +19,10 @@ the weight gradient itself:
   (megatron-core 0.19.2, ``DistributedDataParallel._make_backward_post_hook``); chunks marked
   by :func:`mark_idle_grad_hooks` then get no gradient at all, which spares autograd's
   accumulator and the hook for every expert weight (64 experts, 2 linears, 4 layers and 8
-  micro-batches: 4,096 of each, about 70 ms of host time in a step on one H200). The add into
-  the float32 ``main_grad`` of every expert is one kernel
-  (:func:`~megatron_hybrid.modules.fast.grouped_add.grouped_add_`);
+  micro-batches: 4,096 of each, about 70 ms of host time in a step on one H200). On CUDA one
+  Triton GEMM multiplies and adds into every expert's float32 ``main_grad``
+  (:mod:`~megatron_hybrid.modules.fast.grouped_wgrad`); elsewhere the grouped GEMM's bfloat16
+  stack is added by one kernel (:func:`~megatron_hybrid.modules.fast.grouped_add.grouped_add_`);
 * **plain autograd**: the first micro-batch's stacked gradient becomes the experts' ``.grad``
   (each a view of it); later micro-batches add into that stack with one kernel and hand the
   same views back, so autograd's accumulator (and any post-accumulate hook) still sees every
@@ -50,6 +51,10 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from megatron_hybrid.modules.fast.grouped_add import grouped_add_, stacked_view
+from megatron_hybrid.modules.fast.grouped_wgrad import (
+    grouped_wgrad_into_main_grads,
+    grouped_wgrad_reason,
+)
 
 __all__ = [
     "GroupedLinearFunction",
@@ -189,18 +194,23 @@ class GroupedLinearFunction(torch.autograd.Function):
         ctx.weights = None
         if not any(wanted):
             return (grad_tokens, None, None, *none)
-        # [E, out, in]: the contraction runs over each expert's rows.
-        grad_weight = torch._grouped_mm(grad_out.t(), tokens, offs=offsets)
-        if _zeroes_empty_groups(grad_weight.device):
-            counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-            grad_weight.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+        main_grads = ctx.main_grads
+        if main_grads is not None and _fused_into_main_grads(grad_out, tokens, offsets, main_grads):
+            grad_weight = None  # multiplied and added into main_grad by one kernel
+        else:
+            # [E, out, in]: the contraction runs over each expert's rows.
+            grad_weight = torch._grouped_mm(grad_out.t(), tokens, offs=offsets)
+            if _zeroes_empty_groups(grad_weight.device):
+                counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+                grad_weight.masked_fill_((counts == 0).view(-1, 1, 1), 0)
         if ctx.untracked:
-            grouped_add_(ctx.main_grads, grad_weight)
+            if grad_weight is not None:
+                grouped_add_(main_grads, grad_weight)
             for weight in weights:
                 weight.grad_added_to_main_grad = True
             return (grad_tokens, None, None)
-        if ctx.main_grads is not None:
-            grads = _into_main_grads(weights, ctx.main_grads, grad_weight)
+        if main_grads is not None:
+            grads = _into_main_grads(weights, main_grads, grad_weight)
         else:
             grads = _into_grads(weights, grad_weight)
         grads = [g if want else None for g, want in zip(grads, wanted, strict=True)]
@@ -219,9 +229,19 @@ def _check_versions(weights, versions: list[int]) -> None:
             )
 
 
-def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor) -> list:
-    """Add to megatron DDP's ``main_grad``; the gradients autograd should deliver."""
-    grouped_add_(main_grads, grad_weight)
+def _fused_into_main_grads(grad_out, tokens, offsets, main_grads) -> bool:
+    """Whether the weight gradient went into ``main_grad`` by the one-kernel GEMM
+    (:mod:`~megatron_hybrid.modules.fast.grouped_wgrad`; False: nothing was written)."""
+    if grouped_wgrad_reason(grad_out, tokens, main_grads) is not None:
+        return False
+    return grouped_wgrad_into_main_grads(grad_out, tokens, offsets, main_grads)
+
+
+def _into_main_grads(weights, main_grads, grad_weight: torch.Tensor | None) -> list:
+    """Add to megatron DDP's ``main_grad`` (None: added already); the gradients autograd
+    should deliver."""
+    if grad_weight is not None:
+        grouped_add_(main_grads, grad_weight)
     grads = []
     for weight in weights:
         if not hasattr(weight, "grad_added_to_main_grad"):

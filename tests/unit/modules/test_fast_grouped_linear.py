@@ -448,15 +448,15 @@ def _scattered(dtype=torch.float32):
 def test_offset_tables_are_per_dtype():
     """The same addresses read as another dtype are other element offsets (a cached table of
     float32 offsets must not serve bfloat16 destinations)."""
-    from megatron_hybrid.modules.fast.grouped_add import _offsets
+    from megatron_hybrid.modules.fast.grouped_add import destination_offsets
 
     raw = torch.zeros(4000, dtype=torch.uint8)
     starts = [3000, 2400, 800]  # bytes, a multiple of 4
     wide = [raw[s : s + 64].view(torch.float32) for s in starts]
     narrow = [raw[s : s + 64].view(torch.bfloat16) for s in starts]
     assert [d.data_ptr() for d in wide] == [d.data_ptr() for d in narrow]
-    assert _offsets(wide, False).tolist() == [0, -150, -550]
-    assert _offsets(narrow, False).tolist() == [0, -300, -1100]
+    assert destination_offsets(wide, False).tolist() == [0, -150, -550]
+    assert destination_offsets(narrow, False).tolist() == [0, -300, -1100]
 
 
 def test_grouped_add_anywhere_in_memory():
@@ -504,3 +504,71 @@ def test_triton_grouped_add_under_interpreter(tmp_path):
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "triton grouped add ok" in done.stdout
+
+
+_WGRAD_UNDER_INTERPRETER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from megatron_hybrid.modules.fast.grouped_wgrad import grouped_wgrad_into_main_grads
+
+# Rows per expert: several K blocks with a partial one, none, a partial block only, three.
+counts = [70, 0, 5, 131]
+out_f, in_f = 150, 130  # partial tiles in both directions
+gen = torch.Generator().manual_seed(0)
+rows = sum(counts)
+# float16: the interpreter multiplies bfloat16 tiles as their integer bits (numpy has no
+# bfloat16); the kernel is the same for both, bfloat16 runs on a GPU (test_fast_path_gpu.py).
+grad = torch.randn(rows, out_f, generator=gen).half()
+tokens = torch.randn(rows, in_f, generator=gen).half()
+ends = torch.tensor(counts).cumsum(0).int()
+# Destinations anywhere in one buffer, in reverse order, as megatron DDP lays them out.
+buffer = torch.randn(4 * out_f * in_f + 999, generator=gen)
+starts = [3 * out_f * in_f + 999, 2 * out_f * in_f + 500, out_f * in_f + 7, 0]
+dests = [buffer[s : s + out_f * in_f].view(out_f, in_f) for s in starts]
+before = buffer.clone()
+
+
+def reference(ends_):
+    out, start = [], 0
+    for dest, start_, end in zip(dests, [0, *ends_[:-1].tolist()], ends_.tolist()):
+        g, x = grad[start_:end].double(), tokens[start_:end].double()
+        old = before[starts[len(out)] : starts[len(out)] + out_f * in_f].view(out_f, in_f)
+        bound = (end - start_ + 1) * 2.0**-24 * (old.double().abs() + g.abs().t() @ x.abs())
+        out.append((old.double() + g.t() @ x, bound))
+    return out
+
+
+assert grouped_wgrad_into_main_grads(grad, tokens, ends, dests)
+inside = torch.zeros_like(buffer, dtype=torch.bool)
+for s in starts:
+    inside[s : s + out_f * in_f] = True
+assert torch.equal(buffer[~inside], before[~inside]), "written outside the destinations"
+assert torch.equal(dests[1], before[starts[1] : starts[1] + out_f * in_f].view(out_f, in_f))
+ratios = [float(((d.double() - e).abs() / b.clamp(min=1e-300)).max())
+          for d, (e, b) in zip(dests, reference(ends))]
+assert max(ratios) <= 1, ratios
+# Control: the rows of experts 0 and 2 shifted by one.
+shifted = ends.clone()
+shifted[0] -= 1
+control = [float(((d.double() - e).abs() / b.clamp(min=1e-300)).max())
+           for d, (e, b) in zip(dests, reference(shifted))]
+assert control[0] > 1, control
+print("triton grouped wgrad ok", ratios, control)
+"""
+
+
+@pytest.mark.slow
+def test_triton_grouped_wgrad_under_interpreter(tmp_path):
+    """The one-kernel weight-gradient GEMM into float32 ``main_grad`` (what CUDA runs for the
+    grouped experts in megatron DDP) on Triton's CPU interpreter: every expert's destination,
+    anywhere in one buffer, within float32 accumulation's error bound of the float64 products
+    plus its old value; an expert without rows and the memory around the destinations
+    untouched. Control: the bound fails against experts' rows shifted by one."""
+    pytest.importorskip("triton.runtime.interpreter")
+    script = tmp_path / "grouped_wgrad.py"
+    script.write_text(_WGRAD_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "triton grouped wgrad ok" in done.stdout
