@@ -523,6 +523,61 @@ def test_grouped_wgrad_adds_into_main_grads(world, shape):
     assert worst["fused"] <= 1 < min(worst["unfused bf16 stack"], worst["fused, no old value"])
 
 
+def test_rope_kernel_rounds_once(world):
+    """RoPE at the issue's attention shape (4,096 packed tokens, 16 heads of 128, bf16): the
+    Triton kernel, which CUDA takes by default, forward and backward within one bf16 rounding of
+    the float32 result (the torch operators round twice), and the times of both. Control: the
+    sine's sign flipped."""
+    from megatron_hybrid.modules.fast import rope
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("the Triton kernel runs on CUDA")
+    gen = torch.Generator(device=device).manual_seed(4)
+    qkv = torch.randn(4096, 1, 16, 3 * 128, device=device, generator=gen).bfloat16()
+    t = qkv[..., :128]  # a strided query, as the fused projection hands it over
+    inv = 1.0 / (10000 ** (torch.arange(0, 128, 2, device=device).float() / 128))
+    angles = torch.outer(torch.arange(4096, device=device).float(), inv)
+    freqs = torch.cat((angles, angles), -1)[:, None, None, :]
+    cos, signed_sin = rope.rope_tables(freqs, t.dtype)
+    assert rope.rope_kernel_reason(t, cos) is None
+    grad = torch.randn(4096, 1, 16, 128, device=device, generator=gen).bfloat16()
+
+    def swap(x):
+        return torch.cat((x[..., 64:], x[..., :64]), -1)
+
+    exact = t.float() * cos.float() + swap(t.float()) * signed_sin.float()
+    exact_grad = grad.float() * cos.float() + swap(grad.float() * signed_sin.float())
+    out = rope._RopeKernel.apply(t, cos, signed_sin)
+    back = rope._rope_kernel(grad, cos, signed_sin, backward=True)
+    flipped = rope._RopeKernel.apply(t, cos, -signed_sin)
+    ulp = exact.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0**-8  # half a bf16 ulp
+    ulp_grad = exact_grad.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0**-8
+
+    def time_it(fn) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 * 1e3
+
+    def torch_forward():
+        with torch.no_grad():
+            return rope._Rope.apply(t, cos, signed_sin)
+
+    report("RoPE 4096 x 16 x 128 bf16, forward / backward", [
+        ("Triton µs", f"{time_it(lambda: rope._rope_kernel(t, cos, signed_sin, False)):.1f} / "
+                      f"{time_it(lambda: rope._rope_kernel(grad, cos, signed_sin, True)):.1f}"),
+        ("torch operators µs (forward)", f"{time_it(torch_forward):.1f}"),
+    ])  # fmt: skip
+    assert ((out.float() - exact).abs() <= 1.001 * ulp).all()
+    assert ((back.float() - exact_grad).abs() <= 1.001 * ulp_grad).all()
+    assert not ((flipped.float() - exact).abs() <= 1.001 * ulp).all()
+
+
 def test_gather_sum_kernel_is_embedding_bags_sum(world):
     """The permutation's gather-and-sum at the issue's shape (4,096 tokens of 2,048, top-8 of 64
     experts): the Triton kernel, which CUDA takes by default, bit for bit ``embedding_bag``'s

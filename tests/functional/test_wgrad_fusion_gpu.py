@@ -105,6 +105,19 @@ def _steps(chunk) -> dict[str, torch.Tensor]:
     return {name: p.main_grad.clone() for name, p in chunk.module.named_parameters()}
 
 
+def _overwriting(add):
+    """``add`` into a list of destinations (its first argument or its last), zeroing them
+    first: a deliberate bug, overwrite instead of accumulate."""
+
+    def overwrite(*args, **kwargs):
+        destinations = args[0] if isinstance(args[0], list | tuple) else args[-1]
+        for dest in destinations:
+            dest.zero_()
+        return add(*args, **kwargs)
+
+    return overwrite
+
+
 def _overwrite(total_input, grad_output, main_grad):
     torch.mm(grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
 
@@ -159,23 +172,17 @@ def test_graphed_experts_take_no_weight_inputs(pg, kernels, monkeypatch, control
     expert weight), and every ``main_grad`` after two steps of two micro-batches is the eager
     chunk's within the eager chunk's own run-to-run difference (FlashAttention's backward adds
     with atomics). Control: the captured grouped add overwrites instead of adding."""
-    from megatron_hybrid.modules.fast import grouped_add
+    from megatron_hybrid.modules.fast import grouped_linear
 
     pattern = "[*E]{2}"
     eager = _chunk(pg, fused=True, pattern=pattern, impl="fast")
     graphed = _chunk(pg, fused=True, like=eager, graphs=True, pattern=pattern, impl="fast")
     report = graphed.module.module.hybrid_cuda_graphs
     expected, again = _steps(eager), _steps(eager)
-    if control:
-        real = grouped_add.grouped_add_
-
-        def overwrite(destinations, source, **kwargs):
-            for dest in destinations:
-                dest.zero_()
-            real(destinations, source, **kwargs)
-
-        monkeypatch.setattr(grouped_add, "grouped_add_", overwrite)
-        monkeypatch.setattr("megatron_hybrid.modules.fast.grouped_linear.grouped_add_", overwrite)
+    if control:  # both ways into main_grad: the one-kernel GEMM, else the grouped add
+        for module, name in ((grouped_linear, "grouped_wgrad_into_main_grads"),
+                             (grouped_linear, "grouped_add_")):  # fmt: skip
+            monkeypatch.setattr(module, name, _overwriting(getattr(module, name)))
     got = [_steps(graphed) for _ in range(2)][-1]
     # The fast path at EP 1 graphs each MoE layer whole (modules/layer_types/moe.py).
     layers = {n: g for n, g in report.graphed.items() if n.endswith(".mlp")}

@@ -29,6 +29,7 @@ by the row.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from megatron_hybrid.padding.batch import per_tensor
 from megatron_hybrid.padding.fixed import row_segments
 
-__all__ = ["apply_rope", "apply_rope_thd", "rope_tables", "thd_positions"]
+__all__ = ["apply_rope", "apply_rope_thd", "rope_kernel_reason", "rope_tables", "thd_positions"]
 
 _TABLES: dict[int, tuple[weakref.ref, dict]] = {}
 _THD: dict[int, tuple[weakref.ref, dict]] = {}
@@ -83,7 +84,98 @@ class _Rope(torch.autograd.Function):
         return torch.addcmul(_swap_halves(grad * signed_sin), grad, cos), None, None
 
 
+@functools.cache
+def _kernel():
+    """The Triton rotation kernel, or None where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def rope_kernel(
+        t_ptr, cos_ptr, sin_ptr, out_ptr, batch, heads, dim, rot,
+        t_s, t_b, t_h, table_s, table_b,
+        BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        s, b = row // batch, row % batch
+        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        col = tl.arange(0, BLOCK_D)
+        half = rot // 2
+        rotated = col < rot
+        swapped = tl.where(col < half, col + half, col - half)
+        swapped = tl.where(rotated, swapped, col)
+        mask = (head[:, None] < heads) & (col[None, :] < dim)
+        base = t_ptr + s * t_s + b * t_b + head[:, None] * t_h
+        x = tl.load(base + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_swapped = tl.load(base + swapped[None, :], mask=mask, other=0.0).to(tl.float32)
+        table = s * table_s + b * table_b
+        cos = tl.load(cos_ptr + table + col, mask=rotated, other=1.0).to(tl.float32)
+        # Forward: t cos + swap(t) sin; backward (its transpose): g cos + swap(g sin).
+        sin_col = swapped if BACKWARD else col
+        sin = tl.load(sin_ptr + table + sin_col, mask=rotated, other=0.0).to(tl.float32)
+        out = tl.where(rotated[None, :], x * cos[None, :] + x_swapped * sin[None, :], x)
+        where = out_ptr + row * heads * dim + head[:, None] * dim + col[None, :]
+        tl.store(where, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rope_kernel, triton.cdiv, triton.next_power_of_2
+
+
+def rope_kernel_reason(t: torch.Tensor, cos: torch.Tensor) -> str | None:
+    """Why the rotation of ``t`` ``[s, b, heads, dim]`` by tables ``[s, 1 | b, 1, rot]`` runs
+    as torch operators rather than one Triton kernel each way (None: the kernel)."""
+    if not t.is_cuda:
+        return "not on CUDA"
+    if _kernel() is None:
+        return "Triton is not installed"
+    if t.dim() != 4 or cos.dim() != 4 or t.stride(-1) != 1 or cos.stride(-1) != 1:
+        return "not [s, b, heads, dim] with a contiguous last dimension"
+    if cos.shape[0] != t.shape[0] or cos.shape[1] not in (1, t.shape[1]) or cos.shape[2] != 1:
+        return f"tables of shape {tuple(cos.shape)} for {tuple(t.shape)}"
+    if cos.dtype != t.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{t.dtype} with {cos.dtype} tables"
+    return None
+
+
+def _rope_kernel(t, cos, signed_sin, backward: bool) -> torch.Tensor:
+    kernel, cdiv, next_power_of_2 = _kernel()
+    seq, batch, heads, dim = t.shape
+    out = torch.empty((seq, batch, heads, dim), dtype=t.dtype, device=t.device)
+    block_d = next_power_of_2(dim)
+    block_h = max(1, min(next_power_of_2(heads), 4096 // block_d))
+    table_b = cos.stride(1) if cos.shape[1] > 1 else 0
+    if out.numel():
+        kernel[(seq * batch, cdiv(heads, block_h))](
+            t, cos, signed_sin, out, batch, heads, dim, cos.shape[-1],
+            t.stride(0), t.stride(1), t.stride(2), cos.stride(0), table_b,
+            BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+class _RopeKernel(torch.autograd.Function):
+    """:class:`_Rope` of the whole head dimension (the unrotated rest copied) in one Triton
+    kernel each way, in float32, rounded once."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        ctx.save_for_backward(cos, signed_sin)
+        return _rope_kernel(t, cos, signed_sin, backward=False)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        cos, signed_sin = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        return _rope_kernel(grad, cos, signed_sin, backward=True), None, None
+
+
 def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    if rope_kernel_reason(t, cos) is None:
+        return _RopeKernel.apply(t, cos, signed_sin)
     rot = cos.shape[-1]
     if rot == t.shape[-1]:
         return _Rope.apply(t, cos, signed_sin)
