@@ -139,6 +139,8 @@ def train_flags(shape: SimpleNamespace, name: str, impl: str, args) -> list[str]
         flags.append("--overlap-moe-expert-parallel-comm")
     if args.manual_gc:
         flags.append("--manual-gc")
+    if args.moe_router_force_load_balancing and "E" in PATTERNS[name]:
+        flags.append("--moe-router-force-load-balancing")
     if not args.gradient_accumulation_fusion:
         flags.append("--no-gradient-accumulation-fusion")
     if args.data == "documents":
@@ -425,6 +427,7 @@ def result_stem(args, shape_name: str, device: str) -> str:
         parts.append(args.data)
     parts += [s for s, on in (("packed", args.packed), ("overlap", args.overlap),
                               ("tf32", args.tf32), ("manualgc", args.manual_gc),
+                              ("balanced", args.moe_router_force_load_balancing),
                               (f"{args.param_order}order", args.param_order != EXPERTS_ORDER),
                               ("nowgradfusion", not args.gradient_accumulation_fusion))
               if on]  # fmt: skip
@@ -590,6 +593,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train --manual-gc (no automatic garbage collection in the steps)",
     )
+    parser.add_argument(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="train's flag for MoE runs: random router logits, every expert about equally "
+        "loaded, as a trained router's (the benchmarks of Megatron-Bridge's performance "
+        "cards use it); default: the untrained router's routing",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="one more step under cProfile: the N Python functions with the "
@@ -672,6 +682,7 @@ def main(argv: list[str] | None = None) -> None:
                + (", EP overlap" if args.overlap else "")
                + (", TF32 float32 matmuls" if args.tf32 else "")
                + (", --manual-gc" if args.manual_gc else "")
+               + (", routing forced balanced" if args.moe_router_force_load_balancing else "")
                + f", DDP buffers in the {args.param_order} parameter order"
                + ("" if args.gradient_accumulation_fusion
                   else ", no weight-gradient accumulation fusion")),

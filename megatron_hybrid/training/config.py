@@ -92,6 +92,7 @@ def training_fields(args: TrainSettings, parsed: ParsedPattern) -> dict[str, Any
         overlap_moe_expert_parallel_comm=args.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=args.delay_wgrad_compute,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend,
     )

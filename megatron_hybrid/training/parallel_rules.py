@@ -232,6 +232,15 @@ def _load_exists(s: Settings) -> str | None:
     return None
 
 
+def _force_balance(s: Settings) -> str | None:
+    if s.args.moe_router_force_load_balancing and not s.has(MOE):
+        return (
+            f"--moe-router-force-load-balancing: the pattern {s.args.hybrid_layer_pattern!r} "
+            "has no MoE ('E') layer to route for; drop the flag"
+        )
+    return None
+
+
 #: Parallel-layout rules, in the order they are checked.
 PARALLEL_RULES: tuple[Rule, ...] = (
     rule("parallel", "--tensor-model-parallel-size", _tp_divides),
@@ -252,4 +261,5 @@ TRAIN_RULES: tuple[Rule, ...] = (
     rule("train", "--global-batch-size --micro-batch-size", _global_batch),
     rule("train", "--load", _load_exists),
     rule("train", "--save", _save_writable),
+    rule("train", "--moe-router-force-load-balancing", _force_balance),
 )

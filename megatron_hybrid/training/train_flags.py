@@ -1,5 +1,5 @@
-"""The ``train`` command's flags for data, the learning-rate schedule, evaluation, logging and
-garbage collection.
+"""The ``train`` command's flags for data, the learning-rate schedule, evaluation, logging,
+garbage collection and benchmarking.
 
 Megatron-LM's names and meaning (``megatron/training/arguments.py``); Megatron-LM's own parser
 has every one of them except ``--log-dir`` and ``--synthetic-samples`` (the package's built-in
@@ -19,6 +19,7 @@ __all__ = ["FINE_TUNING", "RUN_DEFAULTS", "TRAIN_FLAGS", "add_train_flags"]
 
 _DATA, _LR, _LOG = "data", "learning-rate schedule", "evaluation and logging"
 _GC = "garbage collection"
+_BENCH = "benchmarking"
 
 #: What a run that starts from trained weights is (its defaults differ).
 FINE_TUNING = "fine-tuning (--load-hf, --load-base, or a checkpoint of such a run)"
@@ -202,6 +203,16 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
         dict(
             action="store_true",
             help="with --manual-gc, do not collect before and after each evaluation",
+        ),
+    ),
+    Flag(
+        "--moe-router-force-load-balancing",
+        _BENCH,
+        dict(
+            action="store_true",
+            help="route by random logits, so every expert gets about as many tokens as any "
+            "other, as a trained router's would (for benchmarks only: routing is not learnt; "
+            "megatron-core's moe_router_force_load_balancing)",
         ),
     ),
 )

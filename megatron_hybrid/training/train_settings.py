@@ -179,6 +179,9 @@ class TrainSettings:
     manual_gc: bool
     manual_gc_interval: int
     no_manual_gc_eval: bool
+
+    # benchmarking
+    moe_router_force_load_balancing: bool
     given: frozenset[str] = frozenset()
     schedule_given: frozenset[str] = frozenset()
 

@@ -22,12 +22,17 @@ adds nothing and leaves its ``main_grad`` untouched.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from megatron_hybrid.modules.fast.grouped_add import destination_offsets
 
-__all__ = ["grouped_wgrad_into_main_grads", "grouped_wgrad_reason"]
+__all__ = ["SWITCH", "grouped_wgrad_into_main_grads", "grouped_wgrad_reason"]
+
+#: ``MEGATRON_HYBRID_GROUPED_WGRAD=0`` keeps the grouped GEMM and the separate add (for
+#: comparisons).
+SWITCH = "MEGATRON_HYBRID_GROUPED_WGRAD"
 
 # One configuration, no autotuning (the GPU suite bounds compile time): Hopper-sized tiles.
 _BLOCK_M, _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 128, 128, 64, 8, 3
@@ -84,6 +89,8 @@ def grouped_wgrad_reason(grad_out: torch.Tensor, tokens: torch.Tensor, main_grad
     (None: it is)."""
     if not grad_out.is_cuda:
         return "not on CUDA"
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"turned off ({SWITCH}=0)"
     if _kernel() is None:
         return "Triton is not installed"
     if grad_out.dtype not in _DTYPES or tokens.dtype != grad_out.dtype:

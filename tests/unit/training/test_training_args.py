@@ -39,7 +39,8 @@ TRAIN_FLAGS = [
     "--data-cache-path", "--data-path", "--eval-interval", "--eval-iters", "--log-dir",
     "--log-interval", "--lr-decay-iters", "--lr-decay-style", "--lr-warmup-iters",
     "--make-vocab-size-divisible-by", "--manual-gc", "--manual-gc-interval", "--min-lr",
-    "--no-manual-gc-eval", "--split", "--synthetic-samples", "--tensorboard-dir",
+    "--moe-router-force-load-balancing", "--no-manual-gc-eval", "--split", "--synthetic-samples",
+    "--tensorboard-dir",
     "--tokenizer-model",
 ]  # fmt: skip
 
@@ -220,6 +221,19 @@ def test_topk_one_passes_pre_softmax():
     config = _config("--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4",
                      "--moe-router-topk", "1", "--moe-router-pre-softmax")  # fmt: skip
     assert config.moe_router_topk == 1 and config.moe_router_pre_softmax
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["forced", "learnt"])
+def test_force_load_balancing_reaches_the_router(given):
+    """``train --moe-router-force-load-balancing`` (a train-only flag) sets megatron-core's
+    field; without it routing is learnt (the control)."""
+    argv = ["--hybrid-layer-pattern", "[*E]{2}", "--num-experts", "4"]
+    argv += ["--moe-router-force-load-balancing"] if given else []
+    from megatron_hybrid.training.config import hybrid_config_from_args
+    from megatron_hybrid.training.train_settings import settings_from_args
+
+    config = hybrid_config_from_args(settings_from_args(_parse(*argv)))
+    assert config.moe_router_force_load_balancing is given
 
 
 def test_config_from_partial_namespace():

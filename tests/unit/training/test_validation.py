@@ -333,6 +333,12 @@ REFUSED = [
         r"has MoE \('E'\) layers; set --num-experts",
         id="moe-without-experts",
     ),
+    pytest.param(
+        ["--hybrid-layer-pattern", "[*-]{2}", "--moe-router-force-load-balancing"],
+        1,
+        r"--moe-router-force-load-balancing: the pattern '\[\*-\]\{2\}' has no MoE",
+        id="force-balance-without-moe",
+    ),
 ]
 
 
