@@ -91,7 +91,7 @@ def _kernel():
         mask = columns < hidden
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):  # in index order, as embedding_bag adds
-            row = tl.load(index_ptr + token * K + j)
+            row = tl.load(index_ptr + token * K + j).to(tl.int64)
             total += tl.load(rows_ptr + row * hidden + columns, mask=mask).to(tl.float32)
         tl.store(out_ptr + token * hidden + columns, total.to(out_ptr.dtype.element_ty), mask=mask)
 
