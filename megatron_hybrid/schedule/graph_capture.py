@@ -118,7 +118,11 @@ def _rng_forks_suspended() -> Iterator[None]:
     the CUDA generator there, which stream capture refuses ("set_current_seed can be called
     during stream capture only if new seed is the same", seen on one H100 with torch 2.11).
     Graphed pieces draw no random numbers (pieces with dropout stay eager), so the fork changes
-    nothing they compute; a graph-safe tracker is left alone.
+    nothing they compute, except the router's random logits under
+    ``moe_router_force_load_balancing`` (a benchmark setting): captured, they are drawn from the
+    default CUDA generator instead of the expert-parallel tracker, so a graphed run routes
+    otherwise than an eager one, and every expert-parallel rank draws the same stream (each
+    rank's routing is still balanced). A graph-safe tracker is left alone.
     """
     from megatron.core.tensor_parallel.random import (
         get_cuda_rng_tracker,

@@ -352,7 +352,7 @@ def test_varlen_packed_attention(world, groups, monkeypatch):
 
 
 @pytest.mark.parametrize("marked", [True, False], ids=["untracked-weights", "placeholders"])
-def test_grouped_experts_under_megatron_ddp(world, pg, marked):
+def test_grouped_experts_under_megatron_ddp(world, pg, marked, monkeypatch):
     """Weight gradients of 64 uneven experts over three micro-batches, accumulated as ``train``
     does (megatron DDP, float32 main_grad in the distributed optimizer's reversed, padded
     layout): one Triton GEMM per linear that adds into main_grad against SequentialMLP's
@@ -366,7 +366,7 @@ def test_grouped_experts_under_megatron_ddp(world, pg, marked):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_hybrid.modules.fast import grouped_add, mark_idle_grad_hooks
+    from megatron_hybrid.modules.fast import grouped_add, grouped_linear, mark_idle_grad_hooks
     from megatron_hybrid.modules.fast.experts import GroupedGemmExperts
     from megatron_hybrid.modules.fast.grouped_linear import _idle_hooks
     from megatron_hybrid.testing.models import small_config
@@ -415,10 +415,15 @@ def test_grouped_experts_under_megatron_ddp(world, pg, marked):
         _, truth = run(SequentialMLP, torch.float32)
     _, ref = run(SequentialMLP, torch.bfloat16)
     grouped_add._OFFSETS.clear()  # a cache: this run's two linears add one table each
+    fused = []
+    real = grouped_linear.grouped_wgrad_into_main_grads
+    monkeypatch.setattr(grouped_linear, "grouped_wgrad_into_main_grads",
+                        lambda *args: fused.append(real(*args)) or fused[-1])  # fmt: skip
     module, fast = run(GroupedGemmExperts, torch.bfloat16)
     assert module.fast_path_reason is None, module.fast_path_reason
     if device.type == "cuda":  # float32 main_grad, bfloat16 operands: the Triton GEMM
-        assert grouped_add._kernel() is not None and len(grouped_add._OFFSETS) == 2
+        assert len(grouped_add._OFFSETS) == 2
+        assert fused == [True] * 6, fused  # two linears, three micro-batches
     assert all(p.grad is None and p.grad_added_to_main_grad for p in module.parameters())
     assert _idle_hooks(module.expert_weights("linear_fc1")) is marked
     name = "local_experts.3.linear_fc1.weight"
@@ -540,7 +545,7 @@ def test_rope_kernel_rounds_once(world):
     angles = torch.outer(torch.arange(4096, device=device).float(), inv)
     freqs = torch.cat((angles, angles), -1)[:, None, None, :]
     cos, signed_sin = rope.rope_tables(freqs, t.dtype)
-    assert rope.rope_kernel_reason(t, cos) is None
+    assert rope.rope_kernel_reason(t, cos, signed_sin) is None
     grad = torch.randn(4096, 1, 16, 128, device=device, generator=gen).bfloat16()
 
     def swap(x):

@@ -152,6 +152,10 @@ def grouped_add_(destinations, source: torch.Tensor, *, use_triton: bool | None 
         source: the stacked addends.
         use_triton: force (True) or forbid (False) the Triton kernel; default: on CUDA.
     """
+    if source.shape[0] != len(destinations):
+        raise ValueError(
+            f"grouped_add_: {len(destinations)} destinations for {source.shape[0]} addends"
+        )
     if use_triton is None:
         use_triton = source.is_cuda and destinations[0].dtype != source.dtype
     if use_triton and _triton_add(destinations, source):

@@ -1,4 +1,4 @@
-"""Rotary position embedding in three kernels each way, its tables computed once per forward.
+"""Rotary position embedding in one kernel each way on CUDA, its tables computed once per forward.
 
 megatron-core 0.19.2 applies RoPE without TransformerEngine through ``_apply_rotary_pos_emb_bshd``
 (``models/common/embeddings/rope_utils.py``): per tensor and layer it recomputes ``cos`` and
@@ -11,8 +11,10 @@ query and again for the key of every attention layer.
 ``cos`` and ``sin`` (scaled, in the tensor's dtype, ``sin`` with its first half negated so that
 the rotation is a swap of halves) are built once per frequency tensor, which every layer of a
 forward shares (megatron's ``RotaryEmbedding`` even caches it across steps), and the rotation
-is a concatenation and a fused multiply-add: ``t * cos`` then ``addcmul`` forward, the mirror
-image backward (swapping halves is its own transpose).
+is one Triton kernel each way on CUDA (:func:`rope_kernel_reason`): ``t cos + swap(t) sin``
+forward and ``g cos + swap(g sin)`` backward (swapping halves is its own transpose) in float32,
+rounded once, the channels past the rotated ones copied; elsewhere a concatenation and a fused
+multiply-add, ``t * cos`` then ``addcmul``, three kernels each way.
 
 Packed (THD) rows: megatron's ``_apply_rotary_pos_emb_thd`` reads the sequence lengths and the
 total on the host (``.tolist()``, ``.item()``: a wait for the GPU in every attention layer of
@@ -123,19 +125,28 @@ def _kernel():
     return rope_kernel, triton.cdiv, triton.next_power_of_2
 
 
-def rope_kernel_reason(t: torch.Tensor, cos: torch.Tensor) -> str | None:
+def rope_kernel_reason(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> str | None:
     """Why the rotation of ``t`` ``[s, b, heads, dim]`` by tables ``[s, 1 | b, 1, rot]`` runs
-    as torch operators rather than one Triton kernel each way (None: the kernel)."""
+    as torch operators rather than one Triton kernel each way (None: the kernel).
+
+    The kernel reads both tables at ``cos``'s strides, so ``signed_sin`` must lie as ``cos``
+    does (:func:`rope_tables` makes it contiguous; ``cos`` follows the frequencies' layout)."""
+    if t.dim() != 4 or cos.dim() != 4 or t.stride(-1) != 1 or cos.stride(-1) != 1:
+        return "not [s, b, heads, dim] with a contiguous last dimension"
+    rot = cos.shape[-1]
+    if cos.shape[0] != t.shape[0] or cos.shape[1] not in (1, t.shape[1]) or cos.shape[2] != 1:
+        return f"tables of shape {tuple(cos.shape)} for {tuple(t.shape)}"
+    if rot % 2 or rot > t.shape[-1]:
+        return f"{rot} rotated channels of {t.shape[-1]} (an even number, at most all)"
+    if signed_sin.shape != cos.shape or signed_sin.stride() != cos.stride():
+        return "the sine table does not lie as the cosine table does"
+    dtypes = {t.dtype, cos.dtype, signed_sin.dtype}
+    if len(dtypes) > 1 or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{t.dtype} with {cos.dtype} / {signed_sin.dtype} tables"
     if not t.is_cuda:
         return "not on CUDA"
     if _kernel() is None:
         return "Triton is not installed"
-    if t.dim() != 4 or cos.dim() != 4 or t.stride(-1) != 1 or cos.stride(-1) != 1:
-        return "not [s, b, heads, dim] with a contiguous last dimension"
-    if cos.shape[0] != t.shape[0] or cos.shape[1] not in (1, t.shape[1]) or cos.shape[2] != 1:
-        return f"tables of shape {tuple(cos.shape)} for {tuple(t.shape)}"
-    if cos.dtype != t.dtype or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"{t.dtype} with {cos.dtype} tables"
     return None
 
 
@@ -174,7 +185,7 @@ class _RopeKernel(torch.autograd.Function):
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    if rope_kernel_reason(t, cos) is None:
+    if rope_kernel_reason(t, cos, signed_sin) is None:
         return _RopeKernel.apply(t, cos, signed_sin)
     rot = cos.shape[-1]
     if rot == t.shape[-1]:

@@ -193,8 +193,8 @@ def _experts_reason(moe: nn.Module) -> str | None:
 
 
 def _whole_layer_reason(moe: nn.Module) -> str | None:
-    """Why the MoE layer is not captured whole, or None: on the fast path at EP 1 (and TP 1),
-    where the dispatcher neither copies token counts to the host nor communicates, and its
+    """Why the MoE layer is not captured whole, or None: on the fast path at EP 1 and expert
+    TP 1, where the dispatcher neither copies token counts to the host nor communicates, and its
     gathers and the grouped-GEMM experts see fixed shapes (``tokens x top-k`` rows)."""
     dispatcher = getattr(moe, "fast_path_reason", "megatron's dispatcher")
     if dispatcher is not None:

@@ -372,14 +372,35 @@ def test_triton_rope_under_interpreter(tmp_path):
     assert "triton rope ok" in done.stdout
 
 
+def _tables(layout: str):
+    """``(t, cos, signed_sin)`` on the CPU in one of the layouts the kernel check tells apart."""
+    t = torch.zeros(4, 2, 3, 8)
+    freqs = _freqs(4, 8)
+    if layout == "batch-major":  # [b, s, 1, rot] transposed: cos keeps that layout
+        freqs = freqs.expand(4, 2, 1, 8).transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "odd":
+        freqs = freqs[..., :7]
+    elif layout == "wider":
+        freqs = torch.cat((freqs, freqs), -1)
+    from megatron_hybrid.modules.fast.rope import rope_tables
+
+    return (t, *rope_tables(freqs, t.dtype))
+
+
 @pytest.mark.parametrize(
-    ("t_shape", "table_shape", "reason"),
+    ("layout", "reason"),
     [
-        ((4, 2, 3, 8), (4, 1, 1, 8), "not on CUDA"),
+        ("plain", "not on CUDA"),
+        ("batch-major", "the sine table does not lie as the cosine table does"),
+        ("odd", "7 rotated channels of 8"),
+        ("wider", "16 rotated channels of 8"),
     ],
-    ids=["cpu"],
+    ids=["plain", "batch-major", "odd-rotation", "wider-than-the-head"],
 )
-def test_rope_kernel_reason_off_cuda(t_shape, table_shape, reason):
+def test_rope_kernel_reason(layout, reason):
+    """Tables the kernel would misread (a sine table laid out unlike the cosine one, read at
+    the cosine's strides) or a rotation it cannot do go to the torch operators, with why."""
     from megatron_hybrid.modules.fast.rope import rope_kernel_reason
 
-    assert rope_kernel_reason(torch.zeros(t_shape), torch.zeros(table_shape)) == reason
+    got = rope_kernel_reason(*_tables(layout))
+    assert got is not None and got.startswith(reason), got
