@@ -21,7 +21,6 @@ float32 additions only.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -29,20 +28,17 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
+from megatron_hybrid.triton_lazy import lazy_triton
+
 __all__ = ["combine_shards", "kernel_reason", "row_statistics"]
 
 #: Columns of a row per loop iteration of the kernel.
 _BLOCK = 4096
 
 
-@functools.cache
-def _kernel():
+@lazy_triton
+def _kernel(triton, tl):
     """The Triton kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def row_statistics_kernel(

@@ -29,6 +29,20 @@ SEQ, BATCH = 256, 2
 FACTOR, FLOOR, PARAM_FACTOR, PARAM_FLOOR = 2.0, 1e-2, 4.0, 5e-2
 
 
+def _gpu_time_us(fn, calls: int = 20) -> float:
+    """Mean microseconds of ``fn`` on the current CUDA stream over ``calls`` calls, after three
+    untimed ones (compilation, allocator warm-up)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
 @pytest.fixture
 def pg(world):
     from megatron_hybrid.process_groups import initialize_model_parallel, reset_megatron_state
@@ -506,20 +520,10 @@ def test_grouped_wgrad_adds_into_main_grads(world, shape):
             worst[name] = max(worst[name], float(((got.double() - exact).abs() / bound).max()))
     assert torch.equal(dests[7], before[7])
 
-    def time_it(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 10 * 1e3
-
-    fused_us = time_it(lambda: grouped_wgrad_into_main_grads(grad, tokens, ends, dests))
-    gemm_us = time_it(lambda: torch._grouped_mm(grad.t(), tokens, offs=ends))
+    fused_us = _gpu_time_us(lambda: grouped_wgrad_into_main_grads(grad, tokens, ends, dests), 10)
+    gemm_us = _gpu_time_us(lambda: torch._grouped_mm(grad.t(), tokens, offs=ends), 10)
     stack = torch._grouped_mm(grad.t(), tokens, offs=ends)
-    add_us = time_it(lambda: grouped_add_(dests, stack))
+    add_us = _gpu_time_us(lambda: grouped_add_(dests, stack), 10)
     report(f"grouped weight gradient into main_grad, 64 experts, {shape}", [
         *((f"error / bound, {k}", f"{v:.3g}") for k, v in worst.items()),
         ("fused µs", f"{fused_us:.0f}"),
@@ -559,24 +563,20 @@ def test_rope_kernel_rounds_once(world):
     ulp = exact.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0**-8  # half a bf16 ulp
     ulp_grad = exact_grad.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0**-8
 
-    def time_it(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 * 1e3
+    def kernel_forward():
+        return rope._rope_kernel(t, cos, signed_sin, backward=False)
+
+    def kernel_backward():
+        return rope._rope_kernel(grad, cos, signed_sin, backward=True)
 
     def torch_forward():
         with torch.no_grad():
             return rope._Rope.apply(t, cos, signed_sin)
 
     report("RoPE 4096 x 16 x 128 bf16, forward / backward", [
-        ("Triton µs", f"{time_it(lambda: rope._rope_kernel(t, cos, signed_sin, False)):.1f} / "
-                      f"{time_it(lambda: rope._rope_kernel(grad, cos, signed_sin, True)):.1f}"),
-        ("torch operators µs (forward)", f"{time_it(torch_forward):.1f}"),
+        ("Triton µs", f"{_gpu_time_us(kernel_forward):.1f} / "
+                      f"{_gpu_time_us(kernel_backward):.1f}"),
+        ("torch operators µs (forward)", f"{_gpu_time_us(torch_forward):.1f}"),
     ])  # fmt: skip
     assert ((out.float() - exact).abs() <= 1.001 * ulp).all()
     assert ((back.float() - exact_grad).abs() <= 1.001 * ulp_grad).all()
@@ -610,21 +610,10 @@ def test_gather_sum_kernel_is_embedding_bags_sum(world):
     expected = functional.embedding_bag(index, rows, mode="sum")
     control = gather_sum(rows, index[:, :-1].contiguous())
 
-    def time_it(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(3):
-            fn()
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20 * 1e3
-
     report("gather-and-sum, 4096 x 2048 bf16, top-8", [
-        ("Triton µs", f"{time_it(lambda: gather_sum(rows, index)):.1f}"),
+        ("Triton µs", f"{_gpu_time_us(lambda: gather_sum(rows, index)):.1f}"),
         ("embedding_bag µs",
-         f"{time_it(lambda: functional.embedding_bag(index, rows, mode='sum')):.1f}"),
+         f"{_gpu_time_us(lambda: functional.embedding_bag(index, rows, mode='sum')):.1f}"),
     ])  # fmt: skip
     assert torch.equal(got, expected)
     assert not torch.equal(control, expected)

@@ -1,4 +1,7 @@
-"""fla's Triton kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``), for tests.
+"""Triton kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``), for tests.
+
+:func:`run_under_interpreter` runs a test script in a process of its own with the interpreter
+on (it must be set before Triton is imported), as the package's own kernels' tests do.
 
 Two things differ from compiled Triton that fla's GatedDeltaNet kernels notice: the interpreter
 cannot time an autotuner's configs, and its ``range`` yields Python ints where compiled loop
@@ -9,9 +12,13 @@ process started with ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import builtins
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["counting_ranges", "one_autotune_config"]
+__all__ = ["counting_ranges", "one_autotune_config", "run_under_interpreter"]
 
 
 def one_autotune_config() -> None:
@@ -48,3 +55,19 @@ def counting_ranges(on_launch: Callable[[str], None] | None = None) -> None:
         return call(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = launch
+
+
+def run_under_interpreter(script: str, folder: Path, marker: str) -> str:
+    """Run ``script`` (Python source) in a new process under Triton's CPU interpreter, no GPU
+    visible; assert it ended well and printed ``marker``. Returns its standard output."""
+    path = Path(folder) / "under_interpreter.py"
+    path.write_text(script)
+    tests = str(Path(__file__).resolve().parents[1])  # scripts may import test modules' support
+    path_entries = [tests, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(path_entries)}  # fmt: skip
+    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert marker in done.stdout, done.stdout[-3000:]
+    return done.stdout

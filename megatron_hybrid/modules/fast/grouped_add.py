@@ -21,10 +21,11 @@ covers them, else the per-expert ``torch._foreach_add_``, runs.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 
 import torch
+
+from megatron_hybrid.triton_lazy import lazy_triton
 
 __all__ = ["destination_offsets", "grouped_add_", "stacked_view"]
 
@@ -70,14 +71,9 @@ def stacked_view(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torc
     return first.as_strided((count, *shape), (spacing, *first.stride()), offset)
 
 
-@functools.cache
-def _kernel():
+@lazy_triton
+def _kernel(triton, tl):
     """The Triton kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def grouped_add_kernel(dst_ptr, offsets_ptr, src_ptr, numel, BLOCK: tl.constexpr):  # noqa: N803

@@ -32,12 +32,12 @@ stacks); against the grouped add's Triton kernel no step was measured.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from megatron_hybrid.modules.fast.grouped_add import destination_offsets
+from megatron_hybrid.triton_lazy import lazy_triton
 
 __all__ = ["SWITCH", "grouped_wgrad_into_main_grads", "grouped_wgrad_reason"]
 
@@ -51,14 +51,9 @@ _BLOCK_M, _BLOCK_N, _BLOCK_K, _WARPS, _STAGES = 128, 64, 64, 4, 3
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.cache
-def _kernel():
+@lazy_triton
+def _kernel(triton, tl):
     """The Triton kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def grouped_wgrad_kernel(

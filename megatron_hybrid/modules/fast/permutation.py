@@ -22,10 +22,10 @@ whenever no token is dropped and the router pads nothing, which
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.nn import functional
+
+from megatron_hybrid.triton_lazy import lazy_triton
 
 __all__ = [
     "PermutationMap",
@@ -73,14 +73,9 @@ def permutation_map(routing_map: torch.Tensor, topk: int) -> PermutationMap:
     return PermutationMap(row_token, token_rows, flat_order)
 
 
-@functools.cache
-def _kernel():
+@lazy_triton
+def _kernel(triton, tl):
     """The Triton gather-sum kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def gather_sum_kernel(

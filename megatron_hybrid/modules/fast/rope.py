@@ -31,13 +31,13 @@ by the row.
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 
 from megatron_hybrid.padding.batch import per_tensor
 from megatron_hybrid.padding.fixed import row_segments
+from megatron_hybrid.triton_lazy import lazy_triton
 
 __all__ = ["apply_rope", "apply_rope_thd", "rope_kernel_reason", "rope_tables", "thd_positions"]
 
@@ -86,14 +86,9 @@ class _Rope(torch.autograd.Function):
         return torch.addcmul(_swap_halves(grad * signed_sin), grad, cos), None, None
 
 
-@functools.cache
-def _kernel():
+@lazy_triton
+def _kernel(triton, tl):
     """The Triton rotation kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def rope_kernel(

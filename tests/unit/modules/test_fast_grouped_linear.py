@@ -15,12 +15,11 @@ covers.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from support.triton_interpreter import run_under_interpreter
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -497,13 +496,11 @@ def test_triton_grouped_add_under_interpreter(tmp_path):
     """The Triton kernel (the path CUDA takes for float32 main_grad), on Triton's CPU
     interpreter: every destination gets its addend, nothing else changes."""
     pytest.importorskip("triton.runtime.interpreter")
-    script = tmp_path / "grouped_add.py"
-    script.write_text(_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "triton grouped add ok" in done.stdout
+    run_under_interpreter(
+        _UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)),
+        tmp_path,
+        "triton grouped add ok",
+    )
 
 
 _WGRAD_UNDER_INTERPRETER = """
@@ -565,10 +562,8 @@ def test_triton_grouped_wgrad_under_interpreter(tmp_path):
     plus its old value; an expert without rows and the memory around the destinations
     untouched. Control: the bound fails against experts' rows shifted by one."""
     pytest.importorskip("triton.runtime.interpreter")
-    script = tmp_path / "grouped_wgrad.py"
-    script.write_text(_WGRAD_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "triton grouped wgrad ok" in done.stdout
+    run_under_interpreter(
+        _WGRAD_UNDER_INTERPRETER.format(tests=os.path.dirname(__file__)),
+        tmp_path,
+        "triton grouped wgrad ok",
+    )

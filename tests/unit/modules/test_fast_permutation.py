@@ -8,12 +8,9 @@ them: the negative control). A token-to-row map that is off by one is caught.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from support.triton_interpreter import run_under_interpreter
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -160,13 +157,7 @@ def test_triton_gather_sum_under_interpreter(tmp_path):
     bit for bit (bf16: rounded once, within one unit in the last place), a partial column block
     included; a left-out row is seen."""
     pytest.importorskip("triton.runtime.interpreter")
-    script = tmp_path / "gather_sum.py"
-    script.write_text(_UNDER_INTERPRETER)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "triton gather sum ok" in done.stdout
+    run_under_interpreter(_UNDER_INTERPRETER, tmp_path, "triton gather sum ok")
 
 
 @pytest.mark.parametrize(

@@ -13,14 +13,12 @@ megatron's THD RoPE, which reads the host.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 
 import pytest
 import torch
 from support.mla import mla_config
+from support.triton_interpreter import run_under_interpreter
 
 from megatron_hybrid.testing.overlap import rel_error
 
@@ -363,13 +361,7 @@ def test_triton_rope_under_interpreter(tmp_path):
     bit for bit), tables per position or per position and sample, a strided input. Control: the
     sine's sign flipped."""
     pytest.importorskip("triton.runtime.interpreter")
-    script = tmp_path / "rope.py"
-    script.write_text(_UNDER_INTERPRETER)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "triton rope ok" in done.stdout
+    run_under_interpreter(_UNDER_INTERPRETER, tmp_path, "triton rope ok")
 
 
 def _tables(layout: str):
