@@ -358,6 +358,11 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     report = {}
     for chunk in inner:
         report.update(fast_path_report(chunk))
+    # The fused loss (on GPUs) runs on the last pipeline stage's chunk, in
+    # HybridModel.compute_language_model_loss.
+    loss_path = getattr(inner[-1], "cross_entropy_path", None)
+    if loss_path is not None and inner[-1].config.cross_entropy_loss_fusion:
+        report["cross_entropy"] = "fast" if loss_path == "Triton" else loss_path
     if report:
         result["fast_path"] = sorted({f"{k.split('.')[-1]}: {v}" for k, v in report.items()})
     graphs = getattr(inner[0], "hybrid_cuda_graphs", None)

@@ -9,7 +9,7 @@ sums), as megatron-core's vocab-parallel cross-entropy does (``tensor_parallel/c
 The math is float32 whatever the logits' dtype. Vocabulary rows at and past ``vocab_size``
 (megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``) are left out
 of the softmax. On CUDA the forward statistics are one Triton pass over each row
-(:mod:`~megatron_hybrid.logprobs.vocab_kernel`); elsewhere, and in the backward pass, the work
+(:mod:`~megatron_hybrid.kernels.vocab_rows`); elsewhere, and in the backward pass, the work
 runs over blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory beyond the input is a few
 float32 blocks, at most one logits-sized buffer. Both functions are differentiable: the backward
 pass recomputes the softmax block by block from the saved logits.
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-from megatron_hybrid.logprobs.vocab_kernel import combine_shards, kernel_reason, row_statistics
+from megatron_hybrid.kernels.vocab_rows import combine_shards, kernel_reason, row_statistics
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -105,7 +105,7 @@ def _shifted(flat: Tensor, block: slice, valid: int, temperature: float, shift: 
 def _softmax_statistics(flat: Tensor, valid: int, temperature: float, tp_group, entropy: bool):
     """Per row: the global max of ``logits / T``, ``log S`` with ``S = sum exp(z)`` and, if
     ``entropy``, ``sum exp(z) * z / S`` (``z = logits / T - max``), all reduced over the TP
-    group. On CUDA one Triton pass per row (:mod:`~megatron_hybrid.logprobs.vocab_kernel`);
+    group. On CUDA one Triton pass per row (:mod:`~megatron_hybrid.kernels.vocab_rows`);
     elsewhere, and as its reference, :func:`_softmax_statistics_blocks`."""
     if kernel_reason(flat) is None:
         return combine_shards(*row_statistics(flat, valid, temperature, entropy), tp_group)

@@ -9,7 +9,6 @@ combined-1F1B schedule plan can call the two halves as nodes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -26,114 +25,18 @@ from megatron.core.utils import deprecate_inference_params
 from torch import Tensor
 
 from megatron_hybrid.checkpointing.sharded import CheckpointKeyLayout, gpt_mtp_keys
-from megatron_hybrid.checks import check_int
+from megatron_hybrid.kernels.cross_entropy import cross_entropy_reason, vocab_parallel_cross_entropy
+from megatron_hybrid.model.arguments import check_config, check_real_vocab_size, resolve_pattern
 from megatron_hybrid.padding.fixed import rope_table_params
 from megatron_hybrid.pattern import (
     ParsedPattern,
     parse_pattern,
     select_pipeline_segment,
-    virtual_stages,
 )
 from megatron_hybrid.schedule.graphs import enable_cuda_graphs
 from megatron_hybrid.schedule.plan import build_hybrid_schedule_plan, check_schedulable
 
 __all__ = ["HybridModel"]
-
-logger = logging.getLogger(__name__)
-
-
-def _resolve_pattern(config, hybrid_layer_pattern, attention_ratio, mlp_ratio, override_pattern):
-    """megatron-core's deprecated ways of giving a pattern, resolved to one string."""
-    if override_pattern is not None:
-        if hybrid_layer_pattern is not None:
-            raise ValueError(
-                "hybrid_override_pattern and hybrid_layer_pattern cannot both be set; "
-                "hybrid_override_pattern is deprecated, pass hybrid_layer_pattern only"
-            )
-        logger.warning("hybrid_override_pattern is deprecated; use hybrid_layer_pattern")
-        hybrid_layer_pattern = override_pattern
-    if (attention_ratio or 0.0) > 0.0 or (mlp_ratio or 0.0) > 0.0:
-        if hybrid_layer_pattern is not None:
-            raise ValueError(
-                "hybrid_layer_pattern cannot be combined with the deprecated "
-                "hybrid_attention_ratio / hybrid_mlp_ratio; pass hybrid_layer_pattern only"
-            )
-        from megatron.core.models.hybrid.hybrid_layer_allocation import pattern_from_ratios
-
-        logger.warning("hybrid_attention_ratio/hybrid_mlp_ratio are deprecated")
-        hybrid_layer_pattern = pattern_from_ratios(
-            config.num_layers, attention_ratio or 0.0, mlp_ratio or 0.0
-        )
-    if hybrid_layer_pattern is None:
-        raise ValueError(
-            "HybridModel needs hybrid_layer_pattern, e.g. '[*E]{4}' (see docs/pattern_grammar.md)"
-        )
-    return hybrid_layer_pattern
-
-
-def _check_config(config, parsed, spec, pp_size: int, vp_stage) -> None:
-    if config.num_layers != parsed.physical_layer_count:
-        raise ValueError(
-            f"TransformerConfig.num_layers={config.num_layers}, but the pattern "
-            f"{parsed.pattern!r} has {parsed.physical_layer_count} physical layers (a group "
-            f"like '[*E]' counts 2). Set num_layers={parsed.physical_layer_count}."
-        )
-    if parsed.mtp_num_depths and config.mtp_num_layers != parsed.mtp_num_depths:
-        raise ValueError(
-            f"the pattern {parsed.pattern!r} has {parsed.mtp_num_depths} MTP depth(s) but "
-            f"TransformerConfig.mtp_num_layers={config.mtp_num_layers}; set "
-            f"mtp_num_layers={parsed.mtp_num_depths}"
-        )
-    if not parsed.mtp_num_depths and config.mtp_num_layers:
-        raise ValueError(
-            f"TransformerConfig.mtp_num_layers={config.mtp_num_layers}, but the pattern "
-            f"{parsed.pattern!r} has no MTP part; add one ('<main>/<mtp>') or unset "
-            "mtp_num_layers"
-        )
-    if config.pipeline_model_parallel_layout is not None:
-        raise ValueError(
-            "pipeline_model_parallel_layout is not used by HybridModel: the pattern's '|' "
-            "separators define the pipeline stages; unset the layout"
-        )
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    if parsed.num_segments > 1 and virtual_stages(parsed, pp_size) != vpp:
-        raise ValueError(
-            f"the pattern {parsed.pattern!r} has {parsed.num_segments} '|'-separated segments, "
-            f"but pipeline size {pp_size} x virtual pipeline size {vpp} = {pp_size * vpp}; "
-            "use as many segments as pipeline stages times virtual stages"
-        )
-    if (vp_stage is not None) != (config.virtual_pipeline_model_parallel_size is not None):
-        raise ValueError(
-            "vp_stage must be given exactly when virtual_pipeline_model_parallel_size is set "
-            f"(vp_stage={vp_stage}, virtual_pipeline_model_parallel_size="
-            f"{config.virtual_pipeline_model_parallel_size})"
-        )
-    if parsed.layer_counts.get("E", 0) and config.add_bias_linear and not config.moe_grouped_gemm:
-        # megatron-core 0.19.2 SequentialMLP adds the expert bias in place to the output of a
-        # reduction autograd treats as a view: the first forward fails, so refuse it here.
-        raise ValueError(
-            f"the pattern {parsed.pattern!r} has MoE ('E') layers, whose experts (megatron-core's "
-            "SequentialMLP) cannot have biases: set add_bias_linear=False"
-        )
-    spec_grouped = (spec.metainfo or {}).get("moe_grouped_gemm")
-    if spec_grouped is not None and bool(spec_grouped) != bool(config.moe_grouped_gemm):
-        raise ValueError(
-            f"the spec was built with moe_grouped_gemm={spec_grouped} but the config has "
-            f"moe_grouped_gemm={config.moe_grouped_gemm}; build it with "
-            "hybrid_stack_spec(backend, config=config)"
-        )
-
-
-def _real_vocab_size(real: int | None, vocab_size: int) -> int:
-    if real is None:
-        return vocab_size
-    check_int("real_vocab_size", real, where="HybridModel")
-    if real > vocab_size:
-        raise ValueError(
-            f"HybridModel: real_vocab_size={real} exceeds vocab_size={vocab_size} (the padded "
-            "vocabulary the embedding and output layer hold)"
-        )
-    return real
 
 
 class HybridModel(LanguageModule):
@@ -199,7 +102,7 @@ class HybridModel(LanguageModule):
         real_vocab_size: int | None = None,
     ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        pattern = _resolve_pattern(
+        pattern = resolve_pattern(
             config,
             hybrid_layer_pattern,
             hybrid_attention_ratio,
@@ -209,13 +112,13 @@ class HybridModel(LanguageModule):
         parsed = parse_pattern(pattern)
         pp_group = self.pg_collection.pp
         pp_size, pp_rank = pp_group.size(), pp_group.rank()
-        _check_config(config, parsed, hybrid_stack_spec, pp_size, vp_stage)
+        check_config(config, parsed, hybrid_stack_spec, pp_size, vp_stage)
 
         self.hybrid_stack_spec = hybrid_stack_spec
         self.hybrid_layer_pattern = parsed.pattern
         self.parsed_pattern = parsed
         self.vocab_size = vocab_size
-        self.real_vocab_size = _real_vocab_size(real_vocab_size, vocab_size)
+        self.real_vocab_size = check_real_vocab_size(real_vocab_size, vocab_size)
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
         self.post_process = post_process
@@ -355,6 +258,24 @@ class HybridModel(LanguageModule):
     _postprocess = GPTModel._postprocess
     preprocess_for_fine_grained_offloading = GPTModel.preprocess_for_fine_grained_offloading
     preprocess_for_paged_stash = GPTModel.preprocess_for_paged_stash
+
+    def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+        """megatron's loss (``LanguageModule.compute_language_model_loss``, MTP's too), with its
+        fused ``native`` cross entropy as two Triton passes where they apply
+        (:mod:`~megatron_hybrid.kernels.cross_entropy`); ``self.cross_entropy_path`` says which
+        ran last."""
+        config = self.config
+        if not config.cross_entropy_loss_fusion:
+            reason = "cross_entropy_loss_fusion is off"
+        elif config.cross_entropy_fusion_impl != "native":
+            reason = f"cross_entropy_fusion_impl={config.cross_entropy_fusion_impl!r}"
+        else:
+            reason = cross_entropy_reason(logits)
+        self.cross_entropy_path = "Triton" if reason is None else f"megatron's ({reason})"
+        if reason is None:  # [b, s] labels, [s, b] logits and loss, as megatron's
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.pg_collection.tp)
+            return loss.t().contiguous()
+        return super().compute_language_model_loss(labels, logits)
 
     def _prepare_step(self) -> None:
         """Per-step hooks of activation offloading and the paged MoE stash, as GPTModel runs."""

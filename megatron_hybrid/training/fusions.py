@@ -15,7 +15,10 @@ TransformerEngine or apex, and the package the third (Megatron-LM turns it on by
   ``tensor_parallel.vocab_parallel_cross_entropy`` with one all-reduce instead of two and
   compiled kernels, except that its backward hands back the logits' gradient in bfloat16
   (``calculate_gradients``): exact for bf16 logits (the unfused gradient is cast to the logits'
-  dtype too), a loss of precision for float32 or float16 ones;
+  dtype too), a loss of precision for float32 or float16 ones. ``HybridModel`` runs it as one
+  Triton pass over the logits each way where Triton imports
+  (:mod:`~megatron_hybrid.kernels.cross_entropy`; ``MEGATRON_HYBRID_TRITON_CROSS_ENTROPY=0``
+  keeps megatron's compiled functions);
 * ``gradient_accumulation_fusion``: the local linear layers add their weight gradient into
   megatron DDP's float32 ``main_grad`` in the GEMM (``modules/fast/wgrad.py``, torch's
   ``addmm`` with a float32 output standing in for apex's ``fused_weight_gradient_mlp_cuda``)

@@ -35,6 +35,7 @@ FILE_SECONDS = {
     "test_checkpoints_gpu.py": 43, "test_hf_gpu.py": 40, "test_rl_gpu.py": 38,
     "test_gdn_kernels_gpu.py": 35, "test_hybridep_gpu.py": 100, "test_lora_gpu.py": 16,
     "test_fla_dqkwg_gpu.py": 8, "test_cuda_graphs_gpu.py": 64, "test_gdn_fixed_gpu.py": 10,
+    "test_cross_entropy_gpu.py": 20,
 }  # fmt: skip
 #: Seconds of a file not in :data:`FILE_SECONDS` (the others took under 2 s on one GPU).
 OTHER_FILE_SECONDS = 5.0

@@ -1,4 +1,4 @@
-"""The Triton softmax-statistics kernel (``logprobs/vocab_kernel.py``) under Triton's CPU
+"""The Triton softmax-statistics kernel (``kernels/vocab_rows.py``) under Triton's CPU
 interpreter, through the public ``token_logprobs`` / ``token_entropy`` / their pair.
 
 CUDA takes the kernel wherever Triton imports; on a CPU the torch blocks run, so these tests
@@ -65,9 +65,9 @@ def _launches() -> list[str]:
 def _rank(rank: int, world: int, dtype_name: str, temperature: float) -> dict:
     import torch.distributed as dist
 
+    from megatron_hybrid.kernels.vocab_rows import combine_shards, row_statistics
     from megatron_hybrid.logprobs import token_entropy, token_logprobs
     from megatron_hybrid.logprobs.vocab import token_logprobs_and_entropy
-    from megatron_hybrid.logprobs.vocab_kernel import combine_shards, row_statistics
 
     launches = _launches()
     logits, labels = _inputs(getattr(torch, dtype_name))

@@ -16,7 +16,8 @@ maximum grows):
 The statistics are local to this rank's shard; :func:`combine_shards` turns every rank's
 ``(m, S, U)`` into the global ones with the same rescaling (one MAX and one SUM all-reduce, as the
 torch path needs). Accumulation is float32, as in the reference; the two differ by the order of
-float32 additions only.
+float32 additions only. The model's cross entropy
+(:mod:`~megatron_hybrid.kernels.cross_entropy`) takes ``(m, S)`` from the same pass.
 """
 
 from __future__ import annotations
