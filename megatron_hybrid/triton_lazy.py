@@ -1,10 +1,11 @@
 """Triton kernels built on first use, and None where Triton cannot be imported.
 
-The package's Triton kernels (the fast path's gathers, RoPE, grouped adds and weight gradients;
-the row statistics of vocabulary logits and the cross entropy's backward) are optional: Triton is not a dependency of the CPU install, and
-each kernel's caller falls back to torch operators where it is missing. Importing Triton and
-compiling a ``triton.jit`` function on module import would make every import of the package pay
-for it, and fail without Triton; :func:`lazy_triton` defers both to the first call, once.
+The package's Triton kernels (the fast path's gathers, RoPE, grouped adds and weight gradients; the
+row statistics of vocabulary logits and the cross entropy's backward) are optional: Triton is not a
+dependency of the CPU install, and each kernel's caller falls back to torch operators where it is
+missing. Importing Triton and compiling a ``triton.jit`` function on module import would make every
+import of the package pay for it, and fail without Triton; :func:`lazy_triton` defers both to the
+first call, once.
 """
 
 from __future__ import annotations

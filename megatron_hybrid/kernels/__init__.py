@@ -1,9 +1,9 @@
-"""Triton kernels shared across the package's layers, each with its torch-only caller.
+"""Triton kernels with torch callers and nothing of megatron, below the layers that use them.
 
 :mod:`~megatron_hybrid.kernels.vocab_rows` (the softmax statistics of vocabulary rows) serves the
 log-probs of ``logprobs`` and the model's cross entropy
 (:mod:`~megatron_hybrid.kernels.cross_entropy`, which ``HybridModel`` runs for megatron's fused
-cross entropy on CUDA). They need torch and, to run, Triton; nothing else of the package but
-``triton_lazy``, so importing them loads no megatron. Kernels that one fast module uses live
-beside it in ``modules/fast``.
+cross entropy on CUDA); the two sit together so that the row statistics have one home under both
+``model`` and ``logprobs``, and importing them loads no megatron (``logprobs``' token functions
+need only torch). Kernels that one fast module uses live beside it in ``modules/fast``.
 """

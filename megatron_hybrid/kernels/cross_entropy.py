@@ -15,12 +15,12 @@ until its backward pass.
 * forward: the row statistics of :mod:`~megatron_hybrid.kernels.vocab_rows` (the maximum ``m``
   and ``S = sum exp(x - m)``, one read of the logits in their own dtype) and the target's logit,
   combined over the tensor-parallel group as megatron's fused version does (a MAX all-reduce,
-  then SUMs); ``loss = log S - (x[target] - m)`` in float32, ``log S`` where the target is
-  outside the vocabulary (megatron's value);
+  then one SUM all-reduce of ``S`` and the target's logit); ``loss = log S - (x[target] - m)``
+  in float32, ``log S`` where the target is outside the vocabulary (megatron's value);
 * backward: ``(exp(x - m) / S - [j == target]) * grad`` in float32, rounded once to the logits'
   dtype, one read of the logits and one write of their gradient.
 
-It keeps the logits (bf16: a quarter of megatron's float32 softmax) and three numbers per row.
+It keeps the logits (bf16: half the bytes of megatron's float32 softmax) and a few numbers per row.
 As in megatron, every column of this rank's shard counts (the padded vocabulary too) and a
 target outside the shard adds nothing to its gradient; the loss has the targets' shape. The
 gradient is in the logits' dtype, as megatron's unfused version returns it (the fused one
@@ -33,7 +33,7 @@ import os
 
 import torch
 from torch import Tensor
-from torch.distributed import ReduceOp
+from torch.autograd.function import once_differentiable
 
 from megatron_hybrid.kernels.vocab_rows import combine_shards, kernel_reason, row_statistics
 from megatron_hybrid.triton_lazy import lazy_triton
@@ -88,23 +88,24 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: Tensor, target: Tensor, tp_group) -> Tensor:
         columns = logits.size(-1)
         flat = logits.view(-1, columns)
-        rank = 0 if tp_group is None else tp_group.rank()
-        local = target.reshape(-1).to(torch.int64) - rank * columns
+        rank, size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+        target = target.reshape(-1).to(torch.int64)
+        local = target - rank * columns
         mine = (local >= 0) & (local < columns)
-        m, s, _ = row_statistics(flat, columns, 1.0, False)
-        shift, log_sum, _ = combine_shards(m, s, None, tp_group)
-        # x[target] - m from the rank that holds the target; 0 where none does (megatron's
-        # value for a target outside the vocabulary, e.g. an ignored -100: the loss is log S).
+        # x[target] from the rank that holds it (0 elsewhere), summed with S in one all-reduce.
         picked = flat.gather(-1, local.clamp(0, columns - 1).unsqueeze(-1)).squeeze(-1).float()
-        picked = torch.where(mine, picked - shift, torch.zeros_like(picked))
-        if tp_group is not None and tp_group.size() > 1:
-            torch.distributed.all_reduce(picked, op=ReduceOp.SUM, group=tp_group)
-        ctx.save_for_backward(
-            logits, torch.where(mine, local, torch.full_like(local, -1)), shift, log_sum.exp()
-        )
-        return (log_sum - picked).view(target.shape)
+        picked = torch.where(mine, picked, torch.zeros_like(picked))
+        m, s, _ = row_statistics(flat, columns, 1.0, False)
+        combined = combine_shards(m, s, None, tp_group, extra=picked.unsqueeze(0))
+        # x[target] - m, exact as megatron's; 0 for a target outside the vocabulary (megatron's
+        # value, e.g. for an ignored -100: the loss is then log S).
+        inside = (target >= 0) & (target < columns * size)
+        shifted = torch.where(inside, combined.extra[0] - combined.shift, 0.0)
+        ctx.save_for_backward(logits, torch.where(mine, local, -1), combined.shift, combined.total)
+        return (combined.total.log() - shifted).view(logits.shape[:-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss: Tensor):
         logits, local, shift, sums = ctx.saved_tensors
         columns = logits.size(-1)

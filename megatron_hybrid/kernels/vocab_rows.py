@@ -13,10 +13,10 @@ maximum grows):
 * ``U = sum e^{z - m} (z - m)`` rescales as ``U' = e^{m - m'} (U + (m - m') S) + sum_j
   e^{z_j - m'} (z_j - m')``, since ``z - m' = (z - m) + (m - m')``.
 
-The statistics are local to this rank's shard; :func:`combine_shards` turns every rank's
-``(m, S, U)`` into the global ones with the same rescaling (one MAX and one SUM all-reduce, as the
-torch path needs). Accumulation is float32, as in the reference; the two differ by the order of
-float32 additions only. The model's cross entropy
+The statistics are local to this rank's shard; :func:`combine_shards` turns every rank's ``(m, S,
+U)`` into the global ones with the same rescaling (one MAX and one SUM all-reduce, as the torch
+path needs; the SUM carries the caller's other per-row sums too). Accumulation is float32, as in
+the reference; the two differ by the order of float32 additions only. The model's cross entropy
 (:mod:`~megatron_hybrid.kernels.cross_entropy`) takes ``(m, S)`` from the same pass.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ from torch.distributed import ReduceOp
 
 from megatron_hybrid.triton_lazy import lazy_triton
 
-__all__ = ["combine_shards", "kernel_reason", "row_statistics"]
+__all__ = ["Combined", "combine_shards", "kernel_reason", "row_statistics"]
 
 #: Columns of a row per loop iteration of the kernel.
 _BLOCK = 4096
@@ -114,19 +115,38 @@ def row_statistics(flat: Tensor, valid: int, temperature: float, entropy: bool):
     return m, s, u
 
 
-def combine_shards(m: Tensor, s: Tensor, u: Tensor | None, tp_group):
-    """The global ``(shift, log S, U / S)`` of a row from every rank's :func:`row_statistics`:
-    ``shift`` the maximum over ranks, each rank's sums rescaled to it and summed."""
+class Combined(NamedTuple):
+    """What :func:`combine_shards` makes of every rank's statistics, per row."""
+
+    #: The maximum over the ranks.
+    shift: Tensor
+    #: ``S`` over the whole vocabulary, each rank's sum rescaled to ``shift``.
+    total: Tensor
+    #: ``U / S`` (``U`` rescaled likewise), or None without ``U``.
+    mean_z: Tensor | None
+    #: The caller's ``extra`` rows, summed over the ranks, or None.
+    extra: Tensor | None
+
+
+def combine_shards(m: Tensor, s: Tensor, u: Tensor | None, tp_group, extra: Tensor | None = None):
+    """The global statistics of a row from every rank's :func:`row_statistics`: one MAX
+    all-reduce for ``shift``, then one SUM all-reduce of each rank's sums rescaled to it and of
+    ``extra`` (``[k, rows]`` float32 rows the caller needs summed too, e.g. the cross entropy's
+    target logit from the rank that holds it). Returns :class:`Combined`."""
     shift = m.clone()
     if tp_group is not None and tp_group.size() > 1:
         torch.distributed.all_reduce(shift, op=ReduceOp.MAX, group=tp_group)
     seen = s != 0  # a shard without columns (or of -inf logits only) adds nothing
     delta = torch.where(seen, m - shift, torch.zeros_like(m))
     scale = torch.where(seen, delta.exp(), torch.zeros_like(m))
-    sums = (s * scale).unsqueeze(0)
+    parts = [(s * scale).unsqueeze(0)]
     if u is not None:
-        sums = torch.cat([sums, ((u + delta * s) * scale).unsqueeze(0)])
+        parts.append(((u + delta * s) * scale).unsqueeze(0))
+    if extra is not None:
+        parts.append(extra)
+    sums = torch.cat(parts) if len(parts) > 1 else parts[0]
     if tp_group is not None and tp_group.size() > 1:
         torch.distributed.all_reduce(sums, op=ReduceOp.SUM, group=tp_group)
     mean_z = sums[1] / sums[0] if u is not None else None
-    return shift, sums[0].log(), mean_z
+    rest = sums[2 if u is not None else 1 :] if extra is not None else None
+    return Combined(shift, sums[0], mean_z, rest)

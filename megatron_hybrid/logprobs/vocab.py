@@ -108,7 +108,8 @@ def _softmax_statistics(flat: Tensor, valid: int, temperature: float, tp_group, 
     group. On CUDA one Triton pass per row (:mod:`~megatron_hybrid.kernels.vocab_rows`);
     elsewhere, and as its reference, :func:`_softmax_statistics_blocks`."""
     if kernel_reason(flat) is None:
-        return combine_shards(*row_statistics(flat, valid, temperature, entropy), tp_group)
+        combined = combine_shards(*row_statistics(flat, valid, temperature, entropy), tp_group)
+        return combined.shift, combined.total.log(), combined.mean_z
     return _softmax_statistics_blocks(flat, valid, temperature, tp_group, entropy)
 
 

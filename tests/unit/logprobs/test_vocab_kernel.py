@@ -84,8 +84,8 @@ def _rank(rank: int, world: int, dtype_name: str, temperature: float) -> dict:
     if world > 1:
         # Negative control 2: each rank's shard statistics, not combined over the group.
         valid = max(0, min(shard.size(1), VOCAB - rank * shard.size(1)))
-        _, log_sum, _ = combine_shards(*row_statistics(shard, valid, temperature, True), None)
-        out["local_log_sum"] = log_sum
+        alone = combine_shards(*row_statistics(shard, valid, temperature, True), None)
+        out["local_log_sum"] = alone.total.log()
     # Plain lists: tensors would travel as shared memory of a process that has ended.
     return {k: v.tolist() if torch.is_tensor(v) else v for k, v in out.items()}
 
