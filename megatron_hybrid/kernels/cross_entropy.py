@@ -18,7 +18,8 @@ until its backward pass.
   then one SUM all-reduce of ``S`` and the target's logit); ``loss = log S - (x[target] - m)``
   in float32, ``log S`` where the target is outside the vocabulary (megatron's value);
 * backward: ``(exp(x - m) / S - [j == target]) * grad`` in float32, rounded once to the logits'
-  dtype, one read of the logits and one write of their gradient.
+  dtype, one read of the logits and one write of their gradient (``vocab_rows.softmax_gradient``,
+  which the log-probs' backward runs too).
 
 It keeps the logits (bf16: half the bytes of megatron's float32 softmax) and a few numbers per row.
 As in megatron, every column of this rank's shard counts (the padded vocabulary too) and a
@@ -35,38 +36,17 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megatron_hybrid.kernels.vocab_rows import combine_shards, kernel_reason, row_statistics
-from megatron_hybrid.triton_lazy import lazy_triton
+from megatron_hybrid.kernels.vocab_rows import (
+    combine_shards,
+    kernel_reason,
+    row_statistics,
+    softmax_gradient,
+)
 
 __all__ = ["OFF_ENV", "cross_entropy_reason", "vocab_parallel_cross_entropy"]
 
 #: ``0`` keeps megatron's compiled fused cross entropy (for comparisons).
 OFF_ENV = "MEGATRON_HYBRID_TRITON_CROSS_ENTROPY"
-
-#: Columns per program of the backward kernel.
-_BLOCK = 4096
-
-
-@lazy_triton
-def _backward_kernel(triton, tl):
-    """The Triton backward kernel, or None where Triton cannot be imported."""
-
-    @triton.jit
-    def cross_entropy_backward_kernel(
-        logits_ptr, grad_ptr, columns, target_ptr, shift_ptr, sum_ptr, grad_loss_ptr,  # noqa: N803
-        BLOCK: tl.constexpr,  # noqa: N803
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = index < columns
-        x = tl.load(logits_ptr + row * columns + index, mask=inside, other=0.0).to(tl.float32)
-        softmax = tl.exp(x - tl.load(shift_ptr + row)) / tl.load(sum_ptr + row)
-        # The target's column (-1: another rank's) loses one; the rest is the softmax.
-        hit = index == tl.load(target_ptr + row)
-        grad = (softmax - tl.where(hit, 1.0, 0.0)) * tl.load(grad_loss_ptr + row)
-        tl.store(grad_ptr + row * columns + index, grad.to(grad_ptr.dtype.element_ty), mask=inside)
-
-    return cross_entropy_backward_kernel
 
 
 def cross_entropy_reason(logits: Tensor) -> str | None:
@@ -76,8 +56,6 @@ def cross_entropy_reason(logits: Tensor) -> str | None:
         return f"{OFF_ENV}=0"
     if logits.dim() < 1 or not logits.is_contiguous():
         return "logits that are not one contiguous array"
-    if _backward_kernel() is None:
-        return "Triton is not importable"
     return kernel_reason(logits.view(-1, logits.size(-1)))
 
 
@@ -107,17 +85,13 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: Tensor):
-        logits, local, shift, sums = ctx.saved_tensors
+        logits, local, shift, total = ctx.saved_tensors
         columns = logits.size(-1)
-        rows = local.numel()
-        grad = torch.empty_like(logits)
-        if rows and columns:
-            grad_loss = grad_loss.reshape(-1).float().contiguous()
-            grid = (rows, -(-columns // _BLOCK))
-            _backward_kernel()[grid](
-                logits, grad, columns, local, shift, sums, grad_loss, BLOCK=_BLOCK, num_warps=8
-            )
-        return grad, None, None
+        # d loss / d x = -(d log p(target) / d x) * grad: the softmax gradient with g = -grad.
+        g_target = grad_loss.reshape(-1).float().neg().contiguous()
+        grad = softmax_gradient(logits.view(-1, columns), columns, 1.0, local, shift, total,
+                                g_target)  # fmt: skip
+        return grad.view_as(logits), None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, tp_group=None) -> Tensor:

@@ -1,4 +1,5 @@
-"""One pass over a vocabulary shard's logits per row: the softmax statistics as a Triton kernel.
+"""One pass over a vocabulary shard's logits per row: the softmax statistics as a Triton kernel;
+and one more for the softmax's gradient (:func:`softmax_gradient`).
 
 :func:`~megatron_hybrid.logprobs.vocab.token_logprobs` needs, per row of logits, the maximum of
 ``x / T``, ``S = sum exp(z)`` and (for the entropy) ``sum exp(z) z`` with ``z = x / T - max``. The
@@ -18,6 +19,11 @@ U)`` into the global ones with the same rescaling (one MAX and one SUM all-reduc
 path needs; the SUM carries the caller's other per-row sums too). Accumulation is float32, as in
 the reference; the two differ by the order of float32 additions only. The model's cross entropy
 (:mod:`~megatron_hybrid.kernels.cross_entropy`) takes ``(m, S)`` from the same pass.
+
+:func:`softmax_gradient` is the backward pass of both: ``(g_lp ([j = t] - p_j) - g_h p_j (log p_j
++ H)) / T`` per column, ``p_j = exp(x_j / T - m) / S`` from the saved statistics, in float32 and
+rounded once; padding columns get 0. It replaces the torch blocks' half a dozen kernels and
+float32 temporaries per block of rows.
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from torch.distributed import ReduceOp
 
 from megatron_hybrid.triton_lazy import lazy_triton
 
-__all__ = ["Combined", "combine_shards", "kernel_reason", "row_statistics"]
+__all__ = [
+    "Combined",
+    "combine_shards",
+    "kernel_reason",
+    "row_statistics",
+    "softmax_gradient",
+]
 
 #: Columns of a row per loop iteration of the kernel.
 _BLOCK = 4096
@@ -84,6 +96,37 @@ def _kernel(triton, tl):
     return row_statistics_kernel
 
 
+@lazy_triton
+def _gradient_kernel(triton, tl):
+    """The Triton kernel of :func:`softmax_gradient`, or None where Triton cannot be imported."""
+
+    @triton.jit
+    def softmax_gradient_kernel(
+        logits_ptr, row_stride, out_ptr, columns, valid, inv_temperature,  # noqa: N803
+        target_ptr, shift_ptr, sum_ptr, g_target_ptr, g_entropy_ptr, entropy_ptr,  # noqa: N803
+        ENTROPY: tl.constexpr, BLOCK: tl.constexpr,  # noqa: N803
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        real = index < valid
+        x = tl.load(logits_ptr + row * row_stride + index, mask=real, other=0.0).to(tl.float32)
+        z = x * inv_temperature - tl.load(shift_ptr + row)
+        total = tl.load(sum_ptr + row)
+        p = tl.exp(z) / total
+        # The target's column (-1: none of this shard's) gains g_target; every column loses
+        # g_target p.
+        hit = index == tl.load(target_ptr + row)
+        grad = tl.load(g_target_ptr + row) * (tl.where(hit, 1.0, 0.0) - p)
+        if ENTROPY:  # dH/dz_j = -p_j (log p_j + H)
+            log_p = z - tl.log(total)
+            grad -= tl.load(g_entropy_ptr + row) * p * (log_p + tl.load(entropy_ptr + row))
+        grad = tl.where(real, grad * inv_temperature, 0.0)  # padding columns: no gradient
+        out = out_ptr + row * columns + index
+        tl.store(out, grad.to(out_ptr.dtype.element_ty), mask=index < columns)
+
+    return softmax_gradient_kernel
+
+
 def kernel_reason(flat: Tensor) -> str | None:
     """Why :func:`row_statistics` cannot take ``flat`` (``[rows, columns]``), or None."""
     # Triton's CPU interpreter (TRITON_INTERPRET=1, as the tests run it) takes host tensors.
@@ -93,7 +136,7 @@ def kernel_reason(flat: Tensor) -> str | None:
         return f"logits in {flat.dtype}"
     if flat.dim() != 2 or flat.stride(-1) != 1:
         return "logits whose vocabulary dimension is not contiguous"
-    if _kernel() is None:
+    if _kernel() is None or _gradient_kernel() is None:
         return "Triton is not importable"
     return None
 
@@ -113,6 +156,51 @@ def row_statistics(flat: Tensor, valid: int, temperature: float, entropy: bool):
             ENTROPY=entropy, BLOCK=_BLOCK, num_warps=8,
         )  # fmt: skip
     return m, s, u
+
+
+def softmax_gradient(
+    flat: Tensor,
+    valid: int,
+    temperature: float,
+    target: Tensor,
+    shift: Tensor,
+    total: Tensor,
+    g_target: Tensor,
+    g_entropy: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> Tensor:
+    """The gradient with respect to ``flat`` (``[rows, columns]``, this rank's shard) of
+    ``sum_r g_target[r] log p_r(target[r]) + g_entropy[r] H_r``, with ``p = softmax(x / T)``
+    over the whole vocabulary, in one pass: ``(g_target ([j = target] - p_j) - g_entropy p_j
+    (log p_j + H)) / T`` in float32, rounded once to ``flat``'s dtype.
+
+    Args:
+        flat: the logits; columns at and past ``valid`` are padding (gradient 0).
+        valid: this shard's real columns.
+        temperature: ``T``.
+        target: int64 per row, the target's column in this shard, or -1 (another rank's, or
+            none).
+        shift, total: float32 per row, the global maximum of ``x / T`` and ``S = sum exp(x / T -
+            shift)`` (:func:`combine_shards`' ``shift`` and ``total``).
+        g_target: float32 per row (zeros where only the entropy has a gradient).
+        g_entropy, entropy: float32 per row, ``H``'s gradient and ``H`` itself; None: no
+            entropy term.
+
+    Returns:
+        A new ``[rows, columns]`` tensor in ``flat``'s dtype.
+    """
+    rows, columns = flat.shape
+    out = torch.empty(rows, columns, dtype=flat.dtype, device=flat.device)
+    if rows and columns:
+        with_entropy = g_entropy is not None
+        grid = (rows, -(-columns // _BLOCK))
+        _gradient_kernel()[grid](
+            flat, flat.stride(0), out, columns, valid, 1.0 / temperature, target, shift, total,
+            g_target, g_entropy if with_entropy else g_target,
+            entropy if with_entropy else g_target, ENTROPY=with_entropy, BLOCK=_BLOCK,
+            num_warps=8,
+        )  # fmt: skip
+    return out
 
 
 class Combined(NamedTuple):

@@ -8,11 +8,11 @@ sums), as megatron-core's vocab-parallel cross-entropy does (``tensor_parallel/c
 
 The math is float32 whatever the logits' dtype. Vocabulary rows at and past ``vocab_size``
 (megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``) are left out
-of the softmax. On CUDA the forward statistics are one Triton pass over each row
-(:mod:`~megatron_hybrid.kernels.vocab_rows`); elsewhere, and in the backward pass, the work
-runs over blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory beyond the input is a few
-float32 blocks, at most one logits-sized buffer. Both functions are differentiable: the backward
-pass recomputes the softmax block by block from the saved logits.
+of the softmax. On CUDA the forward statistics are one Triton pass over each row and the
+gradient one more (:mod:`~megatron_hybrid.kernels.vocab_rows`); elsewhere the work runs over
+blocks of at most :data:`BLOCK_ELEMENTS` logits, so the memory beyond the input is a few float32
+blocks, at most one logits-sized buffer. Both functions are differentiable: the backward pass
+recomputes the softmax from the saved logits.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ import torch
 from torch import Tensor
 from torch.distributed import ReduceOp
 
-from megatron_hybrid.kernels.vocab_rows import combine_shards, kernel_reason, row_statistics
+from megatron_hybrid.kernels.vocab_rows import (
+    combine_shards,
+    kernel_reason,
+    row_statistics,
+    softmax_gradient,
+)
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -175,6 +180,10 @@ class _VocabParallelTerms(torch.autograd.Function):
         g_lp = None if g_lp is None else g_lp.reshape(-1).float()
         g_h = None if g_h is None else g_h.reshape(-1).float()
         flat = logits.reshape(-1, logits.size(-1))
+        if kernel_reason(flat) is None and (g_lp is not None or g_h is not None):
+            grad = _kernel_gradient(flat, labels, first, valid, temperature, shift, log_sum,
+                                    entropies, g_lp, g_h)  # fmt: skip
+            return grad.view_as(logits), None, None, None, None, None
         out = torch.zeros_like(flat)
         wanted = g_lp is not None or g_h is not None
         for block in _blocks(flat.size(0), valid) if valid and wanted else ():
@@ -197,6 +206,21 @@ class _VocabParallelTerms(torch.autograd.Function):
             hit = local.nonzero().squeeze(-1)
             out[hit, flat_labels[hit] - first] += (g_lp[hit] / temperature).to(out.dtype)
         return out.view_as(logits), None, None, None, None, None
+
+
+def _kernel_gradient(flat, labels, first, valid, temperature, shift, log_sum, entropies, g_lp,
+                     g_h):  # fmt: skip
+    """:class:`_VocabParallelTerms`' gradient as one Triton pass
+    (:func:`~megatron_hybrid.kernels.vocab_rows.softmax_gradient`)."""
+    rows = flat.size(0)
+    target = torch.full((rows,), -1, dtype=torch.int64, device=flat.device)
+    if labels is not None:
+        local = labels.reshape(-1).to(torch.int64) - first
+        target = torch.where((local >= 0) & (local < valid), local, target)
+    g_target = torch.zeros(rows, dtype=torch.float32, device=flat.device) if g_lp is None else g_lp
+    return softmax_gradient(flat, valid, temperature, target, shift, log_sum.exp(),
+                            g_target.contiguous(), None if g_h is None else g_h.contiguous(),
+                            None if g_h is None else entropies.contiguous())  # fmt: skip
 
 
 def token_logprobs(

@@ -1,8 +1,9 @@
 """megatron's fused cross entropy as two Triton passes (``kernels/cross_entropy.py``) on a GPU, at
 the shape of issue 33's benchmark (4,096 tokens, vocabulary 32,768), against float64 and against
 megatron-core's compiled fused cross entropy (what ``cross_entropy_fusion_impl="native"`` runs
-without the package), with both timed; and at a Qwen-sized vocabulary over 2^31 logits, where
-every offset past int32 must hold.
+without the package), with both timed; at a Qwen-sized vocabulary over 2^31 logits, where
+every offset past int32 must hold; and the same gradient kernel under the log-probs' backward
+(``token_logprobs_and_entropy``) against float64 and the torch blocks it replaces.
 
     torchrun --nproc_per_node 1 -m pytest -q -s tests/functional/test_cross_entropy_gpu.py
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import report
-from support.cross_entropy import NEAREST, exact_cross_entropy
+from support.cross_entropy import NEAREST, exact_cross_entropy, exact_logprob_gradient
 
 ROWS, VOCAB = 4096, 32768
 
@@ -133,3 +134,45 @@ def test_cross_entropy_past_int32_offsets(world, pg):
     target[-1] -= 1
     _, wrong = _grads(vocab_parallel_cross_entropy, logits, target, grad, None)
     assert ((wrong[tail].double() - exact).abs() > 1000 * grad_bound).any()
+
+
+def test_logprob_gradient_in_one_pass(world, monkeypatch):
+    """The log-probs' and entropies' gradient of a Qwen3.5-sized vocabulary (248,320 of 248,576
+    columns, T = 0.9) through the Triton pass and through the torch blocks, each within
+    ``exact_logprob_gradient``'s bound of float64; the control leaves the padding columns in
+    the softmax."""
+    from megatron_hybrid.logprobs import vocab
+    from megatron_hybrid.logprobs.vocab import token_logprobs_and_entropy
+
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("times CUDA kernels (the CPU runs the torch blocks only)")
+    vocab_size, padded, rows, temperature = 248_320, 248_576, 512, 0.9
+    gen = torch.Generator().manual_seed(5)
+    logits = (4 * torch.randn(rows, padded, generator=gen)).to(device, torch.bfloat16)
+    logits[:, vocab_size:] = 30.0
+    labels = torch.randint(0, vocab_size, (rows,), generator=gen).to(device)
+    g_lp = (torch.rand(rows, generator=gen) + 0.5).to(device)
+    g_h = (torch.rand(rows, generator=gen) - 0.5).to(device)
+    want, bound = exact_logprob_gradient(logits, labels, temperature, vocab_size, 1, g_lp, g_h,
+                                         NEAREST[torch.bfloat16])  # fmt: skip
+
+    def run(size: int = vocab_size):
+        leaf = logits.detach().requires_grad_()
+        lp, h = token_logprobs_and_entropy(leaf, labels, temperature=temperature,
+                                           vocab_size=size, check_labels=False)  # fmt: skip
+        return torch.autograd.grad([lp, h], leaf, [g_lp, g_h])[0]
+
+    kernel = ((run().double() - want).abs() / bound).max().item()
+    kernel_us = _gpu_time_us(run)
+    monkeypatch.setattr(vocab, "kernel_reason", lambda flat: "the torch blocks, for comparison")
+    blocks = ((run().double() - want).abs() / bound).max().item()
+    blocks_us = _gpu_time_us(run, calls=3)
+    monkeypatch.undo()
+    report(f"log-prob and entropy gradients, {rows} x {vocab_size} bf16, T = {temperature}",
+           [("path", "max error / bound", "forward + backward µs"),
+            ("Triton", f"{kernel:.3f}", f"{kernel_us:.0f}"),
+            ("torch blocks", f"{blocks:.3f}", f"{blocks_us:.0f}")])  # fmt: skip
+    assert kernel <= 1, kernel
+    wrong = run(padded)  # padding counted in the softmax
+    assert ((wrong.double() - want).abs() > 1000 * bound).any()

@@ -1,5 +1,6 @@
-"""The float64 cross entropy of logits and the float32 error bounds of the package's Triton
-cross entropy (``kernels/cross_entropy.py``) and of megatron-core's, for its CPU and GPU tests.
+"""The float64 cross entropy and log-prob gradients of logits, and the float32 error bounds of the
+package's Triton cross entropy (``kernels/cross_entropy.py``), of megatron-core's, and of the
+log-probs' gradient pass (``kernels/vocab_rows.py``), for their CPU and GPU tests.
 
 Bounds, from float32 error analysis of the kernels' own order of operations (``u = 2^-24``), per
 row of ``n`` columns over ``world`` ranks, ``k`` blocks of 4,096 columns per rank and ``R`` the
@@ -27,7 +28,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "NEAREST", "SUBNORMAL", "U", "exact_cross_entropy", "rel_sum_bound"]
+__all__ = [
+    "BLOCK",
+    "NEAREST",
+    "SUBNORMAL",
+    "U",
+    "exact_cross_entropy",
+    "exact_logprob_gradient",
+    "rel_sum_bound",
+]
 
 U = 2.0**-24
 BLOCK = 4096  # the statistics kernel's lanes (kernels/vocab_rows.py)
@@ -75,3 +84,44 @@ def exact_cross_entropy(logits, target, grad, world: int, rounding: float):
 
     generic = torch.full_like(loss, 2 * (vocab + 16) * U)
     return loss, gradient, bounds(rel_sum_bound(x, world)), bounds(generic)
+
+
+def exact_logprob_gradient(logits, labels, temperature, vocab, world, g_lp, g_h, rounding):
+    """float64 autograd's gradient of ``g_lp . log p(label) (+ g_h . H)`` with ``p =
+    softmax(logits[:, :vocab] / T)`` (the padding columns' gradient is 0), and the bound of the
+    kernel's ``(g_lp ([j = t] - p) - g_h p (log p + H)) / T`` from the row sum's relative error
+    ``e`` (:func:`rel_sum_bound` on ``z = x / T``):
+
+    * ``p_j`` is off by ``p_j (e + u (2 |z_j - m| + |log S| + 8))`` (the subtraction, the
+      exponential, ``S`` saved as ``log S`` and back, the division);
+    * ``log p_j = z_j - m - log S`` by ``e + u (|z_j - m| + 3 |log S| + 4)``;
+    * ``H = log S - U / S`` by ``e (2 + 2 ln n) + 2 u |log S|`` (``U`` sums terms of one sign,
+      with ``S``'s structure; ``|U / S| <= ln n``);
+
+    then three float32 roundings of the result and one to the dtype (``rounding``, relative).
+    ``g_h`` None: no entropy term."""
+    x = logits.double().requires_grad_()
+    log_p = torch.log_softmax(x[:, :vocab] / temperature, -1)
+    h = -(log_p.exp() * log_p).sum(-1)
+    g_lp = g_lp.to(x.device, torch.float64)
+    total = (log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * g_lp).sum()
+    if g_h is not None:
+        g_h = g_h.to(x.device, torch.float64)
+        total = total + (h * g_h).sum()
+    total.backward()
+    with torch.no_grad():
+        p, z = log_p.exp(), x[:, :vocab] / temperature
+        z_m = (z - z.amax(-1, keepdim=True)).abs()
+        log_sum = (-z_m).exp().sum(-1, keepdim=True).log()
+        e = rel_sum_bound(z, world)[:, None]
+        e_p = e + U * (2 * z_m + log_sum + 8)
+        e_log = e + U * (z_m + 3 * log_sum + 4)
+        e_h = e * (2 + 2 * torch.log(torch.tensor(float(vocab)))) + 2 * U * log_sum
+        bound = torch.zeros_like(x)
+        bound[:, :vocab] = g_lp.abs()[:, None] * p * e_p
+        if g_h is not None:
+            term = e_p * (log_p + h[:, None]).abs() + e_log + e_h
+            bound[:, :vocab] += g_h.abs()[:, None] * p * term
+        bound /= temperature
+        bound += (3 * U + rounding) * x.grad.abs() + SUBNORMAL[logits.dtype]
+    return x.grad, bound

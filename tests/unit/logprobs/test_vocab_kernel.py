@@ -1,5 +1,7 @@
-"""The Triton softmax-statistics kernel (``kernels/vocab_rows.py``) under Triton's CPU
-interpreter, through the public ``token_logprobs`` / ``token_entropy`` / their pair.
+"""The Triton softmax-statistics and gradient kernels (``kernels/vocab_rows.py``) under Triton's
+CPU interpreter, through the public ``token_logprobs`` / ``token_entropy`` / their pair, values
+and gradients (the gradients within ``tests/support/cross_entropy.py``'s
+``exact_logprob_gradient`` bound of float64 autograd).
 
 CUDA takes the kernel wherever Triton imports; on a CPU the torch blocks run, so these tests
 start gloo ranks with ``TRITON_INTERPRET=1`` (which routes host tensors to the kernel) and count
@@ -22,12 +24,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.cross_entropy import exact_logprob_gradient
 
 from megatron_hybrid.testing.spawn import run_distributed
 
 VOCAB, PADDED = 9000, 9216  # over two of the kernel's 4,096-column blocks; padding columns
 U = 2.0**-24
 BOUND = 2 * (VOCAB + 16) * U
+#: Per-row gradients of the log-probs and the entropies (nonnegative and signed).
+WEIGHTS = (torch.linspace(0.5, 1.5, 6), torch.linspace(-1.0, 1.0, 6))
 
 
 def _inputs(dtype):
@@ -46,6 +51,12 @@ def _inputs(dtype):
 def _reference(logits, labels, temperature):
     log_p = torch.log_softmax(logits[:, :VOCAB].double() / temperature, -1)
     return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def _reference_gradient(logits, labels, temperature, world: int, entropy: bool):
+    rounding = 2.0**-7 if logits.dtype == torch.bfloat16 else 2.0**-24  # bf16 truncated
+    return exact_logprob_gradient(logits, labels, temperature, VOCAB, world, WEIGHTS[0],
+                                  WEIGHTS[1] if entropy else None, rounding)  # fmt: skip
 
 
 def _launches() -> list[str]:
@@ -77,7 +88,14 @@ def _rank(rank: int, world: int, dtype_name: str, temperature: float) -> dict:
     lp = token_logprobs(shard, labels, **kw)
     h = token_entropy(shard, **kw)
     pair = token_logprobs_and_entropy(shard, labels, **kw)
-    out = dict(lp=lp, h=h, pair_lp=pair[0], pair_h=pair[1], launches=list(launches))
+    # Gradients (the second Triton pass): of both outputs at once, and of the log-probs alone.
+    leaf = shard.clone().requires_grad_()
+    both = token_logprobs_and_entropy(leaf, labels, **kw)
+    ((both[0] * WEIGHTS[0]).sum() + (both[1] * WEIGHTS[1]).sum()).backward()
+    alone = shard.clone().requires_grad_()
+    token_logprobs(alone, labels, **kw).backward(WEIGHTS[0])
+    out = dict(lp=lp, h=h, pair_lp=pair[0], pair_h=pair[1], grad=leaf.grad,
+               grad_lp=alone.grad, launches=list(launches))  # fmt: skip
     # Negative control 1: the vocabulary one column short (the last real one is row 5's largest).
     out["short_lp"] = token_logprobs(shard, labels.clamp(max=VOCAB - 2), tp_group=group,
                                      temperature=temperature, vocab_size=VOCAB - 1)  # fmt: skip
@@ -102,8 +120,16 @@ def test_kernel_matches_float64_log_softmax(world, dtype):
     want_lp, want_h = _reference(logits, labels, temperature)
     # Entropy: |H| <= log V and its error is that of log S plus U / S's (relative to |U / S|).
     h_bound = BOUND * (1 + 2 * torch.log(torch.tensor(float(VOCAB))).item())
+    want_grad, grad_bound = _reference_gradient(logits, labels, temperature, world, True)
+    want_grad_lp, grad_lp_bound = _reference_gradient(logits, labels, temperature, world, False)
     for rank, got in enumerate(results):
-        assert got["launches"].count("row_statistics_kernel") == 3, got["launches"]
+        assert got["launches"].count("row_statistics_kernel") == 5, got["launches"]
+        assert got["launches"].count("softmax_gradient_kernel") == 2, got["launches"]
+        columns = slice(rank * PADDED // world, (rank + 1) * PADDED // world)
+        for key, want, bound in (("grad", want_grad, grad_bound),
+                                 ("grad_lp", want_grad_lp, grad_lp_bound)):  # fmt: skip
+            error = (torch.tensor(got[key]).double() - want[:, columns]).abs()
+            assert (error <= bound[:, columns]).all(), (key, (error / bound[:, columns]).max())
         for lp_key, h_key in (("lp", "h"), ("pair_lp", "pair_h")):
             lp_error = (torch.tensor(got[lp_key]).double() - want_lp).abs().max().item()
             h_error = (torch.tensor(got[h_key]).double() - want_h).abs().max().item()
