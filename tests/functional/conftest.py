@@ -169,6 +169,20 @@ def exact_float32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def gpu_time_us(fn, calls: int = 20) -> float:
+    """Mean microseconds of ``fn`` on the current CUDA stream over ``calls`` calls, after three
+    untimed ones (compilation, allocator warm-up)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
 def report(title: str, rows: list[tuple]) -> None:
     """Print a small table on rank 0 (pytest -s shows it; logs keep it)."""
     import torch.distributed as dist

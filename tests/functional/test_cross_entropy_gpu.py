@@ -19,23 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import report
+from conftest import gpu_time_us, report
 from support.cross_entropy import NEAREST, exact_cross_entropy, exact_logprob_gradient
 
 ROWS, VOCAB = 4096, 32768
-
-
-def _gpu_time_us(fn, calls: int = 10) -> float:
-    """Mean microseconds of ``fn`` over ``calls`` calls after three untimed ones."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
 
 
 @pytest.fixture
@@ -97,7 +84,7 @@ def test_cross_entropy_kernels_against_float64_and_megatron(world, pg, dtype):
         grad_ratio = ((got.double() - exact).abs() / bound_grad).max().item()
         assert got.dtype == dtype, got.dtype  # autograd casts megatron's bf16 to the logits'
         del got
-        micros = _gpu_time_us(lambda fn=fn: _grads(fn, logits, target, grad, group))
+        micros = gpu_time_us(lambda fn=fn: _grads(fn, logits, target, grad, group), 10)
         rows_out.append((name, f"{loss_ratio:.3f}", f"{grad_ratio:.3f}", f"{micros:.0f}"))
         assert loss_ratio <= 1 and grad_ratio <= 1, (name, loss_ratio, grad_ratio)
     report(f"cross entropy, {ROWS} x {VOCAB} {dtype}, forward + backward", rows_out)
@@ -164,10 +151,10 @@ def test_logprob_gradient_in_one_pass(world, monkeypatch):
         return torch.autograd.grad([lp, h], leaf, [g_lp, g_h])[0]
 
     kernel = ((run().double() - want).abs() / bound).max().item()
-    kernel_us = _gpu_time_us(run)
+    kernel_us = gpu_time_us(run, 10)
     monkeypatch.setattr(vocab, "kernel_reason", lambda flat: "the torch blocks, for comparison")
     blocks = ((run().double() - want).abs() / bound).max().item()
-    blocks_us = _gpu_time_us(run, calls=3)
+    blocks_us = gpu_time_us(run, calls=3)
     monkeypatch.undo()
     report(f"log-prob and entropy gradients, {rows} x {vocab_size} bf16, T = {temperature}",
            [("path", "max error / bound", "forward + backward µs"),

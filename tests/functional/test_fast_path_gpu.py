@@ -21,26 +21,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import exact_float32, rel_error, report, with_mla
+from conftest import exact_float32, gpu_time_us, rel_error, report, with_mla
 
 SEQ, BATCH = 256, 2
 # The fast path may round differently (fused kernels, another summation order): a few times
 # the reference path's bf16 error plus a floor. A wrong mask, expert or state is off by O(1).
 FACTOR, FLOOR, PARAM_FACTOR, PARAM_FLOOR = 2.0, 1e-2, 4.0, 5e-2
-
-
-def _gpu_time_us(fn, calls: int = 20) -> float:
-    """Mean microseconds of ``fn`` on the current CUDA stream over ``calls`` calls, after three
-    untimed ones (compilation, allocator warm-up)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
 
 
 @pytest.fixture
@@ -520,10 +506,10 @@ def test_grouped_wgrad_adds_into_main_grads(world, shape):
             worst[name] = max(worst[name], float(((got.double() - exact).abs() / bound).max()))
     assert torch.equal(dests[7], before[7])
 
-    fused_us = _gpu_time_us(lambda: grouped_wgrad_into_main_grads(grad, tokens, ends, dests), 10)
-    gemm_us = _gpu_time_us(lambda: torch._grouped_mm(grad.t(), tokens, offs=ends), 10)
+    fused_us = gpu_time_us(lambda: grouped_wgrad_into_main_grads(grad, tokens, ends, dests), 10)
+    gemm_us = gpu_time_us(lambda: torch._grouped_mm(grad.t(), tokens, offs=ends), 10)
     stack = torch._grouped_mm(grad.t(), tokens, offs=ends)
-    add_us = _gpu_time_us(lambda: grouped_add_(dests, stack), 10)
+    add_us = gpu_time_us(lambda: grouped_add_(dests, stack), 10)
     report(f"grouped weight gradient into main_grad, 64 experts, {shape}", [
         *((f"error / bound, {k}", f"{v:.3g}") for k, v in worst.items()),
         ("fused µs", f"{fused_us:.0f}"),
@@ -574,9 +560,9 @@ def test_rope_kernel_rounds_once(world):
             return rope._Rope.apply(t, cos, signed_sin)
 
     report("RoPE 4096 x 16 x 128 bf16, forward / backward", [
-        ("Triton µs", f"{_gpu_time_us(kernel_forward):.1f} / "
-                      f"{_gpu_time_us(kernel_backward):.1f}"),
-        ("torch operators µs (forward)", f"{_gpu_time_us(torch_forward):.1f}"),
+        ("Triton µs", f"{gpu_time_us(kernel_forward):.1f} / "
+                      f"{gpu_time_us(kernel_backward):.1f}"),
+        ("torch operators µs (forward)", f"{gpu_time_us(torch_forward):.1f}"),
     ])  # fmt: skip
     assert ((out.float() - exact).abs() <= 1.001 * ulp).all()
     assert ((back.float() - exact_grad).abs() <= 1.001 * ulp_grad).all()
@@ -611,9 +597,9 @@ def test_gather_sum_kernel_is_embedding_bags_sum(world):
     control = gather_sum(rows, index[:, :-1].contiguous())
 
     report("gather-and-sum, 4096 x 2048 bf16, top-8", [
-        ("Triton µs", f"{_gpu_time_us(lambda: gather_sum(rows, index)):.1f}"),
+        ("Triton µs", f"{gpu_time_us(lambda: gather_sum(rows, index)):.1f}"),
         ("embedding_bag µs",
-         f"{_gpu_time_us(lambda: functional.embedding_bag(index, rows, mode='sum')):.1f}"),
+         f"{gpu_time_us(lambda: functional.embedding_bag(index, rows, mode='sum')):.1f}"),
     ])  # fmt: skip
     assert torch.equal(got, expected)
     assert not torch.equal(control, expected)
