@@ -358,6 +358,10 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     report = {}
     for chunk in inner:
         report.update(fast_path_report(chunk))
+        for name, module in chunk.named_modules():  # e.g. the Mamba scan's TF32 products
+            detail = getattr(module, "fast_path_detail", None)
+            if detail is not None and report.get(name) == "fast":
+                report[name] = f"fast ({detail})"
     # The fused loss (on GPUs) runs on the last pipeline stage's chunk, in
     # HybridModel.compute_language_model_loss.
     loss_path = getattr(inner[-1], "cross_entropy_path", None)

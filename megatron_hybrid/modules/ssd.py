@@ -24,6 +24,8 @@ import math
 import torch
 from torch.nn.functional import conv1d, pad, silu
 
+from megatron_hybrid.kernels.tf32 import contract
+
 __all__ = ["causal_conv1d", "gated_rms_norm", "mamba2_scan", "ssd_chunk_scan"]
 
 
@@ -92,6 +94,7 @@ def ssd_chunk_scan(
     chunk_size: int,
     d: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
+    tf32: bool = False,
 ) -> torch.Tensor:
     """Mamba2's selective scan in chunks of ``chunk_size`` steps, in float32.
 
@@ -105,6 +108,9 @@ def ssd_chunk_scan(
         d: ``D``, skip weights ``[H]`` or ``[H, P]``, or None.
         seq_idx: optional ``[B, T]`` non-decreasing sequence ids: the state restarts from zero
             where the id changes (packed sequences).
+        tf32: the products of the scan (``C B^T``, the chunk states and outputs) on TF32 on
+            CUDA (:func:`~megatron_hybrid.kernels.tf32.tf32_bmm`; the fast path's choice);
+            everything else stays float32.
 
     Returns:
         ``y`` ``[B, T, H, P]``, float32.
@@ -149,16 +155,18 @@ def ssd_chunk_scan(
         decay_between = decay_between * same(boundary_ids[:, :, None], boundary_ids[:, None, :])
 
     # 1. Within chunks: y_l = sum_{s <= l} (C_l . B_s) decay(s -> l) dt_s x_s.
-    scores = torch.einsum("bclgn,bcsgn->bgcls", cc, bc)
+    scores = contract("bclgn,bcsgn->bgcls", cc, bc, tf32=tf32)
     weights = scores.unsqueeze(2) * decay_in_chunk  # b g r c l s
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, xdt)
+    y = contract("bgrcls,bcsgrp->bclgrp", weights, xdt, tf32=tf32)
     # 2. Each chunk's own contribution to the state at its end.
-    states = torch.einsum("bcsgn,bgrcs,bcsgrp->bcgrpn", bc, decay_to_end, xdt)
+    to_end = decay_to_end.permute(0, 3, 4, 1, 2).unsqueeze(-1)  # b c s g r 1
+    states = contract("bcsgn,bcsgrp->bcgrpn", bc, xdt * to_end, tf32=tf32)
     # 3. States at chunk starts: decayed sums over all earlier chunks (zero initial state).
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    states = torch.einsum("bgrzy,bygrpn->bzgrpn", decay_between, states)[:, :-1]
+    states = contract("bgrzy,bygrpn->bzgrpn", decay_between, states, tf32=tf32)[:, :-1]
     # 4. What the carried-in state adds to every step of the chunk.
-    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", cc, states, decay_from_start)
+    from_start = decay_from_start.permute(0, 3, 4, 1, 2).unsqueeze(-1)  # b c l g r 1
+    y = y + contract("bclgn,bcgrpn->bclgrp", cc, states, tf32=tf32) * from_start
 
     y = y.reshape(batch, seq + extra, heads, head_dim)[:, :seq]
     if d is not None:
@@ -219,6 +227,7 @@ def mamba2_scan(
     chunk_size: int,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     d_has_hdim: bool = False,
+    tf32: bool = False,
 ) -> torch.Tensor:
     """Mamba2's mixer between its projections: ``[B, L, z|x|B|C|dt]`` -> ``[B, L, d_inner]``.
 
@@ -226,7 +235,8 @@ def mamba2_scan(
     ``x|B|C``, the scan with ``dt = softplus(dt + dt_bias)`` and the ``D`` skip (per head, or
     per channel with ``d_has_hdim``), then the gate ``y * silu(z)``
     (mamba_ssm 2.x, ``ssd_combined.py``); rounded to the input dtype like the kernel's output.
-    A pure function of its arguments, so it can be compiled as one piece.
+    ``tf32`` is :func:`ssd_chunk_scan`'s. A pure function of its arguments, so it can be
+    compiled as one piece.
     """
     d_inner = heads * head_dim
     z, xbc, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * groups * state, heads], -1)
@@ -244,5 +254,6 @@ def mamba2_scan(
         chunk_size,
         d=d.unflatten(0, (heads, head_dim)) if d_has_hdim else d,
         seq_idx=seq_idx,
+        tf32=tf32,
     ).flatten(-2)
     return (y * torch.nn.functional.silu(z.float())).to(zxbcdt.dtype)

@@ -11,9 +11,17 @@ between the einsums. Packed batches pass their ``seq_idx`` into the same compile
 graph of its own: the boundary masks are tensors, so one graph serves any packing of a row);
 context parallelism keeps the eager path (``fast_path_reason`` says which ran). Parameters and
 checkpoints are ``TorchMambaMixer``'s.
+
+On CUDA the scan's products run on TF32 (``mamba2_scan(tf32=True)``,
+:mod:`megatron_hybrid.kernels.tf32`): at the issue shape of ``benchmarks/mfu.py`` the float32
+products were the largest item of the Mamba mixer (about 52 ms of a 0.274 s ``[ME]`` step on
+one H200), and mamba_ssm's kernels, what megatron-core runs, multiply bfloat16 operands there.
+``MEGATRON_HYBRID_SSD_TF32=0`` keeps them float32; ``fast_path_detail`` says which ran.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,7 +29,10 @@ from megatron_hybrid.modules.fast.compiled import CompiledPiece
 from megatron_hybrid.modules.mamba_torch import GatedRMSNorm, TorchMambaMixer
 from megatron_hybrid.modules.ssd import gated_rms_norm, mamba2_scan
 
-__all__ = ["FastGatedRMSNorm", "FastTorchMambaMixer"]
+__all__ = ["SSD_TF32_SWITCH", "FastGatedRMSNorm", "FastTorchMambaMixer"]
+
+#: The environment variable that keeps the scan's products float32 (``=0``).
+SSD_TF32_SWITCH = "MEGATRON_HYBRID_SSD_TF32"
 
 _SCAN = CompiledPiece(mamba2_scan, "mamba2_scan")
 _NORM = CompiledPiece(gated_rms_norm, "mamba2_gated_rms_norm")
@@ -40,6 +51,7 @@ class FastTorchMambaMixer(TorchMambaMixer):
 
     norm_class = FastGatedRMSNorm
     fast_path_reason: str | None = "not run"
+    fast_path_detail: str | None = None
 
     def _ssm(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
         if self.cp.cp_size > 1:
@@ -48,6 +60,8 @@ class FastTorchMambaMixer(TorchMambaMixer):
             self.fast_path_reason = _SCAN.failure
         if self.fast_path_reason is not None:
             return super()._ssm(zxbcdt, seq_idx)
+        tf32 = zxbcdt.is_cuda and os.environ.get(SSD_TF32_SWITCH, "1") != "0"
+        self.fast_path_detail = "TF32 products" if tf32 else "float32 products"
         return _SCAN(
             zxbcdt,
             self.conv1d_weight.squeeze(1),
@@ -63,4 +77,5 @@ class FastTorchMambaMixer(TorchMambaMixer):
             chunk_size=self.chunk_size,
             dt_limit=self.dt_limit,
             d_has_hdim=self.D_has_hdim,
+            tf32=tf32,
         )

@@ -204,13 +204,16 @@ def test_packed_sequences_restart_state_and_conv():
     assert rel_error(unpacked[:, 7:], packed_y[:, 7:]) > 1e-2
 
 
-def test_packed_scan_traces_as_one_graph(monkeypatch):
+@pytest.mark.parametrize("tf32", [False, True], ids=["float32", "tf32-operator"])
+def test_packed_scan_traces_as_one_graph(monkeypatch, tf32):
     """The fast path compiles ``mamba2_scan`` with ``seq_idx`` (packed rows): TorchDynamo traces
     it, forward and backward, as one graph (``fullgraph``: no break, no eager fallback inside),
     and the traced function equals the eager one with the boundaries applied (control: without
     ``seq_idx`` the later sequences differ). ``aot_eager`` runs the traced graph with eager
     kernels, so this checks the tracing on a CPU; inductor's kernels are a GPU test's matter
-    (``tests/functional/test_mamba_torch_gpu.py``)."""
+    (``tests/functional/test_mamba_torch_gpu.py``). With ``tf32`` (what the fast path passes on
+    CUDA) the products go through the custom operator of ``kernels/tf32.py``, one node of the
+    graph each."""
     import torch._dynamo
 
     from megatron_hybrid.modules.ssd import mamba2_scan
@@ -226,9 +229,9 @@ def test_packed_scan_traces_as_one_graph(monkeypatch):
     seq_idx = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
     sizes = dict(heads=heads, groups=groups, state=state, head_dim=head_dim, chunk_size=16)
 
-    def run(fn, ids):
+    def run(fn, ids, tf32=False):
         inputs = [t.clone().requires_grad_() for t in (zxbcdt, *params)]
-        out = fn(*inputs, ids, **sizes)
+        out = fn(*inputs, ids, **sizes, tf32=tf32)
         out.square().sum().backward()
         return [out.detach()] + [t.grad for t in inputs]
 
@@ -242,9 +245,11 @@ def test_packed_scan_traces_as_one_graph(monkeypatch):
     with torch._dynamo.config.patch(disable=False):
         torch._dynamo.reset()
         traced = torch.compile(mamba2_scan, backend=backend, fullgraph=True)
-        compiled = run(traced, seq_idx)
+        compiled = run(traced, seq_idx, tf32)
     assert len(graphs) == 1, "TorchDynamo did not trace the scan (disabled?)"
-    eager = run(mamba2_scan, seq_idx)
+    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert (torch.ops.megatron_hybrid.tf32_bmm.default in calls) == tf32
+    eager = run(mamba2_scan, seq_idx, tf32)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     unpacked = run(mamba2_scan, None)[0]
