@@ -35,3 +35,34 @@ def test_ddp_follows_delay_wgrad_compute(delay):
     from megatron_hybrid.testing.spawn import run_distributed
 
     assert run_distributed(ddp_flag_worker, 2, delay, timeout=300) == [delay, delay]
+
+
+def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
+    """``finalize_model_grads``' division by the token count (a 0-d tensor) in one multi-tensor
+    multiply gives every buffer megatron's own ``scale_gradients`` result bit for bit. Control:
+    a factor one float32 step away changes the gradients, so equality is not vacuous."""
+    from megatron.core.distributed import DistributedDataParallel
+    from step_setup import tiny_training
+
+    from megatron_hybrid.training.loop import TrainDistributedDataParallel
+
+    chunk = tiny_training(pg).chunks[0]
+    assert isinstance(chunk, TrainDistributedDataParallel)
+    grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
+    assert grads and sum(g.numel() for g in grads) > 1000
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(g.shape, generator=gen) * 10 ** torch.randn(g.shape, generator=gen)
+              for g in grads]  # fmt: skip
+    factor = torch.tensor(1.0) / 4093  # as finalize_model_grads makes it
+
+    def scaled(scale, value):
+        for grad, start in zip(grads, values, strict=True):
+            grad.copy_(start)
+        scale(value)
+        return [g.clone() for g in grads]
+
+    ours = scaled(chunk.scale_gradients, factor)
+    megatron = scaled(lambda f: DistributedDataParallel.scale_gradients(chunk, f), factor)
+    assert all(torch.equal(a, b) for a, b in zip(ours, megatron, strict=True))
+    nudged = scaled(chunk.scale_gradients, torch.nextafter(factor, torch.tensor(1.0)))
+    assert not all(torch.equal(a, b) for a, b in zip(nudged, megatron, strict=True))
