@@ -9,14 +9,43 @@ accumulation of ``K`` terms adds ``K 2^-24`` of ``sum |a| |b|``. Controls: a pro
 the wrong terms (``b`` reversed along ``K``) breaks the bound; and TF32 ran, not float32: the
 float32 products (``torch.bmm`` with TF32 off) are at least 8 times nearer float64 (at
 ``K = 8,192`` the float32 accumulation bound alone no longer tells the two apart, so the control
-compares errors).
+compares errors). ``test_hf_gpu.py`` and ``test_rl_gpu.py`` set ``NVIDIA_TF32_OVERRIDE=0`` for
+the whole process when they are collected (cuBLAS then runs no TF32 at all); in such a process
+the last control runs in a child process without it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import exact_float32, gpu_time_us, report
+
+#: In a child process: the largest error against float64 of the operator's product and of
+#: float32 ``torch.bmm``, with the process's flag off.
+_CHILD = """
+import json, torch
+from megatron_hybrid.kernels.tf32 import tf32_bmm
+gen = torch.Generator(device="cuda").manual_seed(7)
+a, b = (torch.randn(64, 128, 128, device="cuda", generator=gen) for _ in range(2))
+torch.backends.cuda.matmul.fp32_precision = "ieee"
+exact = a.double() @ b.double()
+print(json.dumps([float((p.double() - exact).abs().max()) for p in (tf32_bmm(a, b), a @ b)]))
+"""
+
+
+def _errors_without_override() -> tuple[float, float]:
+    """:data:`_CHILD`'s two errors, measured where ``NVIDIA_TF32_OVERRIDE`` is not set."""
+    env = {k: v for k, v in os.environ.items() if k != "NVIDIA_TF32_OVERRIDE"}
+    done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)  # fmt: skip
+    tf32, float32 = json.loads(done.stdout.strip().splitlines()[-1])
+    return tf32, float32
+
 
 # batch, M, K, N: the chunk products ([b c g] x [128, 128] @ [128, r p]), and the sum over
 # 8,192 = P x N of the states-between product's backward.
@@ -78,4 +107,12 @@ def test_tf32_products_within_bound_and_flag_untouched(world, shape):
     assert flag_after == ("ieee", False), flag_after
     assert all(tf32 <= 1 for tf32, _ in checks.values()), checks
     assert paired_wrong[0] > 1, paired_wrong
-    assert checks["out"][1] >= 8 * float32[1], (checks["out"], float32, "TF32 did not run?")
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        tf32_error, float32_error = _errors_without_override()
+        report(
+            "TF32 ran (child process without NVIDIA_TF32_OVERRIDE)",
+            [("max error, TF32 / float32", f"{tf32_error:.3g}", f"{float32_error:.3g}")],
+        )
+        assert tf32_error >= 8 * float32_error, (tf32_error, float32_error, "TF32 did not run?")
+    else:
+        assert checks["out"][1] >= 8 * float32[1], (checks["out"], float32, "TF32 did not run?")
