@@ -28,7 +28,8 @@ RUN_LAST = ("test_fast_path_gpu.py", "test_packing_gpu.py", "test_hf_fp8_gpu.py"
 #: from its first 2-GPU run (2 x H200, 2026-11-27: 84 s), rounded up for 4 GPUs, where it has
 #: not run. ``test_cuda_graphs_gpu.py`` and ``test_gdn_fixed_gpu.py``: the cold run on 1 x H200
 #: of 2026-11-29, after their packed-rows tests (GatedDeltaNet's compile fla's varlen kernels);
-#: ``test_cross_entropy_gpu.py`` from the suite run with its log-prob test (1 x H200, 2026-11-29).
+#: ``test_cross_entropy_gpu.py`` from the suite run with its log-prob test (1 x H200, 2026-11-29);
+#: ``test_tf32_gpu.py`` from its first suite run (1 x H200, 2026-11-29; its child process).
 #: Refresh from a summary; only the lanes' balance depends on it.
 FILE_SECONDS = {
     "test_fast_path_gpu.py": 190, "test_gdn_gates_gpu.py": 140, "test_packing_gpu.py": 130,
@@ -36,7 +37,7 @@ FILE_SECONDS = {
     "test_checkpoints_gpu.py": 43, "test_hf_gpu.py": 40, "test_rl_gpu.py": 38,
     "test_gdn_kernels_gpu.py": 35, "test_hybridep_gpu.py": 100, "test_lora_gpu.py": 16,
     "test_fla_dqkwg_gpu.py": 8, "test_cuda_graphs_gpu.py": 64, "test_gdn_fixed_gpu.py": 10,
-    "test_cross_entropy_gpu.py": 14,
+    "test_cross_entropy_gpu.py": 14, "test_tf32_gpu.py": 18,
 }  # fmt: skip
 #: Seconds of a file not in :data:`FILE_SECONDS` (the others took under 2 s on one GPU).
 OTHER_FILE_SECONDS = 5.0
