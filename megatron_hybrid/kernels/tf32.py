@@ -11,18 +11,23 @@ the same products with bfloat16 operands and float32 accumulators (mamba_ssm 2.x
 float32.
 
 Torch's TF32 switch (``torch.backends.cuda.matmul.fp32_precision``) is one flag for the process:
-turning it on would also change every other float32 matmul (a float32 router's logits, a
-user's own). :func:`tf32_bmm` is a custom operator that sets the flag around its own cuBLAS call
-and puts back what was there, in its forward and in both products of its backward (which call
-the operator again); TorchDynamo and inductor see it as one opaque node, so the switch is not
-traced away, and it may be captured in CUDA graphs (the flag is read when the call is made).
-On other devices it is ``torch.bmm``. :func:`contract` is a two-operand ``torch.einsum`` whose
-product goes through it.
+turning it on for the run would also change every other float32 matmul (a float32 router's
+logits, a user's own). :func:`tf32_bmm` is a custom operator that sets the flag around its own
+cuBLAS call and puts back what was there, in its forward and in both products of its backward
+(which call the operator again); TorchDynamo and inductor see it as one opaque node, so the
+switch is not traced away, and it may be captured in CUDA graphs (the flag is read when the call
+is made). It sets TF32 whatever the flag was: the caller decides (the fast Mamba path, with its
+own switch). While the call is made the flag is the process's, so a float32 matmul launched by
+another thread in that moment could take TF32 too; calls of the operator hold a lock, so that
+two threads cannot put back each other's values. ``NVIDIA_TF32_OVERRIDE=0`` in the environment
+(cuBLAS's own switch) keeps every product float32. On other devices it is ``torch.bmm``.
+:func:`contract` is a two-operand ``torch.einsum`` whose product goes through it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,21 +35,25 @@ import torch
 
 __all__ = ["contract", "tf32_bmm", "tf32_matmuls"]
 
+_FLAG_LOCK = threading.RLock()
+
 
 @contextmanager
 def tf32_matmuls() -> Iterator[None]:
     """cuBLAS float32 matmuls on TF32 inside the block; the flag as it was after it.
 
     Saved and put back through the same API (``fp32_precision``), so a process that set the
-    flag either way (``allow_tf32`` or ``fp32_precision``) reads it as it left it.
+    flag either way (``allow_tf32`` or ``fp32_precision``) reads it as it left it; one thread
+    at a time.
     """
     settings = torch.backends.cuda.matmul
-    before = settings.fp32_precision
-    settings.fp32_precision = "tf32"
-    try:
-        yield
-    finally:
-        settings.fp32_precision = before
+    with _FLAG_LOCK:
+        before = settings.fp32_precision
+        settings.fp32_precision = "tf32"
+        try:
+            yield
+        finally:
+            settings.fp32_precision = before
 
 
 @torch.library.custom_op("megatron_hybrid::tf32_bmm", mutates_args=())

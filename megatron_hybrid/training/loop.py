@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 
 from megatron_hybrid.checkpointing.finite import first_nonfinite, nonfinite_on_any_rank
 from megatron_hybrid.model import HybridModel
@@ -122,12 +123,12 @@ class TrainDistributedDataParallel(DistributedDataParallel):
     def scale_gradients(self, scaling_factor) -> None:
         """Every buffer's gradients (and extra main grads) times ``scaling_factor`` in one
         ``torch._foreach_mul_``: each element times the same float32, so bit for bit
-        megatron's result."""
-        grads = [
-            grad
-            for buffer in self.buffers + self.expert_parallel_buffers
-            for grad in (buffer.grad_data, *buffer.extra_main_grads)
-        ]
+        megatron's result. A buffer whose class scales in its own way keeps megatron's loop."""
+        buffers = self.buffers + self.expert_parallel_buffers
+        if any(type(b).scale_gradients is not _ParamAndGradBuffer.scale_gradients for b in buffers):
+            super().scale_gradients(scaling_factor)
+            return
+        grads = [grad for b in buffers for grad in (b.grad_data, *b.extra_main_grads)]
         if grads:
             torch._foreach_mul_(grads, scaling_factor)
 

@@ -139,3 +139,42 @@ def test_fused_step_and_megatrons_step_stay_within_the_float64_bound(pg):
     for p, old, state, saved in zip(_main_params(fused), before, after, states, strict=True):
         assert torch.equal(p, old)
         assert all(torch.equal(state[k], v) for k, v in saved.items())
+
+
+def test_gradient_scaling_in_one_pass_is_megatrons_bit_for_bit(pg):
+    """``finalize_model_grads``' division by the token count, a 0-d CUDA tensor, through
+    ``TrainDistributedDataParallel.scale_gradients`` (one multi-tensor kernel over every buffer
+    and extra main grad) gives each float32 gradient megatron's own per-buffer result bit for
+    bit. Control: a factor one float32 step away changes them."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_hybrid.training.loop import TrainDistributedDataParallel
+
+    chunk = _setup(pg)[1][0][0]
+    assert isinstance(chunk, TrainDistributedDataParallel)
+    buffers = chunk.buffers + chunk.expert_parallel_buffers
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    buffers[0].extra_main_grads.append(torch.empty(1000, device="cuda"))
+    grads = [g for b in buffers for g in (b.grad_data, *b.extra_main_grads)]
+    values = [
+        torch.randn(g.shape, device="cuda", generator=gen)
+        * 10 ** torch.randn(g.shape, device="cuda", generator=gen)
+        for g in grads
+    ]
+    factor = torch.tensor(1.0, device="cuda") / torch.tensor(40_961, device="cuda").clamp(min=1)
+
+    def scaled(scale, value):
+        for grad, start in zip(grads, values, strict=True):
+            grad.copy_(start)
+        scale(value)
+        return [g.clone() for g in grads]
+
+    try:
+        ours = scaled(chunk.scale_gradients, factor)
+        megatron = scaled(lambda f: DistributedDataParallel.scale_gradients(chunk, f), factor)
+        nudged = scaled(chunk.scale_gradients, torch.nextafter(factor, factor.new_tensor(1.0)))
+    finally:
+        buffers[0].extra_main_grads.pop()
+    assert factor.dtype == torch.float32 and factor.is_cuda and factor.dim() == 0
+    assert all(torch.equal(a, b) for a, b in zip(ours, megatron, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(nudged, megatron, strict=True))

@@ -5,13 +5,14 @@ TF32 flag off, and the flag as it was afterwards; the times against float32 prod
 
 Bound, per element: each operand rounded to TF32 (10 stored mantissa bits; truncation or
 rounding, ``|delta| <= 2^-10``) gives a product within ``(2^-9 + 2^-20) |a| |b|``, and float32
-accumulation of ``K`` terms adds ``K 2^-24`` of ``sum |a| |b|``. Controls: a product that pairs
-the wrong terms (``b`` reversed along ``K``) breaks the bound; and TF32 ran, not float32: the
-float32 products (``torch.bmm`` with TF32 off) are at least 8 times nearer float64 (at
-``K = 8,192`` the float32 accumulation bound alone no longer tells the two apart, so the control
-compares errors). ``test_hf_gpu.py`` and ``test_rl_gpu.py`` set ``NVIDIA_TF32_OVERRIDE=0`` for
-the whole process when they are collected (cuBLAS then runs no TF32 at all); in such a process
-the last control runs in a child process without it.
+accumulation of ``K`` terms adds ``K 2^-24`` of ``sum |a| |b|``. Control: a product that pairs
+the wrong terms (``b`` reversed along ``K``) breaks the bound.
+
+That TF32 ran, not float32, in the forward and in both products of the backward (which autograd
+runs on its own thread): the float32 products (``torch.bmm`` with TF32 off) are at least 8 times
+nearer float64 (the float32 accumulation bound alone cannot tell the two apart at ``K = 8,192``).
+This runs in a child process without ``NVIDIA_TF32_OVERRIDE``, which ``test_hf_gpu.py`` and
+``test_rl_gpu.py`` set for every process of the suite (cuBLAS then computes no TF32 at all).
 """
 
 from __future__ import annotations
@@ -25,26 +26,37 @@ import pytest
 import torch
 from conftest import exact_float32, gpu_time_us, report
 
-#: In a child process: the largest error against float64 of the operator's product and of
-#: float32 ``torch.bmm``, with the process's flag off.
+#: In a child process: the largest errors against float64 of the operator's product and its two
+#: gradients, and of the same three computed by float32 ``torch.bmm``, with the flag off.
 _CHILD = """
 import json, torch
 from megatron_hybrid.kernels.tf32 import tf32_bmm
 gen = torch.Generator(device="cuda").manual_seed(7)
-a, b = (torch.randn(64, 128, 128, device="cuda", generator=gen) for _ in range(2))
+a, b, g = (torch.randn(64, 128, 128, device="cuda", generator=gen) for _ in range(3))
 torch.backends.cuda.matmul.fp32_precision = "ieee"
-exact = a.double() @ b.double()
-print(json.dumps([float((p.double() - exact).abs().max()) for p in (tf32_bmm(a, b), a @ b)]))
+exact = [x.double() @ y.double() for x, y in ((a, b), (g, b.mT), (a.mT, g))]
+def errors(product):
+    x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out = product(x, y)
+    got = [out, *torch.autograd.grad(out, (x, y), g)]
+    return [float((t.detach().double() - e).abs().max()) for t, e in zip(got, exact)]
+print(json.dumps([errors(tf32_bmm), errors(torch.bmm)]))
 """
 
 
-def _errors_without_override() -> tuple[float, float]:
-    """:data:`_CHILD`'s two errors, measured where ``NVIDIA_TF32_OVERRIDE`` is not set."""
+def test_operator_takes_tf32_forward_and_backward(world):
+    _, _, device = world
+    if device.type != "cuda":
+        pytest.skip("TF32 products are CUDA's")
     env = {k: v for k, v in os.environ.items() if k != "NVIDIA_TF32_OVERRIDE"}
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
                           text=True, timeout=120, check=True)  # fmt: skip
     tf32, float32 = json.loads(done.stdout.strip().splitlines()[-1])
-    return tf32, float32
+    names = ("out", "grad a", "grad b")
+    rows = [(n, f"{t:.3g}", f"{f:.3g}") for n, t, f in zip(names, tf32, float32, strict=True)]
+    report("TF32 ran (child process without NVIDIA_TF32_OVERRIDE), 64 x 128 x 128 @ 128 x 128",
+           [("max error", "TF32 operator", "float32 bmm"), *rows])  # fmt: skip
+    assert all(t >= 8 * f for t, f in zip(tf32, float32, strict=True)), (tf32, float32)
 
 
 # batch, M, K, N: the chunk products ([b c g] x [128, 128] @ [128, r p]), and the sum over
@@ -101,18 +113,9 @@ def test_tf32_products_within_bound_and_flag_untouched(world, shape):
         paired_wrong = _worst(tf32_bmm(a, b.flip(1)), a, b)
     report(f"TF32 batched product {shape}", [("", "error / TF32 bound", "error / float32 bound")]
            + [(name, f"{t:.3g}", f"{f:.3g}") for name, (t, f) in checks.items()]
-           + [("control: float32 products", f"{float32[0]:.3g}", f"{float32[1]:.3g}"),
+           + [("float32 products", f"{float32[0]:.3g}", f"{float32[1]:.3g}"),
               ("control: b reversed along K", f"{paired_wrong[0]:.3g}", ""),
               ("µs, TF32 / float32", f"{tf32_us:.0f}", f"{ieee_us:.0f}")])  # fmt: skip
     assert flag_after == ("ieee", False), flag_after
     assert all(tf32 <= 1 for tf32, _ in checks.values()), checks
     assert paired_wrong[0] > 1, paired_wrong
-    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
-        tf32_error, float32_error = _errors_without_override()
-        report(
-            "TF32 ran (child process without NVIDIA_TF32_OVERRIDE)",
-            [("max error, TF32 / float32", f"{tf32_error:.3g}", f"{float32_error:.3g}")],
-        )
-        assert tf32_error >= 8 * float32_error, (tf32_error, float32_error, "TF32 did not run?")
-    else:
-        assert checks["out"][1] >= 8 * float32[1], (checks["out"], float32, "TF32 did not run?")

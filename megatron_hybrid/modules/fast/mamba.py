@@ -16,12 +16,15 @@ On CUDA the scan's products run on TF32 (``mamba2_scan(tf32=True)``,
 :mod:`megatron_hybrid.kernels.tf32`): at the issue shape of ``benchmarks/mfu.py`` the float32
 products were the largest item of the Mamba mixer (about 52 ms of a 0.274 s ``[ME]`` step on
 one H200), and mamba_ssm's kernels, what megatron-core runs, multiply bfloat16 operands there.
-``MEGATRON_HYBRID_SSD_TF32=0`` keeps them float32; ``fast_path_detail`` says which ran.
+``MEGATRON_HYBRID_SSD_TF32=0`` keeps them float32 (torch's own TF32 flag does not decide it);
+``fast_path_detail`` says which ran (:func:`scan_products`). The reference path, which the fast
+one falls back to, stays float32.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -29,10 +32,25 @@ from megatron_hybrid.modules.fast.compiled import CompiledPiece
 from megatron_hybrid.modules.mamba_torch import GatedRMSNorm, TorchMambaMixer
 from megatron_hybrid.modules.ssd import gated_rms_norm, mamba2_scan
 
-__all__ = ["SSD_TF32_SWITCH", "FastGatedRMSNorm", "FastTorchMambaMixer"]
+__all__ = ["SSD_TF32_SWITCH", "FastGatedRMSNorm", "FastTorchMambaMixer", "scan_products"]
 
 #: The environment variable that keeps the scan's products float32 (``=0``).
 SSD_TF32_SWITCH = "MEGATRON_HYBRID_SSD_TF32"
+
+
+def scan_products(
+    device: torch.device, environ: Mapping[str, str] = os.environ
+) -> tuple[bool, str]:
+    """Whether the fast scan asks for TF32 products on ``device``, and how
+    ``fast_path_detail`` names what cuBLAS then computes."""
+    if device.type != "cuda":
+        return False, "float32 products"
+    if environ.get(SSD_TF32_SWITCH, "1") == "0":
+        return False, f"float32 products ({SSD_TF32_SWITCH}=0)"
+    if environ.get("NVIDIA_TF32_OVERRIDE") == "0":  # cuBLAS's switch, above torch's
+        return True, "float32 products (NVIDIA_TF32_OVERRIDE=0)"
+    return True, "TF32 products"
+
 
 _SCAN = CompiledPiece(mamba2_scan, "mamba2_scan")
 _NORM = CompiledPiece(gated_rms_norm, "mamba2_gated_rms_norm")
@@ -60,8 +78,7 @@ class FastTorchMambaMixer(TorchMambaMixer):
             self.fast_path_reason = _SCAN.failure
         if self.fast_path_reason is not None:
             return super()._ssm(zxbcdt, seq_idx)
-        tf32 = zxbcdt.is_cuda and os.environ.get(SSD_TF32_SWITCH, "1") != "0"
-        self.fast_path_detail = "TF32 products" if tf32 else "float32 products"
+        tf32, self.fast_path_detail = scan_products(zxbcdt.device)
         return _SCAN(
             zxbcdt,
             self.conv1d_weight.squeeze(1),

@@ -248,12 +248,29 @@ def test_packed_scan_traces_as_one_graph(monkeypatch, tf32):
         compiled = run(traced, seq_idx, tf32)
     assert len(graphs) == 1, "TorchDynamo did not trace the scan (disabled?)"
     calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert (torch.ops.megatron_hybrid.tf32_bmm.default in calls) == tf32
+    assert calls.count(torch.ops.megatron_hybrid.tf32_bmm.default) == (5 if tf32 else 0)
     eager = run(mamba2_scan, seq_idx, tf32)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     unpacked = run(mamba2_scan, None)[0]
     assert rel_error(unpacked[:, 9:], eager[0][:, 9:]) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "device, environ, expected",
+    [pytest.param("cpu", {}, (False, "float32 products"), id="cpu"),
+     pytest.param("cuda", {}, (True, "TF32 products"), id="cuda"),
+     pytest.param("cuda", {"MEGATRON_HYBRID_SSD_TF32": "0"},
+                  (False, "float32 products (MEGATRON_HYBRID_SSD_TF32=0)"), id="switched-off"),
+     pytest.param("cuda", {"NVIDIA_TF32_OVERRIDE": "0"},
+                  (True, "float32 products (NVIDIA_TF32_OVERRIDE=0)"), id="cublas-override")],
+)  # fmt: skip
+def test_fast_scan_says_which_products_run(device, environ, expected):
+    """The fast path asks for TF32 products on CUDA only, unless its switch is off, and names
+    what cuBLAS computes (``fast_path_detail``), float32 where ``NVIDIA_TF32_OVERRIDE=0``."""
+    from megatron_hybrid.modules.fast.mamba import scan_products
+
+    assert scan_products(torch.device(device), environ) == expected
 
 
 @pytest.mark.parametrize("seq", [24, 21], ids=["divides", "ragged"])

@@ -39,8 +39,11 @@ def test_ddp_follows_delay_wgrad_compute(delay):
 
 def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
     """``finalize_model_grads``' division by the token count (a 0-d tensor) in one multi-tensor
-    multiply gives every buffer megatron's own ``scale_gradients`` result bit for bit. Control:
-    a factor one float32 step away changes the gradients, so equality is not vacuous."""
+    multiply gives every buffer and extra main grad megatron's own ``scale_gradients`` result
+    bit for bit (on a CPU ``_foreach_mul_`` multiplies tensor by tensor; the one-kernel CUDA
+    path is ``tests/functional/test_fused_step_gpu.py``'s). Controls: a factor one float32 step
+    away changes the gradients, so equality is not vacuous; a buffer whose class scales in its
+    own way is left to it."""
     from megatron.core.distributed import DistributedDataParallel
     from step_setup import tiny_training
 
@@ -48,8 +51,10 @@ def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
 
     chunk = tiny_training(pg).chunks[0]
     assert isinstance(chunk, TrainDistributedDataParallel)
-    grads = [b.grad_data for b in chunk.buffers + chunk.expert_parallel_buffers]
-    assert grads and sum(g.numel() for g in grads) > 1000
+    buffers = chunk.buffers + chunk.expert_parallel_buffers
+    buffers[0].extra_main_grads.append(torch.empty(100))
+    grads = [g for b in buffers for g in (b.grad_data, *b.extra_main_grads)]
+    assert sum(g.numel() for g in grads) > 1000
     gen = torch.Generator().manual_seed(5)
     values = [torch.randn(g.shape, generator=gen) * 10 ** torch.randn(g.shape, generator=gen)
               for g in grads]  # fmt: skip
@@ -66,3 +71,12 @@ def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
     assert all(torch.equal(a, b) for a, b in zip(ours, megatron, strict=True))
     nudged = scaled(chunk.scale_gradients, torch.nextafter(factor, torch.tensor(1.0)))
     assert not all(torch.equal(a, b) for a, b in zip(nudged, megatron, strict=True))
+
+    class OwnScaling(type(buffers[0])):
+        def scale_gradients(self, scaling_factor):
+            self.grad_data.fill_(7.0)
+
+    buffers[0].__class__ = OwnScaling
+    chunk.scale_gradients(factor)
+    assert bool((buffers[0].grad_data == 7.0).all())
+    buffers[0].extra_main_grads.pop()
