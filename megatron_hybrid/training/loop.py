@@ -5,14 +5,16 @@ Gradients are finalized the way megatron-core expects: the model chunks are wrap
 megatron's ``DistributedDataParallel``, the loss is a per-token sum and ``finalize_model_grads``
 all-reduces gradients over data-parallel ranks and divides them by the global token count. So a
 step over one global batch gives the same gradients (and gradient norm) whatever the
-data-parallel size.
+data-parallel size. ``train_step``'s fused optimizer step takes that division where AdamW reads
+the gradients (:func:`deferred_gradient_scaling`), together with the clip.
 
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +46,9 @@ __all__ = [
     "TrainDistributedDataParallel",
     "all_finite",
     "build_model_chunks",
+    "deferred_gradient_scaling",
     "first_nonfinite_parameter",
+    "take_deferred_scaling",
     "train_step",
     "wrap_model_chunks",
 ]
@@ -120,17 +124,68 @@ class TrainDistributedDataParallel(DistributedDataParallel):
     ``[*E]`` step of ``benchmarks/mfu.py`` on one H200, about 3 TB/s over the float32 buffers.
     """
 
+    #: Where :meth:`scale_gradients` puts its factor instead of applying it (``train_step``
+    #: sets it around its schedule when its optimizer step applies the factor); None: applied.
+    deferred_scaling: list | None = None
+
+    @property
+    def scales_in_one_pass(self) -> bool:
+        """Whether every buffer scales as megatron-core 0.19.2's ``_ParamAndGradBuffer`` does
+        (then the factor can also be deferred)."""
+        buffers = self.buffers + self.expert_parallel_buffers
+        return all(type(b).scale_gradients is _ParamAndGradBuffer.scale_gradients for b in buffers)
+
     def scale_gradients(self, scaling_factor) -> None:
         """Every buffer's gradients (and extra main grads) times ``scaling_factor`` in one
         ``torch._foreach_mul_``: each element times the same float32, so bit for bit
-        megatron's result. A buffer whose class scales in its own way keeps megatron's loop."""
-        buffers = self.buffers + self.expert_parallel_buffers
-        if any(type(b).scale_gradients is not _ParamAndGradBuffer.scale_gradients for b in buffers):
+        megatron's result; or, while :attr:`deferred_scaling` is a list, the factor appended
+        to it and nothing multiplied. A buffer whose class scales in its own way keeps
+        megatron's loop."""
+        if not self.scales_in_one_pass:
             super().scale_gradients(scaling_factor)
             return
+        if self.deferred_scaling is not None:
+            self.deferred_scaling.append(scaling_factor)
+            return
+        buffers = self.buffers + self.expert_parallel_buffers
         grads = [grad for b in buffers for grad in (b.grad_data, *b.extra_main_grads)]
         if grads:
             torch._foreach_mul_(grads, scaling_factor)
+
+
+@contextmanager
+def deferred_gradient_scaling(chunks, wanted: bool = True) -> Iterator[list]:
+    """While inside, ``finalize_model_grads``'s division by the token count is recorded, not
+    applied, where every chunk can defer it (:class:`TrainDistributedDataParallel` with
+    megatron's buffers; else nothing is deferred). Yields the list of recorded factors; use
+    :func:`take_deferred_scaling` on it afterwards."""
+    deferring = wanted and all(
+        isinstance(chunk, TrainDistributedDataParallel) and chunk.scales_in_one_pass
+        for chunk in chunks
+    )
+    factors: list = []
+    if deferring:
+        for chunk in chunks:
+            chunk.deferred_scaling = factors
+    try:
+        yield factors
+    finally:
+        for chunk in chunks:
+            if isinstance(chunk, TrainDistributedDataParallel):
+                chunk.deferred_scaling = None
+
+
+def take_deferred_scaling(chunks, factors: list) -> torch.Tensor | None:
+    """The one factor the gradients of ``chunks`` still need, or None (none was deferred).
+    ``finalize_model_grads`` scales every chunk by the same tensor; anything else (a chunk
+    scaled twice or not at all) is applied here, chunk by chunk, and None returned."""
+    if not factors:
+        return None
+    if len(factors) == len(chunks) and all(f is factors[0] for f in factors):
+        return factors[0]
+    for chunk, factor in zip(chunks, factors, strict=False):
+        chunk.scale_gradients(factor)
+    return None
 
 
 def wrap_model_chunks(
@@ -306,18 +361,20 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_chunk = batches if isinstance(batches[0], list) else [batches] * len(chunks)
-    with phase(timer, "forward-backward"):
+    fused = fused_step_enabled()
+    # The fused step applies the token count's factor where AdamW reads the gradients.
+    with phase(timer, "forward-backward"), deferred_gradient_scaling(chunks, fused) as factors:
         reports = run_schedule(chunks, per_chunk, seq_length=seq_length,
                                micro_batch_size=micro_batch_size, forward_only=False,
                                forward_step=forward_step)  # fmt: skip
+    scaling = take_deferred_scaling(chunks, factors)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    fused = fused_step_enabled()
     if not fused:  # megatron's guard and optimizer read the device: the step is queued so far
         _while_queued(while_queued, timer)
     with phase(timer, "guard"):
         stats = _step_statistics(reports, per_chunk[0], pg_collection, device, loss_key)
         if fused:
-            guard = guard_statistics(optimizer, stats[:2])
+            guard = guard_statistics(optimizer, stats[:2], scaling)
         else:  # megatron's path: every gradient checked before its optimizer.step()
             grads = (getattr(p, "main_grad", None) for chunk in chunks for p in chunk.parameters())
             finite = all_finite([stats[:2], *grads], pg_collection)

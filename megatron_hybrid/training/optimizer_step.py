@@ -21,8 +21,18 @@ and ``train``'s guard checked every gradient with kernels of its own before all 
   summed and all-reduced over each optimizer's gradient-statistics group on the device; each
   separate gradient-norm group (megatron's ``SEPARATE_GRAD_NORM_GROUPS``, the MTP depths) gets
   its own norm and clip, as in megatron's ``ChainedOptimizer.step``;
-* clipping as one ``torch._foreach_mul_`` by ``min(1, clip / (norm + 1e-6))`` computed on the
-  device (a factor of exactly 1 where megatron skips the scaling: the same gradients bitwise);
+* the division by the step's token count (``finalize_model_grads``) and clipping by
+  ``min(1, clip / (norm + 1e-6))`` as one factor computed on the device, applied where the fused
+  kernel reads the gradients (its ``grad_scale``, which divides each gradient as it is loaded and
+  stores the result back, as ``torch.amp.GradScaler`` uses it): no pass over the gradients of
+  their own, where megatron makes two (``scale_gradients``, then ``clip_grad_by_total_norm_fp32``).
+  ``train_step`` has :class:`~megatron_hybrid.training.loop.TrainDistributedDataParallel` keep the
+  token count's factor instead of multiplying by it; the norm is then the unscaled gradients'
+  times that factor (one rounding from megatron's norm of the scaled ones; a step whose unscaled
+  squares overflow float32, above about ``1e19`` per gradient element, is flagged). An optimizer
+  whose kernel cannot take the factor, or gradients in several norm groups (the MTP depths, each
+  clipped on its own), gets it in one ``torch._foreach_mul_`` per group. Without a token factor and
+  below the clip the factor is exactly 1: the same gradients bitwise;
 * the guard from the numbers the step computes anyway: the step is non-finite when the loss or a
   gradient norm is (a NaN or infinity in any gradient makes its norm NaN or infinite; so does a
   gradient whose square overflows float32, whose norm megatron would report as infinite too);
@@ -189,9 +199,12 @@ class GuardStatistics:
     norms: list[torch.Tensor]
     grad_norm: torch.Tensor
     nonfinite: torch.Tensor
+    scaling: torch.Tensor | None = None
 
 
-def guard_statistics(optimizer, loss_totals: torch.Tensor) -> GuardStatistics:
+def guard_statistics(
+    optimizer, loss_totals: torch.Tensor, scaling: torch.Tensor | None = None
+) -> GuardStatistics:
     """Prepare the optimizer's gradients, all-reduce their norms, and flag a non-finite step.
 
     A norm adds its groups' squares over every gradient-statistics process group: partial sums
@@ -202,6 +215,9 @@ def guard_statistics(optimizer, loss_totals: torch.Tensor) -> GuardStatistics:
     Args:
         optimizer: megatron's optimizer or ``CPUOptimizer``.
         loss_totals: the step's loss statistics (already reduced over the ranks that hold them).
+        scaling: the factor every gradient still has to be multiplied by (the token count's,
+            deferred by ``train_step``; a 0-d device tensor), or None. The norms are those of
+            the scaled gradients, and :func:`apply_step` applies it.
     """
     optimizer.prepare_grads()
     groups = norm_groups(optimizer)
@@ -212,6 +228,10 @@ def guard_statistics(optimizer, loss_totals: torch.Tensor) -> GuardStatistics:
         key = (id(group.process_group), group.name)
         process_groups[key[0]] = group.process_group
         partial[key] = partial.get(key, 0.0) + grad_square_sum(group.norm_grads, device)
+    if scaling is not None:
+        # Each rank's sums times its own factor, before the sum over ranks, as megatron scales.
+        square = scaling.detach().float().square()
+        partial = {key: value * square for key, value in partial.items()}
     totals: dict[str | None, torch.Tensor] = {}
     for pg_id, process_group in process_groups.items():
         names = [name for (pid, name) in partial if pid == pg_id]
@@ -223,7 +243,7 @@ def guard_statistics(optimizer, loss_totals: torch.Tensor) -> GuardStatistics:
     grad_norm = norms.get(None, torch.zeros((), dtype=torch.float32, device=device))
     values = torch.stack(list(norms.values())) if norms else grad_norm.reshape(1)
     finite = torch.isfinite(loss_totals).all() & torch.isfinite(values).all()
-    return GuardStatistics(groups, [norms[g.name] for g in groups], grad_norm, ~finite)
+    return GuardStatistics(groups, [norms[g.name] for g in groups], grad_norm, ~finite, scaling)
 
 
 def _steps_to_device(inner: torch.optim.Optimizer) -> None:
@@ -246,22 +266,46 @@ def _step_of(inner: torch.optim.Optimizer, param):
     return inner.state.get(param, {}).get("step")
 
 
+def _group_factors(stats: GuardStatistics, clip_grad: float) -> list[torch.Tensor | None]:
+    """Per norm group, what its gradients are still to be multiplied by (None: nothing): the
+    deferred token factor times the clip coefficient, exactly 1 on a flagged step (its gradients
+    stay as they are, to name the non-finite one)."""
+    factors = []
+    for norm in stats.norms:
+        factor = stats.scaling.detach().float() if stats.scaling is not None else None
+        if clip_grad > 0:
+            coefficient = (clip_grad / (norm + 1.0e-6)).clamp(max=1.0)
+            factor = coefficient if factor is None else factor * coefficient
+        if factor is not None:
+            factor = torch.where(stats.nonfinite, 1.0, factor)
+        factors.append(factor)
+    return factors
+
+
 def apply_step(optimizer, stats: GuardStatistics, clip_grad: float) -> None:
-    """Clip by ``clip_grad`` (0: no clipping) and step, unless ``stats`` flags the step: then
-    nothing the optimizer keeps changes."""
-    if clip_grad > 0:
-        for group, norm in zip(stats.groups, stats.norms, strict=True):
-            if group.clip_grads:
-                coefficient = (clip_grad / (norm + 1.0e-6)).clamp(max=1.0)
-                # A flagged step keeps its gradients as they are, to name the non-finite one.
-                coefficient = torch.where(stats.nonfinite, 1.0, coefficient)
-                torch._foreach_mul_(group.clip_grads, coefficient)
+    """Scale by ``stats.scaling``, clip by ``clip_grad`` (0: no clipping) and step, unless
+    ``stats`` flags the step: then nothing the optimizer keeps changes.
+
+    Where every inner optimizer runs torch's fused kernel and every gradient shares one norm,
+    the factor goes to the kernel as its ``grad_scale`` (the reciprocal: the kernel divides);
+    otherwise each group's gradients are multiplied by their factor first.
+    """
+    factors = _group_factors(stats, clip_grad)
     inners = _torch_optimizers(optimizer)
     if not all(_is_fused(inner) for inner in inners):
         use_fused_adam(optimizer)  # a checkpoint's param groups may have switched it back
     for inner in inners:
         _steps_to_device(inner)
-    if not all(_is_fused(inner) for inner in inners):
+    fused = all(_is_fused(inner) for inner in inners)
+    one_norm = len({group.name for group in stats.groups}) <= 1
+    grad_scale = None
+    if fused and one_norm and factors and factors[0] is not None:
+        grad_scale = 1.0 / factors[0]
+    else:
+        for group, factor in zip(stats.groups, factors, strict=True):
+            if factor is not None and group.clip_grads:
+                torch._foreach_mul_(group.clip_grads, factor)
+    if not fused:
         if bool(stats.nonfinite):  # the one host read this optimizer needs
             return
         optimizer.step_with_ready_grads()
@@ -269,8 +313,12 @@ def apply_step(optimizer, stats: GuardStatistics, clip_grad: float) -> None:
     found_inf = stats.nonfinite.float()  # a 0-d flag, the shape of the step counters
     for inner in inners:
         inner.found_inf = found_inf  # read by torch's Adam.step, passed to the fused kernel
+        if grad_scale is not None:
+            inner.grad_scale = grad_scale  # likewise: the kernel divides each gradient by it
     try:
         optimizer.step_with_ready_grads()
     finally:
         for inner in inners:
             del inner.found_inf
+            if grad_scale is not None:
+                del inner.grad_scale

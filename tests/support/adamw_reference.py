@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT", "Hyper", "adamw_float64", "gamma", "rounding_bound"]
+__all__ = [
+    "DEFERRED_ROUNDINGS",
+    "EXACT",
+    "Hyper",
+    "adamw_float64",
+    "gamma",
+    "gradient_error",
+    "rounding_bound",
+]
 
 U = 2.0**-24
 
@@ -29,6 +37,20 @@ U = 2.0**-24
 def gamma(n: int) -> float:
     """``n u / (1 - n u)``: the relative error bound of a float32 sum of ``n`` terms."""
     return n * U / (1 - n * U)
+
+
+#: Roundings a deferred token factor ``s = 1 / tokens`` adds to each gradient (``train_step``'s
+#: fused path, ``training/optimizer_step.py``): ``s`` itself, its square in the norm (1.5 after
+#: the square root), the product with the clip factor, the reciprocal handed to the kernel and
+#: the kernel's division; megatron's path rounds ``g * s`` once where the gradient is scaled.
+DEFERRED_ROUNDINGS = 6
+
+
+def gradient_error(elements: int, extra_roundings: int = 0) -> float:
+    """Relative error of a clipped float32 gradient: the norm over ``elements`` (``gamma_n / 2``
+    after the square root), its square root, the clip factor and the product, plus
+    ``extra_roundings``."""
+    return gamma(elements) / 2 + (4 + extra_roundings) * U
 
 
 @dataclass(frozen=True)
@@ -77,10 +99,13 @@ def adamw_float64(
     return params, trajectory
 
 
-def rounding_bound(trajectory, elements: int, hyper: Hyper) -> list[torch.Tensor]:
+def rounding_bound(
+    trajectory, elements: int, hyper: Hyper, extra_roundings: int = 0
+) -> list[torch.Tensor]:
     """Per element, how far a float32 AdamW with a float32 gradient norm over ``elements``
-    gradient elements may be from :func:`adamw_float64` (first order; see the module doc)."""
-    delta_g = gamma(elements) / 2 + 4 * U  # the norm, its square root, the factor, the product
+    gradient elements may be from :func:`adamw_float64` (first order; see the module doc);
+    ``extra_roundings`` of each gradient as :func:`gradient_error` counts them."""
+    delta_g = gradient_error(elements, extra_roundings)
     bounds = [torch.zeros_like(s["p"]) for s in trajectory[0]]
     for t, step in enumerate(trajectory, start=1):
         for i, s in enumerate(step):

@@ -80,3 +80,74 @@ def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
     chunk.scale_gradients(factor)
     assert bool((buffers[0].grad_data == 7.0).all())
     buffers[0].extra_main_grads.pop()
+
+
+def test_deferred_scaling_records_the_factor_and_falls_back_to_applying_it(pg):
+    """Inside ``deferred_gradient_scaling`` the buffers keep their gradients and the factor is
+    recorded; one factor per chunk, the same tensor, is handed over; anything else is applied on
+    the spot. A chunk whose buffer scales its own way defers nothing."""
+    from step_setup import tiny_training
+
+    from megatron_hybrid.training.loop import deferred_gradient_scaling, take_deferred_scaling
+
+    chunks = tiny_training(pg).chunks
+    chunk = chunks[0]
+    data = chunk.buffers[0].grad_data
+    data.fill_(3.0)
+    factor = torch.tensor(0.5)
+    with deferred_gradient_scaling(chunks) as factors:
+        chunk.scale_gradients(factor)
+    assert bool((data == 3.0).all()) and take_deferred_scaling(chunks, factors) is factor
+    assert chunk.deferred_scaling is None  # eager again outside
+    with deferred_gradient_scaling(chunks) as factors:
+        chunk.scale_gradients(factor)
+        chunk.scale_gradients(factor)  # a second time: not one factor per chunk
+    assert take_deferred_scaling(chunks, factors) is None
+    assert bool((data == 1.5).all())  # the first applied here (the control of the handover)
+    with deferred_gradient_scaling(chunks, wanted=False) as factors:
+        chunk.scale_gradients(factor)
+    assert not factors and bool((data == 0.75).all())
+
+    class OwnScaling(type(chunk.buffers[0])):
+        def scale_gradients(self, scaling_factor):
+            self.grad_data.fill_(7.0)
+
+    chunk.buffers[0].__class__ = OwnScaling
+    with deferred_gradient_scaling(chunks) as factors:
+        chunk.scale_gradients(factor)
+    assert not factors and bool((data == 7.0).all())
+
+
+def _three_steps(pg, monkeypatch, deferred: bool, drop: bool = False):
+    """Losses, gradient norms and parameters of three ``train_step`` s of the tiny setup."""
+    from step_setup import step, tiny_training
+
+    import megatron_hybrid.training.loop as loop
+
+    original = loop.deferred_gradient_scaling
+    monkeypatch.setattr(
+        loop, "deferred_gradient_scaling", lambda chunks, wanted=True: original(chunks, deferred)
+    )
+    if drop:
+        monkeypatch.setattr(loop, "take_deferred_scaling", lambda chunks, factors: None)
+    setup = tiny_training(pg)
+    results = [step(setup, pg, setup.batches(i)) for i in range(3)]
+    params = [p.detach().clone() for chunk in setup.chunks for p in chunk.parameters()]
+    return [r.loss for r in results], [r.grad_norm for r in results], params
+
+
+def test_train_step_with_the_token_factor_deferred_equals_scaling_first(pg, monkeypatch):
+    """``train_step`` (fused step) leaves the token count's factor to AdamW's kernel: losses,
+    norms and parameters over three steps as with the buffers scaled first, within float32
+    rounding. Control: the factor dropped leaves the norm the unscaled sums' (tokens times
+    larger)."""
+    losses, norms, params = _three_steps(pg, monkeypatch, deferred=True)
+    monkeypatch.undo()
+    eager_losses, eager_norms, eager_params = _three_steps(pg, monkeypatch, deferred=False)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert norms == pytest.approx(eager_norms, rel=1e-5)
+    for ours, theirs in zip(params, eager_params, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    _, dropped_norms, _ = _three_steps(pg, monkeypatch, deferred=True, drop=True)
+    assert dropped_norms[0] > 10 * eager_norms[0]
