@@ -145,7 +145,7 @@ class TrainDistributedDataParallel(DistributedDataParallel):
             super().scale_gradients(scaling_factor)
             return
         if self.deferred_scaling is not None:
-            self.deferred_scaling.append(scaling_factor)
+            self.deferred_scaling.append((self, scaling_factor))
             return
         buffers = self.buffers + self.expert_parallel_buffers
         grads = [grad for b in buffers for grad in (b.grad_data, *b.extra_main_grads)]
@@ -157,8 +157,8 @@ class TrainDistributedDataParallel(DistributedDataParallel):
 def deferred_gradient_scaling(chunks, wanted: bool = True) -> Iterator[list]:
     """While inside, ``finalize_model_grads``'s division by the token count is recorded, not
     applied, where every chunk can defer it (:class:`TrainDistributedDataParallel` with
-    megatron's buffers; else nothing is deferred). Yields the list of recorded factors; use
-    :func:`take_deferred_scaling` on it afterwards."""
+    megatron's buffers; else nothing is deferred). Yields the list of recorded ``(chunk,
+    factor)`` pairs; use :func:`take_deferred_scaling` on it afterwards."""
     deferring = wanted and all(
         isinstance(chunk, TrainDistributedDataParallel) and chunk.scales_in_one_pass
         for chunk in chunks
@@ -177,13 +177,17 @@ def deferred_gradient_scaling(chunks, wanted: bool = True) -> Iterator[list]:
 
 def take_deferred_scaling(chunks, factors: list) -> torch.Tensor | None:
     """The one factor the gradients of ``chunks`` still need, or None (none was deferred).
-    ``finalize_model_grads`` scales every chunk by the same tensor; anything else (a chunk
-    scaled twice or not at all) is applied here, chunk by chunk, and None returned."""
+    ``finalize_model_grads`` scales every chunk once by the same tensor; anything else (a chunk
+    scaled twice or not at all, different factors) is applied here as recorded, and None
+    returned."""
     if not factors:
         return None
-    if len(factors) == len(chunks) and all(f is factors[0] for f in factors):
-        return factors[0]
-    for chunk, factor in zip(chunks, factors, strict=False):
+    first = factors[0][1]
+    recorded = [chunk for chunk, _ in factors]
+    if len(recorded) == len(chunks) and all(a is b for a, b in zip(recorded, chunks, strict=True)):
+        if all(factor is first for _, factor in factors):
+            return first
+    for chunk, factor in factors:  # outside the context: applied at once
         chunk.scale_gradients(factor)
     return None
 

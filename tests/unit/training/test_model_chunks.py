@@ -84,8 +84,8 @@ def test_gradient_scaling_is_megatrons_bit_for_bit(pg):
 
 def test_deferred_scaling_records_the_factor_and_falls_back_to_applying_it(pg):
     """Inside ``deferred_gradient_scaling`` the buffers keep their gradients and the factor is
-    recorded; one factor per chunk, the same tensor, is handed over; anything else is applied on
-    the spot. A chunk whose buffer scales its own way defers nothing."""
+    recorded; one factor per chunk, the same tensor, is handed over; anything else is applied as
+    recorded. A chunk whose buffer scales its own way defers nothing."""
     from step_setup import tiny_training
 
     from megatron_hybrid.training.loop import deferred_gradient_scaling, take_deferred_scaling
@@ -103,10 +103,10 @@ def test_deferred_scaling_records_the_factor_and_falls_back_to_applying_it(pg):
         chunk.scale_gradients(factor)
         chunk.scale_gradients(factor)  # a second time: not one factor per chunk
     assert take_deferred_scaling(chunks, factors) is None
-    assert bool((data == 1.5).all())  # the first applied here (the control of the handover)
+    assert bool((data == 0.75).all())  # both applied here (the control of the handover)
     with deferred_gradient_scaling(chunks, wanted=False) as factors:
         chunk.scale_gradients(factor)
-    assert not factors and bool((data == 0.75).all())
+    assert not factors and bool((data == 0.375).all())
 
     class OwnScaling(type(chunk.buffers[0])):
         def scale_gradients(self, scaling_factor):
