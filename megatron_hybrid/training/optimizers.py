@@ -11,6 +11,7 @@ import math
 import torch
 
 from megatron_hybrid.training.optimizer_step import NormGroup, fused_step_enabled, use_fused_adam
+from megatron_hybrid.training.shard_copies import cache_shard_copies
 
 __all__ = [
     "OPTIMIZERS",
@@ -173,6 +174,8 @@ def build_optimizer(
         fused = fused_step_enabled()
     if fused:
         use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
+        if torch.cuda.is_available():
+            cache_shard_copies(built)  # megatron's copies where it copies another way
     return built
 
 

@@ -36,14 +36,13 @@ def pg(world):
     )  # fmt: skip
 
 
-def _setup(pg):
+def _chunks(pg):
+    """The config and two copies of the model chunks with the same weights."""
     from megatron.core.utils import unwrap_model
-    from support.adamw_reference import EXACT
 
     from megatron_hybrid.pattern import parse_pattern
     from megatron_hybrid.training.config import config_from_flags
     from megatron_hybrid.training.loop import build_model_chunks
-    from megatron_hybrid.training.optimizers import build_optimizer
 
     flags = ("--hidden-size", "128", "--num-attention-heads", "4", "--swiglu", "--bf16",
              "--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2",
@@ -53,6 +52,15 @@ def _setup(pg):
     kwargs = dict(backend="local", vocab_size=128, max_sequence_length=64)
     chunks = [build_model_chunks(config, pattern, pg, **kwargs) for _ in range(2)]
     unwrap_model(chunks[1])[0].load_state_dict(unwrap_model(chunks[0])[0].state_dict())
+    return config, chunks
+
+
+def _setup(pg):
+    from support.adamw_reference import EXACT
+
+    from megatron_hybrid.training.optimizers import build_optimizer
+
+    config, chunks = _chunks(pg)
     args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
     fused = build_optimizer(chunks[0], config, **args)
     megatron = build_optimizer(chunks[1], config, fused=False, **args)  # megatron's AdamW
@@ -200,3 +208,38 @@ def test_gradient_scaling_in_one_pass_is_megatrons_bit_for_bit(pg):
     assert factor.dtype == torch.float32 and factor.is_cuda and factor.dim() == 0
     assert all(torch.equal(a, b) for a, b in zip(ours, megatron, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(nudged, megatron, strict=True))
+
+
+def test_cached_shard_copies_are_megatrons_bit_for_bit(pg):
+    """``train``'s optimizer copies between model and main parameters over views taken once
+    (``training/shard_copies.py``); the same fused optimizer with megatron's two methods gives
+    the same model and main parameters bit for bit over three steps on the same gradients.
+    Controls: the cached copies were installed (and removed from the other), and the steps
+    moved the parameters."""
+    from support.adamw_reference import EXACT
+
+    from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics
+    from megatron_hybrid.training.optimizers import build_optimizer
+
+    config, chunks = _chunks(pg)
+    args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
+    cached, plain = (build_optimizer(c, config, **args) for c in chunks)
+    for sub in getattr(plain, "chained_optimizers", None) or [plain]:
+        assert "_copy_main_params_to_model_params" in vars(sub)
+        del sub._copy_main_params_to_model_params, sub._copy_model_grads_to_main_grads
+    before = [p.detach().clone() for p in chunks[0][0].parameters()]
+    for step in range(3):
+        _backward(chunks[0], config, pg, seed=step)
+        for a, b in zip(chunks[0][0].parameters(), chunks[1][0].parameters(), strict=True):
+            b.main_grad.copy_(a.main_grad)
+        for optimizer in (cached, plain):
+            optimizer.zero_grad()
+            stats = guard_statistics(optimizer, torch.zeros(2, dtype=torch.float64, device="cuda"))
+            apply_step(optimizer, stats, EXACT.clip)
+    pairs = list(zip(chunks[0][0].parameters(), chunks[1][0].parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert all(torch.equal(a, b) for a, b in zip(_main_params(cached), _main_params(plain),
+                                                  strict=True))  # fmt: skip
+    moved = sum(not torch.equal(a, p) for a, (p, _) in zip(before, pairs, strict=True))
+    print(f"\n{len(pairs)} parameters bitwise equal, {moved} moved by the steps")
+    assert moved > len(pairs) // 2
