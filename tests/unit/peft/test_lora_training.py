@@ -118,7 +118,12 @@ def test_resume_on_tp2_from_a_tp1_run(runs, base, tmp_path):
     half = str(root / "whole" / "iter_0000002")
     resumed, norms = train(*args, "--load", half, "--save", str(tmp_path / "tp2"), ranks=2)
     assert resumed == pytest.approx(whole[2:], rel=1e-5)
-    assert norms == pytest.approx(whole_norms[2:], rel=1e-4)
+    # Step 3 starts from the checkpoint's parameters: the norms differ by TP2's summation order
+    # only (1.9e-5 and 4.6e-6 seen). Step 4 follows an AdamW update at lr 1e-2, whose sign for
+    # a gradient element near zero follows that rounding (a flip moves the weight by up to
+    # 2e-2), so its norm moves more (1.2e-4 seen) while the loss still agrees to 1e-5.
+    assert norms[0] == pytest.approx(whole_norms[2], rel=1e-4)
+    assert norms[1] == pytest.approx(whole_norms[3], rel=1e-3)
 
 
 def test_another_base_is_refused(runs, base):
