@@ -11,7 +11,7 @@ import math
 import torch
 
 from megatron_hybrid.training.optimizer_step import NormGroup, fused_step_enabled, use_fused_adam
-from megatron_hybrid.training.shard_copies import cache_shard_copies
+from megatron_hybrid.training.shard_copies import cache_shard_copies, cached_shard_copies_enabled
 
 __all__ = [
     "OPTIMIZERS",
@@ -174,7 +174,7 @@ def build_optimizer(
         fused = fused_step_enabled()
     if fused:
         use_fused_adam(built)  # SGD keeps its own step (use_fused_adam says why)
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and cached_shard_copies_enabled():
             cache_shard_copies(built)  # megatron's copies where it copies another way
     return built
 

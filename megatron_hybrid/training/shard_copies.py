@@ -23,13 +23,35 @@ same bits). Each step first checks, by identity, that the shards, every paramete
 takes them again where one changed. Optimizers that megatron copies another way (Megatron-FSDP,
 the precision-aware optimizer, FP8 or NVFP4 parameters, gradients not in float32, stubs) keep
 megatron's methods, and :func:`cache_shard_copies` says why.
+
+It is off unless ``MEGATRON_HYBRID_CACHED_SHARD_COPIES=1``: with CUDA graphs the ``[*E]`` step
+was about 2 ms shorter (one H200), but eager steps, which wait on the host, measured slower in
+four of five A/B pairs, by more than the host time removed, and no cause was found
+(``docs/performance.md``, round 11). It becomes the default once an A/B settles that.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 
-__all__ = ["ShardViews", "cache_shard_copies", "shard_copies_reason"]
+__all__ = [
+    "CACHED_SHARD_COPIES_ENV",
+    "ShardViews",
+    "cache_shard_copies",
+    "cached_shard_copies_enabled",
+    "shard_copies_reason",
+]
+
+#: ``1`` installs the cached copies in ``train``'s optimizer (off by default, see above).
+CACHED_SHARD_COPIES_ENV = "MEGATRON_HYBRID_CACHED_SHARD_COPIES"
+
+
+def cached_shard_copies_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``build_optimizer`` installs the cached copies (the variable set to ``1``)."""
+    return environ.get(CACHED_SHARD_COPIES_ENV, "0") == "1"
 
 
 def shard_copies_reason(optimizer) -> str | None:
@@ -104,12 +126,17 @@ class ShardViews:
             self.param_views.append(bucket.param_data.view(-1)[world_range.start : world_range.end])
 
     def current(self) -> bool:
-        """Whether the shards, main grads and parameter buffers are those the views are of."""
-        shards = [shard for _, shard in _pairs(self.optimizer)]
+        """Whether the parameters, shards, main grads and parameter buffers are those the views
+        are of."""
+        pairs = list(_pairs(self.optimizer))
         return (
-            len(shards) == len(self.shards)
-            and all(a is b for a, b in zip(shards, self.shards, strict=True))
-            and all(p.main_grad is g for p, g in self.main_grads)
+            len(pairs) == len(self.shards)
+            and all(
+                param is cached_param and shard is cached_shard and param.main_grad is grad
+                for (param, shard), cached_shard, (cached_param, grad) in zip(
+                    pairs, self.shards, self.main_grads, strict=True
+                )
+            )
             and all(b.param_data is d for b, d in self.buckets.values())
         )
 

@@ -211,22 +211,24 @@ def test_gradient_scaling_in_one_pass_is_megatrons_bit_for_bit(pg):
 
 
 def test_cached_shard_copies_are_megatrons_bit_for_bit(pg):
-    """``train``'s optimizer copies between model and main parameters over views taken once
-    (``training/shard_copies.py``); the same fused optimizer with megatron's two methods gives
-    the same model and main parameters bit for bit over three steps on the same gradients.
-    Controls: the cached copies were installed (and removed from the other), and the steps
-    moved the parameters."""
+    """The distributed optimizer's copies between model and main parameters over views taken
+    once (``training/shard_copies.py``, opt-in); the same fused optimizer with megatron's two
+    methods gives the same model and main parameters bit for bit over three steps on the same
+    gradients. Controls: the cached copies were installed on one only, and the steps moved the
+    parameters."""
     from support.adamw_reference import EXACT
 
     from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics
     from megatron_hybrid.training.optimizers import build_optimizer
+    from megatron_hybrid.training.shard_copies import cache_shard_copies
 
     config, chunks = _chunks(pg)
     args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
     cached, plain = (build_optimizer(c, config, **args) for c in chunks)
-    for sub in getattr(plain, "chained_optimizers", None) or [plain]:
-        assert "_copy_main_params_to_model_params" in vars(sub)
-        del sub._copy_main_params_to_model_params, sub._copy_model_grads_to_main_grads
+    assert cache_shard_copies(cached) is None  # off by default (MEGATRON_HYBRID_CACHED_...)
+    for optimizer, installed in ((cached, True), (plain, False)):
+        for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            assert ("_copy_main_params_to_model_params" in vars(sub)) == installed
     before = [p.detach().clone() for p in chunks[0][0].parameters()]
     for step in range(3):
         _backward(chunks[0], config, pg, seed=step)

@@ -129,12 +129,13 @@ def test_cached_copies_are_megatrons_bit_for_bit():
         pytest.param("main_grad", id="new-main-grad"),
         pytest.param("param_data", id="new-param-buffer"),
         pytest.param("shard", id="new-shard"),
+        pytest.param("param", id="new-model-parameter"),
     ],
 )
 def test_views_are_taken_again_when_a_tensor_is_replaced(change, monkeypatch):
-    """A ``main_grad``, parameter buffer or shard replaced after the views were taken: the next
-    copy takes them again and matches megatron's. Control: views kept regardless write into
-    the tensors that were replaced."""
+    """A ``main_grad``, parameter buffer, shard or model parameter replaced after the views were
+    taken: the next copy takes them again and matches megatron's. Control: views kept
+    regardless write into (or read from) the tensors that were replaced."""
 
     def replace(optimizer: StandIn) -> None:
         if change == "main_grad":
@@ -142,9 +143,17 @@ def test_views_are_taken_again_when_a_tensor_is_replaced(change, monkeypatch):
         elif change == "param_data":
             bucket = optimizer.buffers[0].buckets[0]
             bucket.param_data = torch.zeros_like(bucket.param_data)
-        else:
+        elif change == "shard":
             group = optimizer.shard_fp32_groups[0]
             group[0] = torch.nn.Parameter(group[0].detach() + 1.0)
+        else:  # another parameter object in the model group, its own main_grad
+            old = optimizer.p1
+            new = torch.nn.Parameter(old.detach().clone())
+            new.main_grad = old.main_grad.clone() + 1.0
+            optimizer.model_float16_groups[0][1] = optimizer.p1 = new
+            optimizer.model_param_gbuf_map[new] = optimizer.model_param_gbuf_map[old]
+            param_map = optimizer.gbuf_ranges[0][torch.bfloat16][0]["param_map"]
+            param_map[new] = param_map[old]
 
     ours, theirs = StandIn(), StandIn()
     cache_shard_copies(ours)
@@ -184,3 +193,18 @@ def test_what_megatron_copies_another_way_keeps_its_methods(setting, reason):
     assert reason in cache_shard_copies(optimizer)
     assert "_copy_main_params_to_model_params" not in vars(optimizer)
     assert cache_shard_copies(object()).startswith("object is not megatron's")
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [pytest.param(None, False, id="unset"), pytest.param("0", False, id="zero"),
+     pytest.param("1", True, id="one")],
+)  # fmt: skip
+def test_the_cached_copies_are_opt_in(value, enabled):
+    from megatron_hybrid.training.shard_copies import (
+        CACHED_SHARD_COPIES_ENV,
+        cached_shard_copies_enabled,
+    )
+
+    environ = {} if value is None else {CACHED_SHARD_COPIES_ENV: value}
+    assert cached_shard_copies_enabled(environ) is enabled
