@@ -391,6 +391,8 @@ def train_step(
         loss_sum, loss_tokens, tokens, flops, grad_norm, flagged = torch.cat(
             [stats, norm_and_flag]
         ).tolist()
+        if flagged and scaling is not None and math.isfinite(loss_sum):
+            grad_norm, flagged = _step_scaled_first(chunks, optimizer, stats, scaling)
         finite = not flagged
     else:
         grad_norm = float("nan")
@@ -421,6 +423,20 @@ def train_step(
         flops=flops,
         reports={key: value.cpu() for key, value in summed.items()},
     )
+
+
+def _step_scaled_first(chunks, optimizer, stats, scaling) -> tuple[float, float]:
+    """A flagged step with the token factor deferred, taken again in megatron's order: the
+    gradients divided first, then the norm, clip and update. The unscaled sums' float32 norm
+    overflows (above about 1.8e19 over all of them) where the divided gradients' may not; the
+    flagged attempt changed nothing (AdamW's kernel skipped on its flag). Returns the norm and
+    the flag, as the step's one host read does."""
+    for chunk in chunks:
+        chunk.scale_gradients(scaling)  # outside the deferral: applied now
+    guard = guard_statistics(optimizer, stats[:2])
+    apply_step(optimizer, guard, _clip_grad(optimizer))
+    grad_norm, flagged = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()]).tolist()
+    return grad_norm, flagged
 
 
 def _while_queued(work: Callable[[], None] | None, timer: PhaseTimer | None) -> None:

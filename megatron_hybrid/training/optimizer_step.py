@@ -28,8 +28,12 @@ and ``train``'s guard checked every gradient with kernels of its own before all 
   their own, where megatron makes two (``scale_gradients``, then ``clip_grad_by_total_norm_fp32``).
   ``train_step`` has :class:`~megatron_hybrid.training.loop.TrainDistributedDataParallel` keep the
   token count's factor instead of multiplying by it; the norm is then the unscaled gradients'
-  times that factor (one rounding from megatron's norm of the scaled ones; a step whose unscaled
-  squares overflow float32, above about ``1e19`` per gradient element, is flagged). An optimizer
+  times that factor (one rounding from megatron's norm of the scaled ones). Where the unscaled
+  sums' float32 norm overflows (above about ``1.8e19`` over all of them) the step is flagged, and
+  ``train_step`` takes it again in megatron's order. After the step the gradients this rank's
+  optimizer updated are scaled and clipped, as megatron leaves them; the rest of a distributed
+  optimizer's gradient buffer (other ranks' shards, which nothing reads after the reduce-scatter)
+  keeps the unscaled sums. An optimizer
   whose kernel cannot take the factor, or gradients in several norm groups (the MTP depths, each
   clipped on its own), gets it in one ``torch._foreach_mul_`` per group. Without a token factor and
   below the clip the factor is exactly 1: the same gradients bitwise;

@@ -151,3 +151,50 @@ def test_train_step_with_the_token_factor_deferred_equals_scaling_first(pg, monk
     monkeypatch.undo()
     _, dropped_norms, _ = _three_steps(pg, monkeypatch, deferred=True, drop=True)
     assert dropped_norms[0] > 10 * eager_norms[0]
+
+
+def _step_with_a_huge_gradient(pg, monkeypatch, deferred: bool):
+    """One ``train_step`` of the tiny setup with one gradient element of 1e20 before the token
+    division (finite; its square is not, the divided one's is); the result and how often the
+    step was taken again in megatron's order."""
+    from step_setup import step, tiny_training
+
+    import megatron_hybrid.training.loop as loop
+
+    original_defer, original_scale = loop.deferred_gradient_scaling, loop._step_scaled_first
+    original_buffers = loop.TrainDistributedDataParallel.scale_gradients
+    monkeypatch.setattr(
+        loop,
+        "deferred_gradient_scaling",
+        lambda chunks, wanted=True: original_defer(chunks, deferred),
+    )
+
+    def scale_gradients(self, factor):
+        self.buffers[0].grad_data[0] = 1e20
+        original_buffers(self, factor)
+
+    monkeypatch.setattr(loop.TrainDistributedDataParallel, "scale_gradients", scale_gradients)
+    again = []
+    monkeypatch.setattr(
+        loop, "_step_scaled_first", lambda *args: again.append(1) or original_scale(*args)
+    )
+    setup = tiny_training(pg)
+    result = step(setup, pg, setup.batches(0))
+    params = [p.detach().clone() for chunk in setup.chunks for p in chunk.parameters()]
+    return result, params, len(again)
+
+
+def test_an_overflow_of_the_unscaled_norm_is_decided_in_megatrons_order(pg, monkeypatch):
+    """A gradient whose unscaled square overflows float32 while the divided one's does not:
+    the deferred step is flagged, taken again in megatron's order, and ends as scaling first
+    does (finite, the same norm and parameters). Control: the deferred attempt was flagged (the
+    step was taken again), and scaling first never is."""
+    result, params, again = _step_with_a_huge_gradient(pg, monkeypatch, deferred=True)
+    monkeypatch.undo()
+    eager, eager_params, eager_again = _step_with_a_huge_gradient(pg, monkeypatch, deferred=False)
+    assert (again, eager_again) == (1, 0)
+    assert result.finite and eager.finite
+    assert 1e17 < result.grad_norm < 1e20
+    assert result.grad_norm == pytest.approx(eager.grad_norm, rel=1e-6)
+    for ours, theirs in zip(params, eager_params, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
