@@ -387,9 +387,8 @@ def train_step(
             apply_step(optimizer, guard, _clip_grad(optimizer))
         _while_queued(while_queued, timer)
         # The step's one copy to the host: loss, tokens, FLOPs, norm and the guard's flag.
-        norm_and_flag = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()])
         loss_sum, loss_tokens, tokens, flops, grad_norm, flagged = torch.cat(
-            [stats, norm_and_flag]
+            [stats, guard.norm_and_flag()]
         ).tolist()
         if flagged and scaling is not None and math.isfinite(loss_sum):
             grad_norm, flagged = _step_scaled_first(chunks, optimizer, stats, scaling)
@@ -435,7 +434,7 @@ def _step_scaled_first(chunks, optimizer, stats, scaling) -> tuple[float, float]
         chunk.scale_gradients(scaling)  # outside the deferral: applied now
     guard = guard_statistics(optimizer, stats[:2])
     apply_step(optimizer, guard, _clip_grad(optimizer))
-    grad_norm, flagged = torch.stack([guard.grad_norm.double(), guard.nonfinite.double()]).tolist()
+    grad_norm, flagged = guard.norm_and_flag().tolist()
     return grad_norm, flagged
 
 

@@ -205,6 +205,10 @@ class GuardStatistics:
     nonfinite: torch.Tensor
     scaling: torch.Tensor | None = None
 
+    def norm_and_flag(self) -> torch.Tensor:
+        """``[grad_norm, nonfinite]`` in one float64 device tensor, for the step's host copy."""
+        return torch.stack([self.grad_norm.double(), self.nonfinite.double()])
+
 
 def guard_statistics(
     optimizer, loss_totals: torch.Tensor, scaling: torch.Tensor | None = None
