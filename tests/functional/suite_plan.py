@@ -10,7 +10,8 @@
   (compiling kernels, starting processes), which lanes spread over more cores. The launcher
   tests are split test by test: each starts torchrun jobs of its own and its ``time_limit``
   stands for its work. The in-process tests (``MH_LANE_BY=file``) are split file by file, since
-  a file's tests share the kernels they compile; :data:`FILE_SECONDS` stands for a file's work.
+  a file's tests share the kernels they compile; :func:`file_seconds` stands for a file's work
+  (one table for one GPU, where the multi-GPU files skip at once, one for more).
   Longest first, each to the lane with the least work so far; a lane keeps the order above.
 """
 
@@ -21,16 +22,16 @@ from pathlib import Path
 
 #: In-process test files run after the others, in this order (see the module doc).
 RUN_LAST = ("test_fast_path_gpu.py", "test_packing_gpu.py", "test_hf_fp8_gpu.py", "test_hf_gpu.py")
-#: Seconds of an in-process file on a fresh machine, for splitting files into lanes: the cold
-#: runs on 4 x H200 (64 cores) of 2026-11-27, the "in-process seconds by file" line of its
-#: summary; packing's layouts test, cut off there by the budget, estimated at its 2-GPU share
-#: (the 1- and 2-GPU runs, on 16 and 32 cores of the same host, agree within 15 %). HybridEP's
-#: from its first 2-GPU run (2 x H200, 2026-11-27: 84 s), rounded up for 4 GPUs, where it has
-#: not run. ``test_cuda_graphs_gpu.py`` and ``test_gdn_fixed_gpu.py``: the cold run on 1 x H200
-#: of 2026-11-29, after their packed-rows tests (GatedDeltaNet's compile fla's varlen kernels);
-#: ``test_cross_entropy_gpu.py`` from the suite run with its log-prob test (1 x H200, 2026-11-29);
-#: ``test_tf32_gpu.py`` from its first suite run (1 x H200, 2026-11-29; its child process).
-#: Refresh from a summary; only the lanes' balance depends on it.
+#: Seconds of an in-process file on a fresh machine with 2 or more GPUs, for splitting files into
+#: lanes: the cold runs on 4 x H200 (64 cores) of 2026-11-27, the "in-process seconds by file"
+#: line of its summary; packing's layouts test, cut off there by the budget, estimated at its
+#: 2-GPU share (the 1- and 2-GPU runs, on 16 and 32 cores of the same host, agree within 15 %).
+#: HybridEP's from its first 2-GPU run (2 x H200, 2026-11-27: 84 s), rounded up for 4 GPUs, where
+#: it has not run. ``test_cuda_graphs_gpu.py`` and ``test_gdn_fixed_gpu.py``: the cold run on
+#: 1 x H200 of 2026-11-29, after their packed-rows tests (GatedDeltaNet's compile fla's varlen
+#: kernels); ``test_cross_entropy_gpu.py`` from the suite run with its log-prob test (1 x H200,
+#: 2026-11-29); ``test_tf32_gpu.py`` from its first suite run (1 x H200, 2026-11-29; its child
+#: process). Refresh from a summary; only the lanes' balance depends on it.
 FILE_SECONDS = {
     "test_fast_path_gpu.py": 190, "test_gdn_gates_gpu.py": 140, "test_packing_gpu.py": 130,
     "test_mamba_torch_gpu.py": 76, "test_ep_overlap_gpu.py": 51, "test_hf_fp8_gpu.py": 45,
@@ -39,8 +40,26 @@ FILE_SECONDS = {
     "test_fla_dqkwg_gpu.py": 8, "test_cuda_graphs_gpu.py": 64, "test_gdn_fixed_gpu.py": 10,
     "test_cross_entropy_gpu.py": 14, "test_tf32_gpu.py": 18,
 }  # fmt: skip
-#: Seconds of a file not in :data:`FILE_SECONDS` (the others took under 2 s on one GPU).
+#: The same on one GPU, where the layout, EP-overlap and HybridEP files skip in a second: the cold
+#: run on 1 x H200 (16 cores) of 2026-11-29 whose lanes all finished (347, 361 and 166 s: split
+#: by :data:`FILE_SECONDS`, one lane got the files that skip here). A file missing here costs
+#: :data:`OTHER_FILE_SECONDS`.
+FILE_SECONDS_ONE_GPU = {
+    "test_fast_path_gpu.py": 177, "test_gdn_gates_gpu.py": 107, "test_mamba_torch_gpu.py": 100,
+    "test_hf_gpu.py": 66, "test_gdn_kernels_gpu.py": 54, "test_packing_gpu.py": 48,
+    "test_cuda_graphs_gpu.py": 40, "test_rl_gpu.py": 32, "test_hf_fp8_gpu.py": 23,
+    "test_gdn_fixed_gpu.py": 22, "test_cross_entropy_gpu.py": 11, "test_checkpoints_gpu.py": 11,
+    "test_tf32_gpu.py": 8, "test_wgrad_fusion_gpu.py": 7, "test_fused_step_gpu.py": 7,
+    "test_fla_dqkwg_gpu.py": 5, "test_lora_gpu.py": 1, "test_te_backend_gpu.py": 1,
+    "test_ep_overlap_gpu.py": 1, "test_hybridep_gpu.py": 1, "test_padding_gpu.py": 1,
+}  # fmt: skip
+#: Seconds of a file in neither table (the others took under 2 s on one GPU).
 OTHER_FILE_SECONDS = 5.0
+
+
+def file_seconds(gpus: int) -> dict[str, float]:
+    """The seconds table of a job on ``gpus`` GPUs (its ``WORLD_SIZE``)."""
+    return FILE_SECONDS_ONE_GPU if gpus == 1 else FILE_SECONDS
 
 
 def order(items: list) -> None:
@@ -82,7 +101,8 @@ def _file(item) -> str:
 
 def keep_lane(config, items: list, default_cost: float) -> None:
     """Deselect the tests of other lanes where ``MH_LANE`` is set: by test (``time_limit``, else
-    ``default_cost``), or by file where ``MH_LANE_BY=file`` (:data:`FILE_SECONDS`)."""
+    ``default_cost``), or by file where ``MH_LANE_BY=file`` (:func:`file_seconds` of the job's
+    ``WORLD_SIZE``)."""
     value = os.environ.get("MH_LANE")
     if not value:
         return
@@ -90,7 +110,8 @@ def keep_lane(config, items: list, default_cost: float) -> None:
     by = os.environ.get("MH_LANE_BY", "test")
     if by == "file":
         files = list(dict.fromkeys(_file(item) for item in items))
-        costs = [float(FILE_SECONDS.get(name, OTHER_FILE_SECONDS)) for name in files]
+        seconds = file_seconds(int(os.environ.get("WORLD_SIZE", "1")))
+        costs = [float(seconds.get(name, OTHER_FILE_SECONDS)) for name in files]
         lane_of_file = dict(zip(files, lanes_of(costs, lanes), strict=True))
         lane_of = [lane_of_file[_file(item)] for item in items]
     elif by == "test":

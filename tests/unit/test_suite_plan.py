@@ -110,15 +110,37 @@ def test_lanes_split_what_the_markers_selected_each_test_once(tmp_path):
     assert lanes == [["test_resume", "test_nonfinite"], ["test_pretrain", "test_train"]]
 
 
-def test_in_process_lanes_take_whole_files_by_their_seconds(tmp_path):
-    """``MH_LANE_BY=file``: a file's tests stay in one lane (they share compiled kernels); the
-    two costliest files of :data:`suite_plan.FILE_SECONDS` go to different lanes."""
+@pytest.mark.parametrize(
+    ("world_size", "expected"),
+    [
+        # 2 GPUs and more: HybridEP 100 s, Mamba 76 s, checkpoints 43 s; the last joins Mamba.
+        ("4", [["test_hybridep_gpu_a", "test_hybridep_gpu_b"],
+               ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b",
+                "test_mamba_torch_gpu_a", "test_mamba_torch_gpu_b"]]),
+        # One GPU, where HybridEP's tests skip at once: Mamba 100 s alone, the others together.
+        ("1", [["test_mamba_torch_gpu_a", "test_mamba_torch_gpu_b"],
+               ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b",
+                "test_hybridep_gpu_a", "test_hybridep_gpu_b"]]),
+    ],
+    ids=["four-gpus", "one-gpu"],
+)  # fmt: skip
+def test_in_process_lanes_take_whole_files_by_their_seconds(tmp_path, world_size, expected):
+    """``MH_LANE_BY=file``: a file's tests stay in one lane (they share compiled kernels), split
+    by the seconds of the job's GPU count (:func:`suite_plan.file_seconds`), so one GPU's lanes
+    are not balanced by the seconds of files that skip there."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    for name in ("test_other.py", "test_fast_path_gpu.py", "test_packing_gpu.py"):
+    for name in ("test_checkpoints_gpu.py", "test_hybridep_gpu.py", "test_mamba_torch_gpu.py"):
         stem = name.removesuffix(".py")
         (tmp_path / name).write_text(f"def {stem}_a(): pass\n\ndef {stem}_b(): pass\n")
-    lanes = [_collected(tmp_path, f"{i}/2", env={"MH_LANE_BY": "file"}) for i in range(2)]
-    assert lanes == [  # fast path 190 s, packing 130 s: the other file joins the lighter lane
-        ["test_fast_path_gpu_a", "test_fast_path_gpu_b"],
-        ["test_other_a", "test_other_b", "test_packing_gpu_a", "test_packing_gpu_b"],
-    ]
+    env = {"MH_LANE_BY": "file", "WORLD_SIZE": world_size}
+    lanes = [_collected(tmp_path, f"{i}/2", env=env) for i in range(2)]
+    assert lanes == expected
+
+
+def test_one_gpu_seconds_cover_the_files_that_run_there():
+    """Every file the multi-GPU table names has a one-GPU figure (a file that skips there costs
+    a second, not the default), and the tables are the ones :func:`suite_plan.file_seconds`
+    hands out."""
+    assert set(suite_plan.FILE_SECONDS) <= set(suite_plan.FILE_SECONDS_ONE_GPU)
+    assert suite_plan.file_seconds(1) is suite_plan.FILE_SECONDS_ONE_GPU
+    assert suite_plan.file_seconds(2) is suite_plan.file_seconds(4) is suite_plan.FILE_SECONDS
