@@ -210,18 +210,19 @@ def test_gradient_scaling_in_one_pass_is_megatrons_bit_for_bit(pg):
     assert not all(torch.equal(a, b) for a, b in zip(nudged, megatron, strict=True))
 
 
-def test_cached_shard_copies_are_megatrons_bit_for_bit(pg):
+def test_cached_shard_copies_are_megatrons_bit_for_bit(pg, monkeypatch):
     """The distributed optimizer's copies between model and main parameters over views taken
     once (``training/shard_copies.py``, opt-in); the same fused optimizer with megatron's two
     methods gives the same model and main parameters bit for bit over three steps on the same
-    gradients. Controls: the cached copies were installed on one only, and the steps moved the
-    parameters."""
+    gradients. Controls: the cached copies were installed on one only (the opt-in switch unset
+    here, whatever the runner's environment), and the steps moved the parameters."""
     from support.adamw_reference import EXACT
 
     from megatron_hybrid.training.optimizer_step import apply_step, guard_statistics
     from megatron_hybrid.training.optimizers import build_optimizer
     from megatron_hybrid.training.shard_copies import cache_shard_copies
 
+    monkeypatch.delenv("MEGATRON_HYBRID_CACHED_SHARD_COPIES", raising=False)
     config, chunks = _chunks(pg)
     args = dict(lr=EXACT.lr, weight_decay=EXACT.weight_decay, clip_grad=EXACT.clip, pg=pg)
     cached, plain = (build_optimizer(c, config, **args) for c in chunks)
