@@ -81,11 +81,18 @@ def fused_step_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(FUSED_STEP_ENV, "1") != "0"
 
 
+def _all_sub_optimizers(optimizer) -> list:
+    """The optimizers of a megatron ``ChainedOptimizer`` (or the optimizer itself), stubs too."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
+def _is_stub(sub) -> bool:
+    return getattr(sub, "is_stub_optimizer", False)
+
+
 def _sub_optimizers(optimizer) -> list:
-    """The optimizers of a megatron ``ChainedOptimizer`` (or the optimizer itself), stubs (ranks
-    without parameters in them) left out."""
-    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [o for o in subs if not getattr(o, "is_stub_optimizer", False)]
+    """:func:`_all_sub_optimizers` without stubs (ranks without parameters in them)."""
+    return [o for o in _all_sub_optimizers(optimizer) if not _is_stub(o)]
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -148,14 +155,60 @@ class NormGroup:
     name: str | None = None
 
 
-def _megatron_groups(sub) -> list[NormGroup]:
-    """Norm groups of one megatron optimizer, as ``ChainedOptimizer.step`` forms them."""
+def _separate_groups_held(optimizer, subs: list) -> dict[int, tuple[str, ...]]:
+    """Per gradient-statistics process group of ``subs`` (by ``id``), the separate gradient-norm
+    groups (megatron's ``SEPARATE_GRAD_NORM_GROUPS``) some rank of it holds parameters of: one
+    MAX all-reduce per process group the first time, cached on ``optimizer`` as megatron caches
+    its answer (they are tagged at construction and never change).
+
+    Megatron asks each sub-optimizer (``has_grad_norm_group``, an all-reduce over its group each).
+    A pipeline stage whose layers hold no experts has no expert optimizer (megatron-core 0.19.2
+    ``optimizer/__init__.py`` builds one only for a non-empty ``moe_param_groups``), so there one
+    collective fewer would be made on the group the stages share (the distributed optimizer's,
+    dense and expert alike) and the step would hang. Asked once per process group, every rank
+    makes the same collectives. A stub (a rank without parameters in that optimizer) joins its
+    process group's collectives with nothing, as it joins megatron's norm.
+    """
     from megatron.core.optimizer.optimizer import (
         SEPARATE_GRAD_NORM_GROUPS,
         _get_param_grad_norm_group,
     )
 
+    cached = getattr(optimizer, "_separate_groups_held", None)
+    if cached is not None:
+        return cached
+    held: dict[int, tuple[object, list[bool]]] = {}
+    for sub in subs:
+        process_group = sub.get_grad_stats_parallel_group()
+        _, flags = held.setdefault(
+            id(process_group), (process_group, [False] * len(SEPARATE_GRAD_NORM_GROUPS))
+        )
+        if _is_stub(sub):
+            continue  # no parameters here, but its process group's collectives all the same
+        tags = {_get_param_grad_norm_group(p) for p in sub.get_parameters()}
+        for i, name in enumerate(SEPARATE_GRAD_NORM_GROUPS):
+            flags[i] = flags[i] or name in tags
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    answer = {}
+    for key, (process_group, flags) in held.items():
+        flag = torch.tensor(flags, dtype=torch.int32, device=device)
+        if flags:
+            torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=process_group)
+        answer[key] = tuple(
+            name for name, on in zip(SEPARATE_GRAD_NORM_GROUPS, flag.tolist(), strict=True) if on
+        )
+    optimizer._separate_groups_held = answer
+    return answer
+
+
+def _megatron_groups(sub, separate: tuple[str, ...]) -> list[NormGroup]:
+    """Norm groups of one megatron optimizer, as ``ChainedOptimizer.step`` forms them (a stub's
+    empty); ``separate``: the separate gradient-norm groups its process group holds."""
+    from megatron.core.optimizer.optimizer import _get_param_grad_norm_group
+
     process_group = sub.get_grad_stats_parallel_group()
+    if _is_stub(sub):
+        return [NormGroup([], [], process_group, name) for name in (None, *separate)]
     params = [p for p in sub.get_parameters() if p.grad is not None]
     groups = [
         NormGroup(
@@ -164,10 +217,9 @@ def _megatron_groups(sub) -> list[NormGroup]:
             process_group,
         )
     ]
-    for name in SEPARATE_GRAD_NORM_GROUPS:
-        if sub.has_grad_norm_group(name):  # one collective, the first time (cached)
-            clip = [p.grad for p in params if _get_param_grad_norm_group(p) == name]
-            groups.append(NormGroup(sub.get_grads_for_grad_norm(name), clip, process_group, name))
+    for name in separate:
+        clip = [p.grad for p in params if _get_param_grad_norm_group(p) == name]
+        groups.append(NormGroup(sub.get_grads_for_grad_norm(name), clip, process_group, name))
     return groups
 
 
@@ -176,7 +228,13 @@ def norm_groups(optimizer) -> list[NormGroup]:
     or an optimizer with a ``norm_groups()`` method (``CPUOptimizer``)."""
     if hasattr(optimizer, "norm_groups"):
         return optimizer.norm_groups()
-    return [group for sub in _sub_optimizers(optimizer) for group in _megatron_groups(sub)]
+    subs = _all_sub_optimizers(optimizer)
+    held = _separate_groups_held(optimizer, subs)
+    return [
+        group
+        for sub in subs
+        for group in _megatron_groups(sub, held[id(sub.get_grad_stats_parallel_group())])
+    ]
 
 
 def grad_square_sum(grads: list[torch.Tensor], device) -> torch.Tensor:

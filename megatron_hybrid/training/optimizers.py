@@ -17,6 +17,7 @@ __all__ = [
     "OPTIMIZERS",
     "CPUOptimizer",
     "build_optimizer",
+    "check_expert_stages",
     "check_optimizer",
     "distributed_optimizer",
 ]
@@ -158,6 +159,9 @@ def build_optimizer(
     else:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if not distributed_optimizer(optimizer):
+            check_expert_stages(chunks, pg.pp, optimizer)
+
         optimizer_config = OptimizerConfig(
             optimizer=optimizer,
             sgd_momentum=0.0,
@@ -177,6 +181,38 @@ def build_optimizer(
         if torch.cuda.is_available() and cached_shard_copies_enabled():
             cache_shard_copies(built)  # megatron's copies where it copies another way
     return built
+
+
+def check_expert_stages(chunks, pp_group, optimizer: str) -> None:
+    """Refuse megatron-core's non-distributed optimizer where some pipeline stages hold expert
+    parameters and others none (one all-gather over ``pp_group``; every stage raises alike).
+
+    That optimizer reduces the expert gradients' statistics over a group of its own that spans
+    the stages (``expt_tp_pp``, the dense ones over ``mp``), and megatron-core 0.19.2 builds no
+    expert optimizer on a stage without experts: that stage would never join the expert norm's
+    all-reduce, and the step would hang. The distributed optimizer (Adam) reduces both over one
+    group, which every stage joins.
+
+    Raises:
+        ValueError: the stages disagree; says which hold no experts and what to change.
+    """
+    if pp_group is None or torch.distributed.get_world_size(pp_group) == 1:
+        return
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    held = torch.tensor([int(any(not getattr(p, "allreduce", True) for p in params))],
+                        dtype=torch.int32, device=device)  # fmt: skip
+    stages = [torch.zeros_like(held) for _ in range(torch.distributed.get_world_size(pp_group))]
+    torch.distributed.all_gather(stages, held, group=pp_group)
+    without = [stage for stage, flag in enumerate(stages) if not int(flag)]
+    if without and len(without) < len(stages):
+        raise ValueError(
+            f"optimizer={optimizer!r} runs megatron-core's non-distributed optimizer, which "
+            f"reduces the expert gradients' norm over a group spanning the pipeline stages; "
+            f"pipeline stage(s) {without} of {len(stages)} hold no experts and would never join "
+            f"it (the step would hang). Use optimizer='adam' (megatron's distributed optimizer), "
+            f"or a layer pattern or pipeline split that puts experts on every stage"
+        )
 
 
 def distributed_optimizer(optimizer: str) -> bool:
