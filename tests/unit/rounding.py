@@ -54,7 +54,7 @@ class RoundingJitter(TorchDispatchMode):
 
     def __init__(self, eps: float, seed: int) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.seed = eps, seed
         self.generator = torch.Generator().manual_seed(seed)
 
     def _jitter(self, tensor: torch.Tensor) -> torch.Tensor:
