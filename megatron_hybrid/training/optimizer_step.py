@@ -64,6 +64,7 @@ __all__ = [
     "FUSED_STEP_ENV",
     "GuardStatistics",
     "NormGroup",
+    "agree_on_separate_groups",
     "apply_step",
     "fused_step_enabled",
     "grad_square_sum",
@@ -82,8 +83,10 @@ def fused_step_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def _all_sub_optimizers(optimizer) -> list:
-    """The optimizers of a megatron ``ChainedOptimizer`` (or the optimizer itself), stubs too."""
-    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    """The optimizers of a megatron ``ChainedOptimizer`` (none for an empty one), or the
+    optimizer itself; stubs too."""
+    subs = getattr(optimizer, "chained_optimizers", None)
+    return [optimizer] if subs is None else list(subs)
 
 
 def _is_stub(sub) -> bool:
@@ -199,6 +202,25 @@ def _separate_groups_held(optimizer, subs: list) -> dict[int, tuple[str, ...]]:
         )
     optimizer._separate_groups_held = answer
     return answer
+
+
+def agree_on_separate_groups(optimizer) -> None:
+    """Settle which separate gradient-norm groups each sub-optimizer of megatron's ``optimizer``
+    has (:func:`_separate_groups_held`, the same collectives on every rank) and write the answer
+    into megatron's own caches (``has_grad_norm_group``'s ``_has_grad_norm_group_cache``, on each
+    sub-optimizer and the chain), so that megatron's step (``MEGATRON_HYBRID_FUSED_STEP=0``)
+    asks no further collective either. Call it on every rank, once, after building.
+    """
+    from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+    subs = _all_sub_optimizers(optimizer)
+    held = _separate_groups_held(optimizer, subs)
+    for sub in subs:
+        names = held[id(sub.get_grad_stats_parallel_group())]
+        sub._has_grad_norm_group_cache = {n: n in names for n in SEPARATE_GRAD_NORM_GROUPS}
+    if hasattr(optimizer, "chained_optimizers"):
+        every = {name for names in held.values() for name in names}
+        optimizer._has_grad_norm_group_cache = {n: n in every for n in SEPARATE_GRAD_NORM_GROUPS}
 
 
 def _megatron_groups(sub, separate: tuple[str, ...]) -> list[NormGroup]:

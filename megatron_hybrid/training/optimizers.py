@@ -10,7 +10,12 @@ import math
 
 import torch
 
-from megatron_hybrid.training.optimizer_step import NormGroup, fused_step_enabled, use_fused_adam
+from megatron_hybrid.training.optimizer_step import (
+    NormGroup,
+    agree_on_separate_groups,
+    fused_step_enabled,
+    use_fused_adam,
+)
 from megatron_hybrid.training.shard_copies import cache_shard_copies, cached_shard_copies_enabled
 
 __all__ = [
@@ -174,6 +179,7 @@ def build_optimizer(
             use_distributed_optimizer=distributed_optimizer(optimizer),
         )
         built = get_megatron_optimizer(optimizer_config, chunks)
+        agree_on_separate_groups(built)  # every stage the same collectives, in either step
     if fused is None:
         fused = fused_step_enabled()
     if fused:
@@ -199,7 +205,10 @@ def check_expert_stages(chunks, pp_group, optimizer: str) -> None:
     if pp_group is None or torch.distributed.get_world_size(pp_group) == 1:
         return
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    device = params[0].device if params else torch.device("cpu")
+    # A stage may hold no trainable parameter at all (adapters on expert modules only): the
+    # flag's device follows the process group's backend, not the parameters.
+    nccl = torch.distributed.get_backend(pp_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     held = torch.tensor([int(any(not getattr(p, "allreduce", True) for p in params))],
                         dtype=torch.int32, device=device)  # fmt: skip
     stages = [torch.zeros_like(held) for _ in range(torch.distributed.get_world_size(pp_group))]

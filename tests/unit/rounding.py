@@ -76,6 +76,7 @@ def float32_error_scale(
     *,
     measure: Callable[[torch.Tensor, torch.Tensor], float],
     draws: int = 2,
+    sizes: tuple[float, ...] = (JITTER_EPS,),
 ) -> dict[str, float]:
     """The float32 rounding error to expect in each result of ``evaluate``.
 
@@ -86,17 +87,21 @@ def float32_error_scale(
         measure: ``(jittered, clean) -> distance``, e.g. a max abs difference or a relative
             error; it must scale linearly with the difference.
         draws: Seeded jitter draws; the largest response is kept.
+        sizes: Relative sizes of the simulated roundings (``RoundingJitter.eps``); each response
+            is scaled to ``u`` and the largest kept. More than one where a result may respond
+            less than linearly (an update that saturates, as Adam's for gradients near zero).
 
     Returns:
         ``name -> measure`` of the response to roundings of relative size ``u = 2^-24``.
     """
     clean = evaluate(contextlib.nullcontext())
     scale: dict[str, float] = {}
-    for seed in range(draws):
-        jittered = evaluate(RoundingJitter(JITTER_EPS, seed))
-        for name, value in clean.items():
-            moved = measure(jittered[name], value) * FLOAT32_U / JITTER_EPS
-            scale[name] = max(scale.get(name, 0.0), moved)
+    for eps in sizes:
+        for seed in range(draws):
+            jittered = evaluate(RoundingJitter(eps, seed))
+            for name, value in clean.items():
+                moved = measure(jittered[name], value) * FLOAT32_U / eps
+                scale[name] = max(scale.get(name, 0.0), moved)
     return scale
 
 
@@ -105,10 +110,11 @@ def float32_bounds(
     *,
     measure: Callable[[torch.Tensor, torch.Tensor], float],
     floor: float,
+    sizes: tuple[float, ...] = (JITTER_EPS,),
 ) -> dict[str, float]:
     """``name -> max(floor, ROUNDING_MARGIN * scale)``: how far two correct float32 evaluations
     of ``evaluate``'s results may lie apart on any machine (see :func:`float32_error_scale`)."""
-    scale = float32_error_scale(evaluate, measure=measure)
+    scale = float32_error_scale(evaluate, measure=measure, sizes=sizes)
     return {name: max(floor, ROUNDING_MARGIN * value) for name, value in scale.items()}
 
 

@@ -36,15 +36,16 @@ def train(*argv: str, ranks: int = 1):
     return run_distributed(_train_worker, ranks, list(argv), timeout=900)[0]
 
 
-def _jittered_train_worker(rank, world_size, argv, seed):
-    """``_train_worker`` with every step's arithmetic (forward, backward, optimizer) under
-    :class:`rounding.RoundingJitter` of draw ``seed`` (None: as it is)."""
-    if seed is not None:
-        from rounding import JITTER_EPS, RoundingJitter
+def _jittered_train_worker(rank, world_size, argv, jitter):
+    """``_train_worker`` with every step under :class:`rounding.RoundingJitter` of ``jitter``
+    (``(eps, seed)``; None: as it is): the forward's and backward's computing ops; in-place
+    updates (the fused AdamW, ``main_grad`` accumulation, reductions) keep their own rounding."""
+    if jitter is not None:
+        from rounding import RoundingJitter
 
         from megatron_hybrid.training import run
 
-        jitter, step = RoundingJitter(JITTER_EPS, seed), run.train_step
+        jitter, step = RoundingJitter(*jitter), run.train_step
 
         def jittered_step(*args, **kwargs):
             with jitter:
@@ -57,12 +58,12 @@ def _jittered_train_worker(rank, world_size, argv, seed):
 def resume_bounds(*argv: str) -> dict[str, float]:
     """How far two correct float32 runs of ``train *argv`` may lie apart, each step's loss and
     gradient norm relative (:func:`rounding.float32_bounds`: the response of the same run to
-    simulated roundings, scaled to float32's), derived from the computation on this machine."""
-    from rounding import float32_bounds
+    simulated roundings of two sizes, scaled to float32's), derived from the computation."""
+    from rounding import JITTER_EPS, float32_bounds
 
     def evaluate(rounding):
-        seed = getattr(rounding, "seed", None)
-        losses, norms = run_distributed(_jittered_train_worker, 1, list(argv), seed,
+        jitter = (rounding.eps, rounding.seed) if hasattr(rounding, "seed") else None
+        losses, norms = run_distributed(_jittered_train_worker, 1, list(argv), jitter,
                                         timeout=900)[0]  # fmt: skip
         results = {f"loss{i}": torch.tensor(v) for i, v in enumerate(losses)}
         return results | {f"norm{i}": torch.tensor(v) for i, v in enumerate(norms)}
@@ -70,7 +71,9 @@ def resume_bounds(*argv: str) -> dict[str, float]:
     def relative(a, b):
         return abs(float(a) - float(b)) / abs(float(b))
 
-    return float32_bounds(evaluate, measure=relative, floor=1e-6)
+    # Two sizes of simulated rounding: AdamW's update saturates for gradients near zero, so the
+    # step after it may respond less than linearly to the larger one.
+    return float32_bounds(evaluate, measure=relative, floor=1e-6, sizes=(JITTER_EPS, 2.0**-20))
 
 
 def _cli_worker(rank, world_size, argv):

@@ -167,12 +167,15 @@ def test_every_stage_makes_the_same_collectives(monkeypatch, bug, stub):
         assert len(with_experts) == 2  # the separate groups' flag once, the norm's partial sums
 
 
-def expert_stages_worker(rank: int, world_size: int, experts_on: list[int]) -> str | None:
+def expert_stages_worker(rank: int, world_size: int, experts_on: list[int],
+                         frozen: bool) -> str | None:  # fmt: skip
     from megatron_hybrid.training.optimizers import check_expert_stages
 
     chunk = torch.nn.Linear(2, 2)
     if rank in experts_on:
         chunk.weight.allreduce = False  # how megatron marks an expert parameter
+    elif frozen:
+        chunk.requires_grad_(False)  # a stage with nothing to train (adapters on experts only)
     try:
         check_expert_stages([chunk], torch.distributed.group.WORLD, "sgd")
     except ValueError as error:
@@ -181,20 +184,52 @@ def expert_stages_worker(rank: int, world_size: int, experts_on: list[int]) -> s
 
 
 @pytest.mark.parametrize(
-    ("experts_on", "refused"),
-    [([0, 1], False), ([], False), ([0], True)],
-    ids=["experts-on-every-stage", "no-experts", "stage-1-without-experts"],
-)
-def test_non_distributed_optimizer_refuses_stages_without_experts(experts_on, refused):
+    ("experts_on", "frozen", "refused"),
+    [([0, 1], False, False), ([], False, False), ([0], False, True), ([0], True, True)],
+    ids=["experts-on-every-stage", "no-experts", "stage-1-without-experts",
+         "stage-1-without-trainable-parameters"],
+)  # fmt: skip
+def test_non_distributed_optimizer_refuses_stages_without_experts(experts_on, frozen, refused):
     """megatron's non-distributed optimizer (SGD on GPUs) reduces the expert norm over a group
     spanning the stages, which a stage without experts never joins: every stage refuses alike,
     naming the stages and what to change; stages that agree pass."""
     from megatron_hybrid.testing.spawn import run_distributed
 
-    errors = run_distributed(expert_stages_worker, 2, experts_on, timeout=120)
+    errors = run_distributed(expert_stages_worker, 2, experts_on, frozen, timeout=120)
     if not refused:
         assert errors == [None, None]
         return
     assert errors[0] == errors[1]
     assert "pipeline stage(s) [1] of 2 hold no experts" in errors[0]
     assert "Use optimizer='adam'" in errors[0]
+
+
+def test_megatrons_own_step_asks_nothing_more_after_the_agreement(monkeypatch):
+    """``agree_on_separate_groups`` (``build_optimizer`` calls it) writes the agreed answer into
+    megatron's own ``has_grad_norm_group`` caches, so megatron's step
+    (``MEGATRON_HYBRID_FUSED_STEP=0``) makes no per-sub collective a stage without experts
+    would miss. Control: megatron's question without the agreement makes one per sub."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    from megatron_hybrid.training.optimizer_step import agree_on_separate_groups
+
+    made = []
+    monkeypatch.setattr(
+        torch.distributed,
+        "all_reduce",
+        lambda tensor, op=None, group=None, async_op=False: made.append(group),
+    )
+    real_tensor = torch.tensor  # megatron makes its flag on "cuda"; this is a CPU
+    monkeypatch.setattr(torch, "tensor", lambda *a, device=None, **k: real_tensor(*a, **k))
+    group = object()
+    agreed, fresh = _stage(0, True, 0, group), _stage(0, True, 0, group)
+    agree_on_separate_groups(agreed)
+    assert made == [group]  # one flag all-reduce for the one process group
+    made.clear()
+    answers = [MegatronOptimizer.has_grad_norm_group(sub, MTP)
+               for sub in agreed.chained_optimizers]  # fmt: skip
+    assert answers == [True, True] and ChainedOptimizer.has_grad_norm_group(agreed, MTP)
+    assert made == []
+    for sub in fresh.chained_optimizers:
+        MegatronOptimizer.has_grad_norm_group(sub, MTP)
+    assert made == [group, group]
