@@ -118,6 +118,34 @@ def float32_bounds(
     return {name: max(floor, ROUNDING_MARGIN * value) for name, value in scale.items()}
 
 
+def bounds_of(
+    compute: Callable[[], dict[str, torch.Tensor]],
+    *,
+    measure: Callable[[torch.Tensor, torch.Tensor], float],
+    floor: float,
+) -> dict[str, float]:
+    """:func:`float32_bounds` of a computation that is all arithmetic: ``compute()`` takes
+    prepared inputs (the same every call) and runs whole inside the simulated rounding."""
+
+    def evaluate(rounding: AbstractContextManager) -> dict[str, torch.Tensor]:
+        with rounding:
+            return compute()
+
+    return float32_bounds(evaluate, measure=measure, floor=floor)
+
+
+def outside(
+    results: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    bounds: dict[str, float],
+    measure: Callable[[torch.Tensor, torch.Tensor], float],
+) -> list[tuple[str, float, float]]:
+    """``(name, distance, bound)`` of every result farther from ``reference`` than its bound
+    (empty: all within)."""
+    distances = {name: measure(results[name], value) for name, value in reference.items()}
+    return [(name, d, bounds[name]) for name, d in distances.items() if not d <= bounds[name]]
+
+
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b|`` in float64."""
     return (a.double() - b.double()).abs().max().item()
@@ -128,7 +156,9 @@ __all__ = [
     "JITTER_EPS",
     "ROUNDING_MARGIN",
     "RoundingJitter",
+    "bounds_of",
     "float32_bounds",
     "float32_error_scale",
     "max_abs",
+    "outside",
 ]

@@ -12,7 +12,15 @@ import contextlib
 
 import pytest
 import torch
-from rounding import FLOAT32_U, RoundingJitter, float32_bounds, float32_error_scale, max_abs
+from rounding import (
+    FLOAT32_U,
+    RoundingJitter,
+    bounds_of,
+    float32_bounds,
+    float32_error_scale,
+    max_abs,
+    outside,
+)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,3 +87,24 @@ def test_bounds_never_go_below_the_floor():
             return {"one": torch.ones(3) * 2}
 
     assert float32_bounds(evaluate, measure=max_abs, floor=1e-3) == {"one": 1e-3}
+
+
+def test_bounds_of_a_pure_computation_are_float32_bounds_of_it():
+    """``bounds_of`` runs the whole computation in the rounding, as an ``evaluate`` would."""
+    big = torch.full((16,), 1000.0)
+
+    def evaluate(rounding):
+        with rounding:
+            return {"small": (big + 1) - big}
+
+    expected = float32_bounds(evaluate, measure=_relative, floor=0.0)
+    assert bounds_of(lambda: {"small": (big + 1) - big}, measure=_relative, floor=0.0) == expected
+    assert expected["small"] > 100 * FLOAT32_U  # the cancellation's, not a floor
+
+
+def test_outside_names_each_result_past_its_bound_and_a_nan():
+    reference = {"a": torch.ones(4), "b": torch.ones(4), "c": torch.ones(4)}
+    results = {"a": torch.ones(4), "b": torch.full((4,), 1.5), "c": torch.full((4,), float("nan"))}
+    over = outside(results, reference, {"a": 0.0, "b": 0.4, "c": 1.0}, max_abs)
+    assert [name for name, *_ in over] == ["b", "c"]
+    assert over[0] == ("b", 0.5, 0.4)

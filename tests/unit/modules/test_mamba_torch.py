@@ -13,14 +13,20 @@ gloo ranks must equal the single-rank layer.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
+from rounding import float32_bounds
 from torch.nn.functional import silu, softplus
 
 from megatron_hybrid.testing.overlap import rel_error
 
-# Both sides are float32; measured ~1e-7 apart (norm-relative) at these sizes. A wrong decay,
-# chunk boundary, grouping or gradient is off by far more than 1e-5.
+# The floor of the relative error (norm-relative) allowed between two float32 evaluations; each
+# result's bound is derived from its reference computation (``_bounds``: the margin times
+# its float32 rounding scale where that is larger), so it holds on any machine. A wrong decay,
+# chunk boundary, grouping or gradient is off by far more; the negative controls use the floor.
 FP32_REL_TOL = 1e-5
 HIDDEN, HEAD_DIM, STATE, BATCH = 16, 4, 8, 2  # 2 * 16 / 4 = 8 heads
 
@@ -117,12 +123,24 @@ def _randomise(mixer, seed: int) -> None:
             mixer.norm.weight.add_(0.5 * torch.randn(mixer.norm.weight.shape, generator=gen))
 
 
-def _outputs_and_grads(fn, mixer, hidden, grad_out) -> dict[str, torch.Tensor]:
-    """Output of ``fn`` (None: the mixer's own forward) and the gradients of input and params."""
+def _outputs_and_grads(fn, mixer, hidden, grad_out, rounding=None) -> dict[str, torch.Tensor]:
+    """Output of ``fn`` (None: the mixer's own forward) and the gradients of input and params.
+
+    Args:
+        fn: ``hidden -> output``, or None for the mixer's own forward.
+        mixer: The mixer whose parameters' gradients are returned.
+        hidden: ``[S, B, H]`` input.
+        grad_out: Gradient of the output.
+        rounding: Context manager the forward and backward arithmetic runs in (none: plain).
+
+    Returns:
+        ``{"out", "dhidden", "d<parameter>": ...}``, detached.
+    """
     mixer.zero_grad(set_to_none=True)
     leaf = hidden.detach().clone().requires_grad_()
-    out = mixer(leaf)[0] if fn is None else fn(leaf)
-    out.backward(grad_out)
+    with rounding or contextlib.nullcontext():
+        out = mixer(leaf)[0] if fn is None else fn(leaf)
+        out.backward(grad_out)
     # A planted bug can leave a parameter out of the graph: its gradient is then zero.
     grads = {
         f"d{name}": p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -131,12 +149,44 @@ def _outputs_and_grads(fn, mixer, hidden, grad_out) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dhidden": leaf.grad, **grads}
 
 
-def _compare(mixer, seq: int, seed: int, bug: str | None = None) -> dict[str, float]:
+def _bounds(evaluate) -> dict[str, float]:
+    """The relative error each reference result may carry on any machine.
+
+    Args:
+        evaluate: ``evaluate(rounding)`` recomputes the reference results from the same inputs
+            and weights, their arithmetic inside ``rounding`` (see ``rounding.float32_bounds``).
+
+    Returns:
+        ``name -> max(FP32_REL_TOL, margin x the result's float32 rounding scale)``.
+    """
+    return float32_bounds(evaluate, measure=rel_error, floor=FP32_REL_TOL)
+
+
+def _over_bound(errors: dict[str, float], bounds: dict[str, float]) -> list[tuple]:
+    """``(name, relative error, bound)`` of every error over its bound; empty if none."""
+    return [
+        (name, error, bounds[name]) for name, error in errors.items() if not error <= bounds[name]
+    ]
+
+
+def _inputs(seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden, grad_out)``, both ``[S, B, H]``, from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
-    grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
-    chunked = _outputs_and_grads(None, mixer, hidden, grad_out)
-    stepwise = _outputs_and_grads(lambda h: _stepwise_mixer(mixer, h, bug), mixer, hidden, grad_out)
+    return hidden, torch.randn(seq, BATCH, HIDDEN, generator=gen)
+
+
+def _stepwise(mixer, seq: int, seed: int, bug: str | None = None, rounding=None) -> dict:
+    """The stepwise reference's output and gradients on :func:`_inputs`."""
+    hidden, grad_out = _inputs(seq, seed)
+    return _outputs_and_grads(
+        lambda h: _stepwise_mixer(mixer, h, bug), mixer, hidden, grad_out, rounding
+    )
+
+
+def _compare(mixer, seq: int, seed: int, bug: str | None = None) -> dict[str, float]:
+    chunked = _outputs_and_grads(None, mixer, *_inputs(seq, seed))
+    stepwise = _stepwise(mixer, seq, seed, bug)
     return {name: rel_error(chunked[name], stepwise[name]) for name in stepwise}
 
 
@@ -151,7 +201,9 @@ def test_chunked_path_matches_stepwise_recurrence(pg, groups, seq, chunk_size):
     _randomise(mixer, seed=groups)
     errors = _compare(mixer, seq, seed=seq + chunk_size)
     assert len(errors) == 2 + len(list(mixer.parameters()))  # output, input and every parameter
-    assert all(e < FP32_REL_TOL for e in errors.values()), errors
+    bounds = _bounds(lambda rounding: _stepwise(mixer, seq, seq + chunk_size, rounding=rounding))
+    over = _over_bound(errors, bounds)
+    assert not over, f"(name, error, bound) over the bound: {over}"
 
 
 @pytest.mark.parametrize(
@@ -163,7 +215,9 @@ def test_mixer_options_match_stepwise_recurrence(pg, options):
     mixer = _mixer(pg, 2, chunk_size=8, **options)
     _randomise(mixer, seed=5)
     errors = _compare(mixer, 20, seed=11)
-    assert all(e < FP32_REL_TOL for e in errors.values()), errors
+    bounds = _bounds(lambda rounding: _stepwise(mixer, 20, 11, rounding=rounding))
+    over = _over_bound(errors, bounds)
+    assert not over, f"(name, error, bound) over the bound: {over}"
 
 
 @pytest.mark.parametrize("bug", ["no_D", "one_norm_group", "round_robin_groups"])
@@ -297,10 +351,16 @@ def test_matches_transformers_nemotron_h_mixer(pg, seq):
     ours = {renames.get(k, k): v for k, v in mixer.state_dict().items() if "_extra_state" not in k}
     hf.load_state_dict(ours, strict=True)
     hidden = torch.randn(seq, BATCH, HIDDEN, generator=torch.Generator().manual_seed(seq))
+
+    def evaluate(rounding):  # HF's layout is [B, S, H]; the transposes are views, no arithmetic
+        with torch.no_grad(), rounding:
+            return {"out": hf(hidden.transpose(0, 1)).transpose(0, 1)}
+
     with torch.no_grad():
-        expected = hf(hidden.transpose(0, 1)).transpose(0, 1)
         actual = mixer(hidden)[0]
-    assert rel_error(actual, expected) < FP32_REL_TOL
+    expected = evaluate(contextlib.nullcontext())["out"]
+    over = _over_bound({"out": rel_error(actual, expected)}, _bounds(evaluate))
+    assert not over, f"(name, error, bound) over the bound: {over}"
 
 
 def _megatron_mixer(pg, monkeypatch, groups: int):
@@ -467,27 +527,54 @@ def _checkpoint_mismatches(tp_mixer, reference: dict) -> list[str]:
     return bad if len(reference) == len(_checkpoint_tensors(tp_mixer)) else ["key sets differ"]
 
 
-def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
+def _tp_errors(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
     """TP2 (with and without SP) against TP1 on the same weights: output and every gradient.
 
     Also the checkpoint layout: every TP2 shard is the slice of the TP1 tensor at its global
     offset (``in_proj``'s z/x/B/C/dt parts, conv parts, the norm weight), so TP1 and TP2
     checkpoints are interchangeable.
+
+    Returns:
+        ``(errors, bounds)``: each compared part's relative error, and its float32 bound from
+        the TP1 reference's computation.
     """
     from megatron_hybrid.process_groups import (
         initialize_model_parallel,
         reset_megatron_state,
     )
 
-    errors = {}
+    seq = 12
+
+    def local(sp: bool) -> slice:
+        """This rank's tokens: its part of the sequence with SP, else all of them."""
+        return (
+            slice(rank * seq // world_size, (rank + 1) * seq // world_size) if sp else slice(None)
+        )
+
+    def evaluate(reference, hidden, grad_out, groups: int, rounding) -> dict[str, torch.Tensor]:
+        """The TP1 reference's results: the parts this rank's TP2 results equal, with and
+        without SP (taking the parts is no arithmetic: outside the rounding)."""
+        results = _outputs_and_grads(None, reference, hidden, grad_out, rounding)
+        parts = {}
+        for sp in (False, True):
+            for name, value in results.items():
+                if name in ("out", "dhidden"):
+                    part = value[local(sp)]
+                else:
+                    part = _tp_shard(name[1:], value, reference, rank, world_size)
+                parts[f"g{groups}-sp{int(sp)}-{name}"] = part
+        return parts
+
+    errors, bounds = {}, {}
     for groups in (2, 4):
         gen = torch.Generator().manual_seed(groups)
-        seq = 12
         hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
         grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
         reference = _mixer(initialize_model_parallel(tp=1), groups, chunk_size=5)
         _randomise(reference, seed=groups)
-        expected = _outputs_and_grads(None, reference, hidden, grad_out)
+        reference_parts = functools.partial(evaluate, reference, hidden, grad_out, groups)
+        expected = reference_parts(None)
+        bounds |= _bounds(reference_parts)
         params = {name: p.detach().clone() for name, p in reference.named_parameters()}
         reference_checkpoint = _checkpoint_tensors(reference)
         assert len(reference_checkpoint) == 16  # in_proj: 5 parts, conv: 2 x 3, 5 others
@@ -499,27 +586,26 @@ def _tp_errors(rank: int, world_size: int) -> dict[str, float]:
             with torch.no_grad():
                 for name, param in mixer.named_parameters():
                     param.copy_(_tp_shard(name, params[name], reference, rank, world_size))
-            part = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
-            local = slice(None) if not sp else part
-            actual = _outputs_and_grads(None, mixer, hidden[local], grad_out[local])
+            actual = _outputs_and_grads(None, mixer, hidden[local(sp)], grad_out[local(sp)])
             for name, value in actual.items():
-                if name in ("out", "dhidden"):
-                    want = expected[name][local]
-                else:
-                    want = _tp_shard(name[1:], expected[name], reference, rank, world_size)
-                errors[f"g{groups}-sp{int(sp)}-{name}"] = rel_error(value, want)
+                key = f"g{groups}-sp{int(sp)}-{name}"
+                errors[key] = rel_error(value, expected[key])
             if not sp:
                 bad = _checkpoint_mismatches(mixer, reference_checkpoint)
                 assert not bad, f"TP{world_size} checkpoint shards differ from TP1: {bad}"
             reset_megatron_state()
-    return errors
+    return errors, bounds
 
 
-def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
+def _cp_errors(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
     """CP2 (megatron-core's all-to-all: heads split, whole sequence per rank) against CP1.
 
     Each rank holds sequence chunks ``rank`` and ``2 cp - 1 - rank`` (attention's load
     balancing); gradients of the replicated parameters are summed over CP, as DDP does.
+
+    Returns:
+        ``(errors, bounds)``: each compared part's relative error, and its float32 bound from
+        the CP1 reference's computation.
     """
     import torch.distributed as dist
 
@@ -533,9 +619,23 @@ def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(7)
     hidden = torch.randn(seq, BATCH, HIDDEN, generator=gen)
     grad_out = torch.randn(seq, BATCH, HIDDEN, generator=gen)
+    size = seq // (2 * world_size)
+    chunks = [rank, 2 * world_size - 1 - rank]
+    local = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
     reference = _mixer(initialize_model_parallel(), groups, chunk_size=5)
     _randomise(reference, seed=7)
-    expected = _outputs_and_grads(None, reference, hidden, grad_out)
+
+    def evaluate(rounding) -> dict[str, torch.Tensor]:
+        """The CP1 reference's results: the parts this rank's results (parameter gradients
+        summed over CP) equal (taking the parts is no arithmetic: outside the rounding)."""
+        results = _outputs_and_grads(None, reference, hidden, grad_out, rounding)
+        return {
+            f"cp-{name}": value[local] if name in ("out", "dhidden") else value
+            for name, value in results.items()
+        }
+
+    expected = evaluate(None)
+    bounds = _bounds(evaluate)
     params = {name: p.detach().clone() for name, p in reference.named_parameters()}
     reset_megatron_state()
 
@@ -544,26 +644,24 @@ def _cp_errors(rank: int, world_size: int) -> dict[str, float]:
     with torch.no_grad():
         for name, param in mixer.named_parameters():
             param.copy_(params[name])
-    size = seq // (2 * world_size)
-    chunks = [rank, 2 * world_size - 1 - rank]
-    local = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
     actual = _outputs_and_grads(None, mixer, hidden[local], grad_out[local])
     for name, value in actual.items():
-        if name in ("out", "dhidden"):
-            errors[f"cp-{name}"] = rel_error(value, expected[name][local])
-        else:
+        if name not in ("out", "dhidden"):
             dist.all_reduce(value, group=pg.cp)
-            errors[f"cp-{name}"] = rel_error(value, expected[name])
+        errors[f"cp-{name}"] = rel_error(value, expected[f"cp-{name}"])
     reset_megatron_state()
-    return errors
+    return errors, bounds
 
 
-def _parallel_worker(rank: int, world_size: int) -> dict[str, float]:
+def _parallel_worker(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``(errors, bounds)`` of every TP and CP comparison on this rank."""
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
 
     enable_cpu_emulation()
     torch.set_num_threads(1)
-    return {**_tp_errors(rank, world_size), **_cp_errors(rank, world_size)}
+    tp_errors, tp_bounds = _tp_errors(rank, world_size)
+    cp_errors, cp_bounds = _cp_errors(rank, world_size)
+    return {**tp_errors, **cp_errors}, {**tp_bounds, **cp_bounds}
 
 
 @pytest.mark.slow
@@ -573,7 +671,8 @@ def test_tensor_and_context_parallel_match_single_rank():
     CP2 exchanges sequence for heads. Both must compute the single-rank layer."""
     from megatron_hybrid.testing.spawn import run_distributed
 
-    for errors in run_distributed(_parallel_worker, 2, timeout=300):
+    for errors, bounds in run_distributed(_parallel_worker, 2, timeout=300):
         # TP: groups x SP x (output, input, 8 parameters); CP: (output, input, 8 parameters).
         assert len(errors) == 2 * 2 * 10 + 10, sorted(errors)
-        assert all(e < FP32_REL_TOL for e in errors.values()), errors
+        over = _over_bound(errors, bounds)
+        assert not over, f"(name, error, bound) over the bound: {over}"
