@@ -70,6 +70,7 @@ __all__ = [
     "grad_square_sum",
     "guard_statistics",
     "norm_groups",
+    "sub_optimizers",
     "use_fused_adam",
 ]
 
@@ -82,9 +83,9 @@ def fused_step_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(FUSED_STEP_ENV, "1") != "0"
 
 
-def _all_sub_optimizers(optimizer) -> list:
+def sub_optimizers(optimizer) -> list:
     """The optimizers of a megatron ``ChainedOptimizer`` (none for an empty one), or the
-    optimizer itself; stubs too."""
+    optimizer itself; stubs (ranks without parameters in them) too."""
     subs = getattr(optimizer, "chained_optimizers", None)
     return [optimizer] if subs is None else list(subs)
 
@@ -94,8 +95,8 @@ def _is_stub(sub) -> bool:
 
 
 def _sub_optimizers(optimizer) -> list:
-    """:func:`_all_sub_optimizers` without stubs (ranks without parameters in them)."""
-    return [o for o in _all_sub_optimizers(optimizer) if not _is_stub(o)]
+    """:func:`sub_optimizers` without stubs."""
+    return [o for o in sub_optimizers(optimizer) if not _is_stub(o)]
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -213,7 +214,7 @@ def agree_on_separate_groups(optimizer) -> None:
     """
     from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
 
-    subs = _all_sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     held = _separate_groups_held(optimizer, subs)
     for sub in subs:
         names = held[id(sub.get_grad_stats_parallel_group())]
@@ -250,7 +251,7 @@ def norm_groups(optimizer) -> list[NormGroup]:
     or an optimizer with a ``norm_groups()`` method (``CPUOptimizer``)."""
     if hasattr(optimizer, "norm_groups"):
         return optimizer.norm_groups()
-    subs = _all_sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     held = _separate_groups_held(optimizer, subs)
     return [
         group

@@ -202,7 +202,8 @@ def check_expert_stages(chunks, pp_group, optimizer: str) -> None:
     Raises:
         ValueError: the stages disagree; says which hold no experts and what to change.
     """
-    if pp_group is None or torch.distributed.get_world_size(pp_group) == 1:
+    size = 1 if pp_group is None else torch.distributed.get_world_size(pp_group)
+    if size == 1:
         return
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     # A stage may hold no trainable parameter at all (adapters on expert modules only): the
@@ -211,14 +212,14 @@ def check_expert_stages(chunks, pp_group, optimizer: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     held = torch.tensor([int(any(not getattr(p, "allreduce", True) for p in params))],
                         dtype=torch.int32, device=device)  # fmt: skip
-    stages = [torch.zeros_like(held) for _ in range(torch.distributed.get_world_size(pp_group))]
+    stages = [torch.zeros_like(held) for _ in range(size)]
     torch.distributed.all_gather(stages, held, group=pp_group)
     without = [stage for stage, flag in enumerate(stages) if not int(flag)]
-    if without and len(without) < len(stages):
+    if without and len(without) < size:
         raise ValueError(
             f"optimizer={optimizer!r} runs megatron-core's non-distributed optimizer, which "
             f"reduces the expert gradients' norm over a group spanning the pipeline stages; "
-            f"pipeline stage(s) {without} of {len(stages)} hold no experts and would never join "
+            f"pipeline stage(s) {without} of {size} hold no experts and would never join "
             f"it (the step would hang). Use optimizer='adam' (megatron's distributed optimizer), "
             f"or a layer pattern or pipeline split that puts experts on every stage"
         )

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron_hybrid.training.optimizer_step import sub_optimizers
+
 __all__ = [
     "CACHED_SHARD_COPIES_ENV",
     "ShardViews",
@@ -159,15 +161,11 @@ class ShardViews:
             torch._foreach_copy_(self.param_views, self.shards)
 
 
-def _sub_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def cache_shard_copies(optimizer) -> str | None:
     """Give every ``DistributedOptimizer`` in ``optimizer`` (megatron's, or its
     ``ChainedOptimizer``) the two copies over cached views; None, or why one keeps megatron's."""
     reasons = []
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         reason = shard_copies_reason(sub)
         if reason is not None:
             reasons.append(reason)
