@@ -305,7 +305,7 @@ def _summarise(phases, gpus, device, notes, total, out: Path, console: Console) 
                        for e in p["ends"].values())[-5:]  # fmt: skip
     lines.append("most GPU memory (one rank's peak, reserved): " + "; ".join(
         f"{n.split('/')[-1]} {g:.1f} GiB" for g, n in hungriest[::-1]))  # fmt: skip
-    # What suite_plan.FILE_SECONDS (the in-process lanes' split) is refreshed from.
+    # What suite_plan's seconds tables (the in-process lanes' split) are refreshed from.
     by_file = collections.Counter()
     for phase in phases:
         if phase["name"].startswith("in_process"):

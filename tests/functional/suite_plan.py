@@ -11,18 +11,20 @@
   tests are split test by test: each starts torchrun jobs of its own and its ``time_limit``
   stands for its work. The in-process tests (``MH_LANE_BY=file``) are split file by file, since
   a file's tests share the kernels they compile; :func:`file_seconds` stands for a file's work
-  (one table for one GPU, where the multi-GPU files skip at once, one for more).
+  (a table per GPU count: on one GPU the multi-GPU files skip at once), and a file that needs a
+  package the machine lacks (:data:`NEEDS`) costs a second.
   Longest first, each to the lane with the least work so far; a lane keeps the order above.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 #: In-process test files run after the others, in this order (see the module doc).
 RUN_LAST = ("test_fast_path_gpu.py", "test_packing_gpu.py", "test_hf_fp8_gpu.py", "test_hf_gpu.py")
-#: Seconds of an in-process file on a fresh machine with 2 or more GPUs, for splitting files into
+#: Seconds of an in-process file on a fresh machine with 4 or more GPUs, for splitting files into
 #: lanes: the cold runs on 4 x H200 (64 cores) of 2026-11-27, the "in-process seconds by file"
 #: line of its summary; packing's layouts test, cut off there by the budget, estimated at its
 #: 2-GPU share (the 1- and 2-GPU runs, on 16 and 32 cores of the same host, agree within 15 %).
@@ -53,13 +55,41 @@ FILE_SECONDS_ONE_GPU = {
     "test_fla_dqkwg_gpu.py": 5, "test_lora_gpu.py": 1, "test_te_backend_gpu.py": 1,
     "test_ep_overlap_gpu.py": 1, "test_hybridep_gpu.py": 1, "test_padding_gpu.py": 1,
 }  # fmt: skip
-#: Seconds of a file in neither table (the others took under 2 s on one GPU).
+#: The same on two GPUs: the cold run on 2 x H200 (32 cores) of 2026-11-29 (split by
+#: :data:`FILE_SECONDS`, whose HybridEP 100 s, skipped without DeepEP, left one lane at 264 s and
+#: the budget cut the other two at 419 s); ``test_hf_gpu.py``, cut off there, with its last
+#: tests' seconds on one GPU (about 20 s); ``test_hybridep_gpu.py`` from its first 2-GPU run.
+FILE_SECONDS_TWO_GPUS = {
+    "test_fast_path_gpu.py": 207, "test_gdn_gates_gpu.py": 130, "test_mamba_torch_gpu.py": 100,
+    "test_packing_gpu.py": 90, "test_hf_gpu.py": 90, "test_hybridep_gpu.py": 84,
+    "test_gdn_kernels_gpu.py": 59, "test_cuda_graphs_gpu.py": 44, "test_rl_gpu.py": 36,
+    "test_hf_fp8_gpu.py": 36, "test_checkpoints_gpu.py": 32, "test_ep_overlap_gpu.py": 29,
+    "test_gdn_fixed_gpu.py": 28, "test_cross_entropy_gpu.py": 16, "test_lora_gpu.py": 13,
+    "test_tf32_gpu.py": 12, "test_fla_dqkwg_gpu.py": 7, "test_padding_gpu.py": 3,
+    "test_te_backend_gpu.py": 1, "test_fused_step_gpu.py": 1, "test_wgrad_fusion_gpu.py": 1,
+}  # fmt: skip
+#: Seconds of a file in no table (the others took under 2 s on one GPU).
 OTHER_FILE_SECONDS = 5.0
+#: Files whose every test needs a package that the GPU image lacks unless it is carried: where it
+#: is not importable they skip at once and cost :data:`SKIPPED_FILE_SECONDS`, not their table's
+#: figure (a lane given HybridEP's 100 s without DeepEP finished 155 s before the others).
+NEEDS = {"test_hybridep_gpu.py": "deep_ep", "test_te_backend_gpu.py": "transformer_engine"}
+SKIPPED_FILE_SECONDS = 1.0
 
 
 def file_seconds(gpus: int) -> dict[str, float]:
-    """The seconds table of a job on ``gpus`` GPUs (its ``WORLD_SIZE``)."""
-    return FILE_SECONDS_ONE_GPU if gpus == 1 else FILE_SECONDS
+    """The seconds table of a job on ``gpus`` GPUs (its ``WORLD_SIZE``): one GPU's, two GPUs',
+    or four GPUs' for more."""
+    return {1: FILE_SECONDS_ONE_GPU, 2: FILE_SECONDS_TWO_GPUS}.get(gpus, FILE_SECONDS)
+
+
+def file_cost(name: str, seconds: dict[str, float]) -> float:
+    """A file's seconds for the lanes' split: :data:`SKIPPED_FILE_SECONDS` where the package it
+    needs (:data:`NEEDS`) is not importable, else its figure in ``seconds``."""
+    needed = NEEDS.get(name)
+    if needed is not None and importlib.util.find_spec(needed) is None:
+        return SKIPPED_FILE_SECONDS
+    return float(seconds.get(name, OTHER_FILE_SECONDS))
 
 
 def order(items: list) -> None:
@@ -101,8 +131,8 @@ def _file(item) -> str:
 
 def keep_lane(config, items: list, default_cost: float) -> None:
     """Deselect the tests of other lanes where ``MH_LANE`` is set: by test (``time_limit``, else
-    ``default_cost``), or by file where ``MH_LANE_BY=file`` (:func:`file_seconds` of the job's
-    ``WORLD_SIZE``)."""
+    ``default_cost``), or by file where ``MH_LANE_BY=file`` (:func:`file_cost` in the
+    :func:`file_seconds` of the job's ``WORLD_SIZE``)."""
     value = os.environ.get("MH_LANE")
     if not value:
         return
@@ -111,7 +141,7 @@ def keep_lane(config, items: list, default_cost: float) -> None:
     if by == "file":
         files = list(dict.fromkeys(_file(item) for item in items))
         seconds = file_seconds(int(os.environ.get("WORLD_SIZE", "1")))
-        costs = [float(seconds.get(name, OTHER_FILE_SECONDS)) for name in files]
+        costs = [file_cost(name, seconds) for name in files]
         lane_of_file = dict(zip(files, lanes_of(costs, lanes), strict=True))
         lane_of = [lane_of_file[_file(item)] for item in items]
     elif by == "test":

@@ -110,37 +110,65 @@ def test_lanes_split_what_the_markers_selected_each_test_once(tmp_path):
     assert lanes == [["test_resume", "test_nonfinite"], ["test_pretrain", "test_train"]]
 
 
+MAMBA = ["test_mamba_torch_gpu_a", "test_mamba_torch_gpu_b"]
+HYBRIDEP = ["test_hybridep_gpu_a", "test_hybridep_gpu_b"]
+CHECKPOINTS = ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b"]
+
+
 @pytest.mark.parametrize(
-    ("world_size", "expected"),
+    ("world_size", "deep_ep", "expected"),
     [
-        # 2 GPUs and more: HybridEP 100 s, Mamba 76 s, checkpoints 43 s; the last joins Mamba.
-        ("4", [["test_hybridep_gpu_a", "test_hybridep_gpu_b"],
-               ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b",
-                "test_mamba_torch_gpu_a", "test_mamba_torch_gpu_b"]]),
-        # One GPU, where HybridEP's tests skip at once: Mamba 100 s alone, the others together.
-        ("1", [["test_mamba_torch_gpu_a", "test_mamba_torch_gpu_b"],
-               ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b",
-                "test_hybridep_gpu_a", "test_hybridep_gpu_b"]]),
+        # Four GPUs: HybridEP 100 s, Mamba 76 s, checkpoints 43 s; the last joins Mamba.
+        ("4", True, [HYBRIDEP, CHECKPOINTS + MAMBA]),
+        # Without DeepEP HybridEP's tests skip at once: Mamba alone, the others together.
+        ("4", False, [MAMBA, CHECKPOINTS + HYBRIDEP]),
+        # Two GPUs: Mamba 100 s, HybridEP 84 s, checkpoints 32 s.
+        ("2", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
+        # One GPU, where HybridEP's tests skip whatever is installed.
+        ("1", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
     ],
-    ids=["four-gpus", "one-gpu"],
+    ids=["four-gpus", "four-gpus-no-deep-ep", "two-gpus", "one-gpu"],
 )  # fmt: skip
-def test_in_process_lanes_take_whole_files_by_their_seconds(tmp_path, world_size, expected):
+def test_in_process_lanes_take_whole_files_by_their_seconds(
+    tmp_path, world_size, deep_ep, expected
+):
     """``MH_LANE_BY=file``: a file's tests stay in one lane (they share compiled kernels), split
     by the seconds of the job's GPU count (:func:`suite_plan.file_seconds`), so one GPU's lanes
-    are not balanced by the seconds of files that skip there."""
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+    are not balanced by the seconds of files that skip there, nor any lanes by a file whose
+    package is missing (:data:`suite_plan.NEEDS`: here an empty ``deep_ep`` stands for it)."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(CONFTEST)
     for name in ("test_checkpoints_gpu.py", "test_hybridep_gpu.py", "test_mamba_torch_gpu.py"):
         stem = name.removesuffix(".py")
-        (tmp_path / name).write_text(f"def {stem}_a(): pass\n\ndef {stem}_b(): pass\n")
+        (suite / name).write_text(f"def {stem}_a(): pass\n\ndef {stem}_b(): pass\n")
+    site = tmp_path / "site"
+    (site / "deep_ep").mkdir(parents=True)
+    (site / "deep_ep" / "__init__.py").write_text("")
     env = {"MH_LANE_BY": "file", "WORLD_SIZE": world_size}
-    lanes = [_collected(tmp_path, f"{i}/2", env=env) for i in range(2)]
+    if deep_ep:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    lanes = [_collected(suite, f"{i}/2", env=env) for i in range(2)]
     assert lanes == expected
 
 
-def test_one_gpu_seconds_cover_the_files_that_run_there():
-    """Every file the multi-GPU table names has a one-GPU figure (a file that skips there costs
-    a second, not the default), and the tables are the ones :func:`suite_plan.file_seconds`
-    hands out."""
+def test_each_gpu_count_has_seconds_for_the_files_that_run_there():
+    """Every file the four-GPU table names has a one- and a two-GPU figure (a file that skips
+    there costs a second, not the default), and the tables are the ones
+    :func:`suite_plan.file_seconds` hands out."""
     assert set(suite_plan.FILE_SECONDS) <= set(suite_plan.FILE_SECONDS_ONE_GPU)
+    assert set(suite_plan.FILE_SECONDS) <= set(suite_plan.FILE_SECONDS_TWO_GPUS)
     assert suite_plan.file_seconds(1) is suite_plan.FILE_SECONDS_ONE_GPU
-    assert suite_plan.file_seconds(2) is suite_plan.file_seconds(4) is suite_plan.FILE_SECONDS
+    assert suite_plan.file_seconds(2) is suite_plan.FILE_SECONDS_TWO_GPUS
+    assert suite_plan.file_seconds(4) is suite_plan.file_seconds(8) is suite_plan.FILE_SECONDS
+
+
+def test_a_file_whose_package_is_missing_costs_a_second(monkeypatch):
+    """:func:`suite_plan.file_cost` asks for the package by name, without importing it."""
+    monkeypatch.setitem(suite_plan.NEEDS, "test_x_gpu.py", "no_such_package_here")
+    seconds = {"test_x_gpu.py": 300, "test_y_gpu.py": 40}
+    assert suite_plan.file_cost("test_x_gpu.py", seconds) == suite_plan.SKIPPED_FILE_SECONDS
+    assert suite_plan.file_cost("test_y_gpu.py", seconds) == 40
+    assert suite_plan.file_cost("test_z_gpu.py", seconds) == suite_plan.OTHER_FILE_SECONDS
+    monkeypatch.setitem(suite_plan.NEEDS, "test_x_gpu.py", "json")
+    assert suite_plan.file_cost("test_x_gpu.py", seconds) == 300
