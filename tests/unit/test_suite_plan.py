@@ -122,7 +122,7 @@ CHECKPOINTS = ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b"]
         ("4", True, [HYBRIDEP, CHECKPOINTS + MAMBA]),
         # Without DeepEP HybridEP's tests skip at once: Mamba alone, the others together.
         ("4", False, [MAMBA, CHECKPOINTS + HYBRIDEP]),
-        # Two GPUs: Mamba 100 s, HybridEP 84 s, checkpoints 32 s.
+        # Two GPUs: Mamba 99 s, HybridEP 84 s, checkpoints 32 s.
         ("2", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
         # One GPU, where HybridEP's tests skip whatever is installed.
         ("1", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
