@@ -24,7 +24,9 @@ over its real tokens, from the per-layer-type formulas, over the GPU's dense bf1
 one step's time goes by phase (``training.phases``: data, forward-backward, gradient
 finalisation, guard, optimizer, host; an extra step with device waits around each phase), and
 from one profiled step the GPU's busy fraction, kernels per step and a per-kernel breakdown
-(``trace_summary.py``).
+(``trace_summary.py``). Under torchrun these are rank 0's, and a table gives every rank's own
+steps, phases and, from its profiled step, GPU compute, NCCL and host-wait times: at EP > 1 the
+ranks wait for each other in the all-to-alls, and the rank the others wait for waits least.
 
 Patterns (``--patterns``): ``star_e`` ``[*E]{L}``, ``ge`` ``[GE]{L}``, ``me`` ``[ME]{L}``,
 ``plus_e`` ``[+E]{L}``. Implementations: ``fast`` (``train``'s default: the ``local`` backend's
@@ -274,6 +276,32 @@ def profile(step) -> tuple[dict, dict, list[dict]]:
     return profile_call(step, sync, top=25)
 
 
+#: A rank's own figures from its profiled step (``trace_summary.summarise``'s keys), beside its
+#: timed steps and phases in the per-rank table of a run with several processes.
+RANK_PROFILE_KEYS = ("compute_busy_ms", "comm_busy_ms", "cpu_sync_wait_ms", "cpu_outside_ms")
+
+
+def per_rank(result: dict) -> list[dict] | None:
+    """Every rank's own figures, gathered on each (None in a one-process run): its timed steps,
+    its phase-timed step and, where it profiled one, how long its GPU computed, how long NCCL's
+    kernels were resident and how long its host waited on the device. The run's own figures
+    are rank 0's; at EP > 1 the ranks wait for each other in the all-to-alls, and the one the
+    others wait for is the one that waits least. Every rank calls it at the same point."""
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return None
+    profiled = result.get("profile") or {}
+    mine = {
+        "rank": torch.distributed.get_rank(),
+        "steps_s": result["steps_s"],
+        "phases_ms": result["phases_ms"],
+        **{key: profiled.get(key) for key in RANK_PROFILE_KEYS},
+    }
+    ranks: list = [None] * world
+    torch.distributed.all_gather_object(ranks, mine)
+    return ranks
+
+
 def measure(args, shape, name: str, impl: str, peak) -> dict:
     """One run: build, warm up, time, time by phase, profile; freed afterwards."""
     from megatron_hybrid.modules.fast.compiled import COMPILE_SECONDS
@@ -394,6 +422,9 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
                 "matmul_efficiency": ideal_ms / matmul_ms if matmul_ms and ideal_ms else None,
             },
         )
+    ranks = per_rank(result)
+    if ranks is not None:
+        result["ranks"] = ranks
     if args.host_profile:
         from host_breakdown import module_host_times, module_operators
 
@@ -481,6 +512,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
     for run, r in results.items():
         cells = [_fmt(r["phases_ms"].get(k), ".1f") for k in names]
         lines.append(f"| {run} | " + " | ".join(cells) + f" | {r['phases_step_ms']:.1f} |")
+    lines += rank_lines(results)
     for run, r in results.items():
         if not ({"distance", "fast_path", "cuda_graphs", "host_profile", "host_ops"} & set(r)
                 or r.get("compile_s")):  # fmt: skip
@@ -542,6 +574,29 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
                       for o in r["host_ops"]]  # fmt: skip
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[: 8 + len(results) + 3 + len(targets)]), flush=True)
+
+
+def rank_lines(results: dict) -> list[str]:
+    """The per-rank table of the runs with several processes (:func:`per_rank`), or nothing."""
+    rows = [(run, rank) for run, r in results.items() for rank in r.get("ranks") or ()]
+    if not rows:
+        return []
+    lines = ["", "Each rank's own steps (the run's figures are rank 0's; ms from its phase-timed "
+             "and its profiled step; the rank the others wait for waits least on the device):",
+             "", "| run | rank | median step s | slowest step s | forward-backward ms | host ms "
+             "| GPU computing ms | NCCL kernels ms | host waits on device ms "
+             "| host outside operators ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for run, rank in rows:
+        phases = rank["phases_ms"]
+        lines.append(
+            f"| {run} | {rank['rank']} | {statistics.median(rank['steps_s']):.4f} "
+            f"| {max(rank['steps_s']):.4f} | {_fmt(phases.get('forward-backward'), '.1f')} "
+            f"| {_fmt(phases.get('host'), '.1f')} | {_fmt(rank['compute_busy_ms'], '.1f')} "
+            f"| {_fmt(rank['comm_busy_ms'], '.1f')} | {_fmt(rank['cpu_sync_wait_ms'], '.1f')} "
+            f"| {_fmt(rank['cpu_outside_ms'], '.1f')} |"
+        )
+    return lines
 
 
 def _get(results, run, key):

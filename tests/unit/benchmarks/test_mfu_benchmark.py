@@ -68,6 +68,30 @@ def test_tiny_run_of_trains_step(tmp_path):
     assert "| function | calls | own ms | cumulative ms |" in table
 
 
+@pytest.mark.slow
+def test_each_rank_reports_its_own_steps_at_ep2(tmp_path):
+    """Two gloo ranks at EP 2: the run's figures are rank 0's, and every rank's own timed steps
+    and phases come back beside them (gathered, not copied from rank 0), with the profiled
+    figures a GPU run adds left empty on the CPU."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(BENCHMARKS / "mfu.py"), "--shape", "tiny", "--warmup", "1", "--steps", "2",
+         "--data", "full", "--ep", "2", "--out", str(tmp_path), "--runs", "star_e/fast"],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads((tmp_path / "mfu_tiny_CPU_2gpu_full.json").read_text())["results"]
+    ranks = run["star_e/fast"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["steps_s"] == run["star_e/fast"]["steps_s"]
+    assert ranks[0]["phases_ms"] == run["star_e/fast"]["phases_ms"]
+    assert ranks[1]["phases_ms"] != ranks[0]["phases_ms"]  # measured on rank 1, not copied
+    assert all(len(r["steps_s"]) == 2 and r["cpu_sync_wait_ms"] is None for r in ranks)
+    table = (tmp_path / "mfu_tiny_CPU_2gpu_full.md").read_text()
+    rows = table.split("| run | rank | median step s | slowest step s |")[1].split("\n\n")[0]
+    assert [line.split(" | ")[1] for line in rows.splitlines()[2:]] == ["0", "1"]
+
+
 def test_runs_are_checked_before_any_work(tmp_path):
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "mfu.py"), "--out", str(tmp_path), "--runs",
