@@ -25,8 +25,9 @@ one step's time goes by phase (``training.phases``: data, forward-backward, grad
 finalisation, guard, optimizer, host; an extra step with device waits around each phase), and
 from one profiled step the GPU's busy fraction, kernels per step and a per-kernel breakdown
 (``trace_summary.py``). Under torchrun these are rank 0's, and a table gives every rank's own
-steps, phases and, from its profiled step, GPU compute, NCCL and host-wait times: at EP > 1 the
-ranks wait for each other in the all-to-alls, and the rank the others wait for waits least.
+steps, phases, its experts' rows and, from its profiled step, GPU compute, NCCL and host-wait
+times: at EP > 1 the ranks wait for each other in the all-to-alls, and the rank the others wait
+for waits least.
 
 Patterns (``--patterns``): ``star_e`` ``[*E]{L}``, ``ge`` ``[GE]{L}``, ``me`` ``[ME]{L}``,
 ``plus_e`` ``[+E]{L}``. Implementations: ``fast`` (``train``'s default: the ``local`` backend's
@@ -45,6 +46,7 @@ logical layers, 8 micro-batches of 1 per data-parallel rank), ``large`` (hidden 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -276,6 +278,30 @@ def profile(step) -> tuple[dict, dict, list[dict]]:
     return profile_call(step, sync, top=25)
 
 
+@contextlib.contextmanager
+def counting_expert_rows(chunks):
+    """Counts, while open, the rows this rank's routed experts take: their input's rows, every
+    MoE layer and micro-batch. At EP > 1 that is what the all-to-alls brought, and the ranks'
+    counts say how evenly the routing loads them (a rank given more rows keeps the others
+    waiting). Experts replayed in a CUDA graph are not called, and count nothing."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.utils import unwrap_model
+
+    counted = SimpleNamespace(rows=0)
+
+    def count(module, args):
+        counted.rows += args[0].shape[0]
+
+    handles = [module.experts.register_forward_pre_hook(count)
+               for chunk in unwrap_model(chunks) for module in chunk.modules()
+               if isinstance(module, MoELayer)]  # fmt: skip
+    try:
+        yield counted
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 #: A rank's own figures from its profiled step (``trace_summary.summarise``'s keys), beside its
 #: timed steps and phases in the per-rank table of a run with several processes.
 RANK_PROFILE_KEYS = ("compute_busy_ms", "comm_busy_ms", "cpu_sync_wait_ms", "cpu_outside_ms")
@@ -295,6 +321,7 @@ def per_rank(result: dict) -> list[dict] | None:
         "rank": torch.distributed.get_rank(),
         "steps_s": result["steps_s"],
         "phases_ms": result["phases_ms"],
+        "expert_rows": result["expert_rows"],
         **{key: profiled.get(key) for key in RANK_PROFILE_KEYS},
     }
     ranks: list = [None] * world
@@ -364,7 +391,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     rate = tflops_per_gpu(flops, times, world)
     # One more step with a wait around each phase: where the step's time goes.
     timer = PhaseTimer(run.backend.synchronize)
-    with timer.step():  # its data phase: the next step's micro-batches, built inside it
+    with counting_expert_rows(run.chunks) as counted, timer.step():  # data: the next step's
         run.step(batches, timer=timer, upcoming=[])
     result = {
         "pattern": run.args.hybrid_layer_pattern,
@@ -380,6 +407,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
         "throughput": throughput_text(rate, peak),
         "phases_ms": {k: 1e3 * v for k, v in timer.breakdown().items()},
         "phases_step_ms": 1e3 * timer.step_seconds,
+        "expert_rows": counted.rows or None,
         "gdn_kernel": _gdn_label(run) if "G" in run.args.hybrid_layer_pattern else None,
     }
     inner = unwrap_model(run.chunks)
@@ -581,18 +609,20 @@ def rank_lines(results: dict) -> list[str]:
     rows = [(run, rank) for run, r in results.items() for rank in r.get("ranks") or ()]
     if not rows:
         return []
-    lines = ["", "Each rank's own steps (the run's figures are rank 0's; ms from its phase-timed "
-             "and its profiled step; the rank the others wait for waits least on the device):",
+    lines = ["", "Each rank's own steps (the run's figures are rank 0's; ms and its experts' "
+             "rows from its phase-timed step, the rest from its profiled step; the rank the "
+             "others wait for waits least on the device):",
              "", "| run | rank | median step s | slowest step s | forward-backward ms | host ms "
-             "| GPU computing ms | NCCL kernels ms | host waits on device ms "
+             "| expert rows | GPU computing ms | NCCL kernels ms | host waits on device ms "
              "| host outside operators ms |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "| --- |" + " ---: |" * 10]  # fmt: skip
     for run, rank in rows:
         phases = rank["phases_ms"]
         lines.append(
             f"| {run} | {rank['rank']} | {statistics.median(rank['steps_s']):.4f} "
             f"| {max(rank['steps_s']):.4f} | {_fmt(phases.get('forward-backward'), '.1f')} "
-            f"| {_fmt(phases.get('host'), '.1f')} | {_fmt(rank['compute_busy_ms'], '.1f')} "
+            f"| {_fmt(phases.get('host'), '.1f')} | {_fmt(rank['expert_rows'], ',')} "
+            f"| {_fmt(rank['compute_busy_ms'], '.1f')} "
             f"| {_fmt(rank['comm_busy_ms'], '.1f')} | {_fmt(rank['cpu_sync_wait_ms'], '.1f')} "
             f"| {_fmt(rank['cpu_outside_ms'], '.1f')} |"
         )

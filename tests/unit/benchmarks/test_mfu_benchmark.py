@@ -70,9 +70,9 @@ def test_tiny_run_of_trains_step(tmp_path):
 
 @pytest.mark.slow
 def test_each_rank_reports_its_own_steps_at_ep2(tmp_path):
-    """Two gloo ranks at EP 2: the run's figures are rank 0's, and every rank's own timed steps
-    and phases come back beside them (gathered, not copied from rank 0), with the profiled
-    figures a GPU run adds left empty on the CPU."""
+    """Two gloo ranks at EP 2: the run's figures are rank 0's, and every rank's own timed steps,
+    phases and experts' rows come back beside them (gathered, not copied from rank 0), with
+    the profiled figures a GPU run adds left empty on the CPU."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(BENCHMARKS / "mfu.py"), "--shape", "tiny", "--warmup", "1", "--steps", "2",
@@ -87,6 +87,9 @@ def test_each_rank_reports_its_own_steps_at_ep2(tmp_path):
     assert ranks[0]["phases_ms"] == run["star_e/fast"]["phases_ms"]
     assert ranks[1]["phases_ms"] != ranks[0]["phases_ms"]  # measured on rank 1, not copied
     assert all(len(r["steps_s"]) == 2 and r["cpu_sync_wait_ms"] is None for r in ranks)
+    # The experts' rows of the phase-timed step: each rank's 2 micro-batches of 64 tokens, top-2,
+    # in 2 MoE layers, wherever the all-to-alls took them.
+    assert sum(r["expert_rows"] for r in ranks) == 2 * (2 * 64 * 2 * 2)
     table = (tmp_path / "mfu_tiny_CPU_2gpu_full.md").read_text()
     rows = table.split("| run | rank | median step s | slowest step s |")[1].split("\n\n")[0]
     assert [line.split(" | ")[1] for line in rows.splitlines()[2:]] == ["0", "1"]
