@@ -391,7 +391,8 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     rate = tflops_per_gpu(flops, times, world)
     # One more step with a wait around each phase: where the step's time goes.
     timer = PhaseTimer(run.backend.synchronize)
-    with counting_expert_rows(run.chunks) as counted, timer.step():  # data: the next step's
+    # Its data phase: the next step's micro-batches, built inside it.
+    with counting_expert_rows(run.chunks) as counted, timer.step():
         run.step(batches, timer=timer, upcoming=[])
     result = {
         "pattern": run.args.hybrid_layer_pattern,
