@@ -60,6 +60,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hybrid.checkpointing.finite import collective_device
+
 __all__ = [
     "FUSED_STEP_ENV",
     "GuardStatistics",
@@ -192,10 +194,9 @@ def _separate_groups_held(optimizer, subs: list) -> dict[int, tuple[str, ...]]:
         tags = {_get_param_grad_norm_group(p) for p in sub.get_parameters()}
         for i, name in enumerate(SEPARATE_GRAD_NORM_GROUPS):
             flags[i] = flags[i] or name in tags
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     answer = {}
     for key, (process_group, flags) in held.items():
-        flag = torch.tensor(flags, dtype=torch.int32, device=device)
+        flag = torch.tensor(flags, dtype=torch.int32, device=collective_device(process_group))
         if flags:
             torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=process_group)
         answer[key] = tuple(

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from megatron_hybrid.checkpointing.finite import collective_device
 from megatron_hybrid.training.optimizer_step import (
     NormGroup,
     agree_on_separate_groups,
@@ -208,10 +209,8 @@ def check_expert_stages(chunks, pp_group, optimizer: str) -> None:
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     # A stage may hold no trainable parameter at all (adapters on expert modules only): the
     # flag's device follows the process group's backend, not the parameters.
-    nccl = torch.distributed.get_backend(pp_group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     held = torch.tensor([int(any(not getattr(p, "allreduce", True) for p in params))],
-                        dtype=torch.int32, device=device)  # fmt: skip
+                        dtype=torch.int32, device=collective_device(pp_group))  # fmt: skip
     stages = [torch.zeros_like(held) for _ in range(size)]
     torch.distributed.all_gather(stages, held, group=pp_group)
     without = [stage for stage, flag in enumerate(stages) if not int(flag)]

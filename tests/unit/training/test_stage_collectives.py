@@ -134,6 +134,8 @@ def _collectives(monkeypatch, optimizer: Chained) -> list[tuple]:
         made.append((group, tensor.dtype, tensor.numel(), str(op)))
 
     monkeypatch.setattr(torch.distributed, "all_reduce", record)
+    # The groups here are stand-ins with no backend to place the flag by.
+    monkeypatch.setattr(optimizer_step, "collective_device", lambda group=None: "cpu")
     guard_statistics(optimizer, torch.zeros(2, dtype=torch.float64))
     return made
 
@@ -221,6 +223,7 @@ def test_megatrons_own_step_asks_nothing_more_after_the_agreement(monkeypatch):
     )
     real_tensor = torch.tensor  # megatron makes its flag on "cuda"; this is a CPU
     monkeypatch.setattr(torch, "tensor", lambda *a, device=None, **k: real_tensor(*a, **k))
+    monkeypatch.setattr(optimizer_step, "collective_device", lambda group=None: "cpu")
     group = object()
     agreed, fresh = _stage(0, True, 0, group), _stage(0, True, 0, group)
     agree_on_separate_groups(agreed)
