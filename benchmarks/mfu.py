@@ -59,6 +59,7 @@ from types import SimpleNamespace
 
 import torch
 from common import host_cpu, host_profile, recorded_command, sync
+from step_events import StepEvents, event_lines
 from trace_summary import profile_call
 
 from megatron_hybrid.training.param_order import EXPERTS_ORDER, ORDERS
@@ -320,6 +321,7 @@ def per_rank(result: dict) -> list[dict] | None:
     mine = {
         "rank": torch.distributed.get_rank(),
         "steps_s": result["steps_s"],
+        "step_events": result["step_events"],
         "phases_ms": result["phases_ms"],
         "expert_rows": result["expert_rows"],
         **{key: profiled.get(key) for key in RANK_PROFILE_KEYS},
@@ -365,28 +367,32 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
     warmup, steps = args.warmup, args.steps
     if args.quick and impl == "reference":  # seconds per step at the shape
         warmup, steps = 1, 2
-    times, flops, tokens, first = [], [], [], None
+    times, flops, tokens, first, events = [], [], [], None, []
     # As train: each step builds the next one's micro-batches while the device runs it, and
     # its time counts them.
     batches = run.batches()
-    for index in range(warmup + steps):
-        if index == warmup and CUDA:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        upcoming = []
-        sync()
-        began = time.perf_counter()
-        result = run.step(batches, upcoming=upcoming)
-        sync()
-        elapsed = time.perf_counter() - began
-        (batches,) = upcoming
-        if index == 0:
-            first = elapsed
-        if index >= warmup:
-            times.append(elapsed)
-            flops.append(result.flops)
-            tokens.append(result.tokens)
-        collector.after_step(index + 1)
+    with StepEvents() as counting:
+        for index in range(warmup + steps):
+            if index == warmup and CUDA:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            upcoming = []
+            sync()
+            counting.mark()
+            began = time.perf_counter()
+            result = run.step(batches, upcoming=upcoming)
+            sync()
+            elapsed = time.perf_counter() - began
+            step_events = counting.mark()
+            (batches,) = upcoming
+            if index == 0:
+                first = elapsed
+            if index >= warmup:
+                times.append(elapsed)
+                flops.append(result.flops)
+                tokens.append(result.tokens)
+                events.append(step_events)
+            collector.after_step(index + 1)
     median = statistics.median(times)
     rate = tflops_per_gpu(flops, times, world)
     # One more step with a wait around each phase: where the step's time goes.
@@ -399,6 +405,7 @@ def _steps(args, run: Run, impl: str, peak, collector) -> dict:
         "impl": impl,
         "median_s": median,
         "steps_s": times,
+        "step_events": events,
         "first_step_s": first,
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times, strict=True)),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0,
@@ -542,6 +549,7 @@ def write(args, shape_name: str, meta: dict, results: dict) -> None:
         cells = [_fmt(r["phases_ms"].get(k), ".1f") for k in names]
         lines.append(f"| {run} | " + " | ".join(cells) + f" | {r['phases_step_ms']:.1f} |")
     lines += rank_lines(results)
+    lines += event_lines(results)
     for run, r in results.items():
         if not ({"distance", "fast_path", "cuda_graphs", "host_profile", "host_ops"} & set(r)
                 or r.get("compile_s")):  # fmt: skip

@@ -16,8 +16,12 @@ there; ``SequentialMLP`` still reads them on the host). At any EP size it permut
 before the all-to-all and unpermutes them after it with gathers
 (:mod:`~megatron_hybrid.modules.fast.permutation`) instead of megatron's atomic adds, where
 :func:`~megatron_hybrid.modules.fast.selection.gather_permutation_reason` allows it; the rows are
-in megatron's order either way. :class:`FastMoELayer` is megatron's ``MoELayer`` with this
-dispatcher.
+in megatron's order either way. At EP > 1 it sorts the received chunks by local expert, and back
+before the combine, with one gather each
+(:func:`~megatron_hybrid.modules.fast.permutation.chunk_order`) instead of megatron's split and
+concatenation of ``ranks x local experts`` pieces, where
+:func:`~megatron_hybrid.modules.fast.selection.chunk_sort_reason` allows it. :class:`FastMoELayer`
+is megatron's ``MoELayer`` with this dispatcher.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from megatron_hybrid.modules.fast.permutation import (
+    chunk_order,
     permutation_map,
     permute_probs,
     permute_tokens,
+    reorder_rows,
     unpermute_tokens,
 )
 from megatron_hybrid.modules.fast.selection import (
+    chunk_sort_reason,
     gather_permutation_reason,
     sync_free_dispatch_reason,
 )
@@ -44,14 +51,35 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
     permuting with gathers.
 
     ``fast_path_reason`` says why it copies token counts to the host (None: it does not),
-    ``permutation_reason`` why it permutes with megatron's ``permute`` (None: with gathers).
+    ``permutation_reason`` why it permutes with megatron's ``permute`` (None: with gathers),
+    ``chunk_sort_reason`` why it sorts received chunks with megatron's split and concatenation
+    (None: with a gather, where there is something to sort).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fast_path_reason = sync_free_dispatch_reason(self)
         self.permutation_reason = gather_permutation_reason(self)
+        self.chunk_sort_reason = chunk_sort_reason(self)
         self._permutation = None
+        self._chunk_counts = None  # [ranks, local experts] on the device, until the dispatch
+        self._chunk_orders = None  # (restore, sort) from the dispatch to the combine
+
+    def _sorts_chunks(self) -> bool:
+        """Whether received chunks need sorting by local expert and a gather does it."""
+        return (
+            self.fast_path_reason is not None  # an all-to-all (EP > 1)
+            and self.chunk_sort_reason is None
+            and self.num_local_experts > 1
+        )
+
+    def preprocess(self, routing_map):
+        """megatron's, keeping the chunks' counts on the device for :func:`chunk_order` (megatron
+        moves its copy to the host before the all-to-all)."""
+        tokens_per_local_expert = super().preprocess(routing_map)
+        if self._sorts_chunks():
+            self._chunk_counts = self.num_global_tokens_per_local_expert
+        return tokens_per_local_expert
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Tokens and probabilities permuted for the all-to-all (megatron's contract)."""
@@ -81,6 +109,22 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         """Tokens, their counts per local expert and their probabilities, for the experts."""
+        if self._sorts_chunks():
+            # megatron's steps for expert tensor parallelism 1, its sort replaced by a gather.
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
+                "before_permutation_2", self.tokens_per_expert
+            )
+            counts, self._chunk_counts = self._chunk_counts, None
+            rows = global_input_tokens.shape[0]
+            order, restore = chunk_order(counts, rows), chunk_order(counts.T, rows)
+            self._chunk_orders = (restore, order)
+            tokens = reorder_rows(global_input_tokens, order, restore)
+            probs = reorder_rows(global_probs, order, restore)
+            tokens_per_expert = self._maybe_dtoh_and_synchronize(
+                "before_finish", self.tokens_per_expert
+            )
+            self.tokens_per_expert = None
+            return tokens, tokens_per_expert, probs
         if self.fast_path_reason is not None:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         # tp * ep == 1: the received chunks are already in local-expert order.
@@ -88,10 +132,13 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
-        """Expert outputs in the order the combine expects (here: as they are)."""
+        """Expert outputs in the order the combine expects."""
+        if self._sorts_chunks():
+            (restore, order), self._chunk_orders = self._chunk_orders, None
+            return reorder_rows(hidden_states, restore, order)
         if self.fast_path_reason is not None:
             return super().combine_preprocess(hidden_states)
-        return hidden_states
+        return hidden_states  # tp * ep == 1: as they are
 
     def combine_postprocess(self, permutated_local_input_tokens):
         """Each token's rows summed back into its place, plus the shared experts' output."""
@@ -133,10 +180,12 @@ class FastMoELayer(MoELayer):
 
     @property
     def fast_path_reason(self) -> str | None:
-        """Why the dispatcher copies token counts to the host or permutes with megatron's atomic
-        adds (None: neither)."""
+        """Why the dispatcher copies token counts to the host, permutes with megatron's atomic
+        adds or sorts received chunks by splitting them (None: none of them)."""
         dispatcher = self.token_dispatcher
         reasons = [getattr(dispatcher, name, "not megatron's all-to-all")
                    for name in ("fast_path_reason", "permutation_reason")]  # fmt: skip
+        if getattr(dispatcher, "fast_path_reason", None) is not None and self.num_local_experts > 1:
+            reasons.append(getattr(dispatcher, "chunk_sort_reason", None))  # chunks to sort
         found = [r for r in dict.fromkeys(reasons) if r is not None]
         return "; ".join(found) if found else None

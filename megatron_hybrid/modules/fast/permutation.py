@@ -18,6 +18,16 @@ CUDA, :func:`gather_sum`; ``embedding_bag`` elsewhere) instead of an index copy 
 Each token has exactly ``k`` rows
 whenever no token is dropped and the router pads nothing, which
 :func:`~megatron_hybrid.modules.fast.selection.gather_permutation_reason` checks.
+
+At EP > 1 the rows an all-to-all brings come by source rank, then by local expert, and the
+experts want them by local expert, then by source rank. megatron-core 0.19.2 sorts them without
+TransformerEngine with ``sort_chunks_by_idxs`` (``transformer/moe/moe_utils.py``): a
+``torch.split`` into ``ranks x local experts`` pieces and a ``torch.cat`` of them in the new
+order, after the dispatch and again before the combine, for the tokens and the probabilities,
+and their backwards likewise. At 64 pieces that is about 800 host operators per MoE layer and
+micro-batch (a quarter of a step's at EP 2, 2 x H200), and a step at EP > 1 is bound by its
+host. :func:`chunk_order` computes the same order on the device, and :func:`reorder_rows` moves
+the rows with one gather each way.
 """
 
 from __future__ import annotations
@@ -29,11 +39,13 @@ from megatron_hybrid.triton_lazy import lazy_triton
 
 __all__ = [
     "PermutationMap",
+    "chunk_order",
     "gather_sum",
     "gather_sum_reason",
     "permutation_map",
     "permute_probs",
     "permute_tokens",
+    "reorder_rows",
     "unpermute_tokens",
 ]
 
@@ -199,3 +211,47 @@ def permute_tokens(tokens: torch.Tensor, mapping: PermutationMap) -> torch.Tenso
 def unpermute_tokens(rows: torch.Tensor, mapping: PermutationMap) -> torch.Tensor:
     """``[tokens, hidden]``: the sum of each token's ``k`` rows (``rows`` ``[rows, hidden]``)."""
     return _Unpermute.apply(rows, mapping.row_token, mapping.token_rows)
+
+
+def chunk_order(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows of chunks laid out by ``counts``'s rows, then its columns, taken by its columns,
+    then its rows: ``out[j] = rows_in[order[j]]``.
+
+    ``counts [chunks, experts]`` (on the rows' device) holds each chunk's rows: received from
+    source rank ``c`` for local expert ``e`` at ``counts[c, e]``, in that order. The result takes
+    them by local expert, then by source rank, as megatron's ``sort_chunks_by_idxs`` with
+    ``sort_input_by_local_experts`` does; ``chunk_order(counts.T, rows)`` is its inverse (the
+    experts' output back by source rank, as ``restore_output_by_local_experts``). No host copy:
+    ``rows`` (their sum, which the all-to-all's output size gives the host) sizes the result.
+    """
+    chunks, experts = counts.shape
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(chunks, experts)  # where each chunk begins
+    taken = counts.T.reshape(-1)  # the chunks in the order they are taken
+    taken_starts = torch.cumsum(taken, 0) - taken
+    chunk = torch.repeat_interleave(
+        torch.arange(taken.numel(), device=counts.device), taken, output_size=rows
+    )
+    offset = torch.arange(rows, device=counts.device) - taken_starts[chunk]
+    return starts.T.reshape(-1)[chunk] + offset
+
+
+class _Reorder(torch.autograd.Function):
+    """``values[order]`` for a permutation ``order``; backward: ``grad[inverse]``."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(inverse)
+        return values.index_select(0, order)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def reorder_rows(values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``values[order]``, rows moved by a permutation, and ``inverse`` its inverse: a gather
+    forward and backward (:func:`chunk_order` gives both)."""
+    return _Reorder.apply(values, order, inverse)

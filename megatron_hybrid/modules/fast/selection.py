@@ -29,6 +29,7 @@ from megatron_hybrid.padding.batch import host_values
 
 __all__ = [
     "LOCAL_IMPLS",
+    "chunk_sort_reason",
     "fast_path_report",
     "gather_permutation_reason",
     "gdn_rule_choice",
@@ -318,6 +319,26 @@ def gather_permutation_reason(dispatcher) -> str | None:
         return "token dropping (moe_expert_capacity_factor): tokens keep fewer than k rows"
     if config.moe_router_padding_for_quantization:
         return "router padding for quantisation: the routing map gains padding rows"
+    return None
+
+
+def chunk_sort_reason(dispatcher) -> str | None:
+    """Why an all-to-all dispatcher sorts the received chunks by local expert with megatron's
+    ``sort_chunks_by_idxs`` (a split and a concatenation of ``ranks x local experts`` pieces),
+    or None where :func:`~megatron_hybrid.modules.fast.permutation.chunk_order`'s gather
+    computes the same. Where the sort is the identity (one local expert, or no all-to-all) it
+    runs neither.
+    """
+    config = dispatcher.config
+    if config.moe_permute_fusion:
+        return "moe_permute_fusion (TransformerEngine's fused chunk sort)"
+    if dispatcher.drop_and_pad or config.moe_expert_capacity_factor is not None:
+        return "token dropping (moe_expert_capacity_factor): megatron's fixed-capacity transpose"
+    if dispatcher.tp_size > 1:
+        return (
+            f"expert tensor parallelism {dispatcher.tp_size}: megatron gathers the chunks over "
+            "its ranks first"
+        )
     return None
 
 

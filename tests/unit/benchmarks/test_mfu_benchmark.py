@@ -93,6 +93,13 @@ def test_each_rank_reports_its_own_steps_at_ep2(tmp_path):
     table = (tmp_path / "mfu_tiny_CPU_2gpu_full.md").read_text()
     rows = table.split("| run | rank | median step s | slowest step s |")[1].split("\n\n")[0]
     assert [line.split(" | ")[1] for line in rows.splitlines()[2:]] == ["0", "1"]
+    # Each rank's timed steps with what else each did, a column per rank.
+    assert all(len(r["step_events"]) == 2 and r["step_events"][0]["cuda_mallocs"] is None
+               for r in ranks)  # fmt: skip
+    steps = table.split("| run | step | rank 0 | rank 1 |")[1].split("\n\n")[0]
+    cells = [line.split(" | ")[2:] for line in steps.strip().splitlines()[1:]]
+    assert [cell[0].split(" s: ")[0] for cell in cells] == [f"{t:.3f}" for t in ranks[0]["steps_s"]]
+    assert [cell[1].split(" s: ")[0] for cell in cells] == [f"{t:.3f}" for t in ranks[1]["steps_s"]]
 
 
 def test_runs_are_checked_before_any_work(tmp_path):
