@@ -242,6 +242,21 @@ def _split(args: tuple, kwargs: dict, packed_reason: str | None = PACKED_REASON)
     return tensors, rebuild, (signature, tuple(constants), packed_key)
 
 
+def _key_difference(key: tuple, captured: tuple) -> str:
+    """What a call's signature has that a captured one has not: the first argument whose shape,
+    stride, dtype, device or ``requires_grad`` differs, else the constants or packed lengths
+    (a warning names it, so that what varies per call can be fixed)."""
+    (signature, constants, packed), (old_signature, old_constants, old_packed) = key, captured
+    for new, old in zip(signature, old_signature, strict=False):
+        if new != old:
+            return f"argument {new[0]!r}: {new[1:]} against {old[1:]} captured"
+    if len(signature) != len(old_signature):
+        return f"{len(signature)} tensor arguments against {len(old_signature)} captured"
+    if constants != old_constants:
+        return f"constants {constants} against {old_constants} captured"
+    return f"packed rows {packed} against {old_packed} captured"
+
+
 def _fresh_grad(param: Tensor, grad: Tensor) -> Tensor:
     """A gradient in its own memory, never the graph's static buffer (see the module doc); a
     fused parameter's placeholder as it is."""
@@ -316,7 +331,10 @@ class GraphedForward:
                 "batches of one fixed size replay one graph)"
             )
             if reason not in self.eager_calls:
-                logger.warning("CUDA graph of %s: new shapes run eager: %s", self.name, reason)
+                logger.warning(
+                    "CUDA graph of %s: new shapes run eager: %s (this call's %s)",
+                    self.name, reason, _key_difference(key, next(iter(self.instances))),
+                )  # fmt: skip
             return reason
         pool = self.instances.setdefault(key, [])
         for instance in pool:
