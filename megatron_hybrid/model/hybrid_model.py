@@ -254,10 +254,31 @@ class HybridModel(LanguageModule):
             )
 
     # GPTModel's halves of the forward pass; they only use attributes this model has too.
-    _preprocess = GPTModel._preprocess
     _postprocess = GPTModel._postprocess
     preprocess_for_fine_grained_offloading = GPTModel.preprocess_for_fine_grained_offloading
     preprocess_for_paged_stash = GPTModel.preprocess_for_paged_stash
+
+    def _preprocess(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        decoder_input: Tensor | None = None,
+        inference_context=None,
+        packed_seq_params=None,
+        padding_mask: Tensor | None = None,
+    ):
+        """GPTModel's ``_preprocess``; with the package's CUDA graphs, packed rows get a rotary
+        table per row length, not per longest sequence, so that graphed pieces replay one shape
+        (``padding/fixed.py``). Both schedules call it: ``forward`` and the EP-overlap plan's
+        pre-process node (megatron-core 0.19.2 ``models/common/utils.py``, ``PreProcessNode``),
+        which passes the micro-batch's own boundaries."""
+        if self.hybrid_cuda_graphs is not None:
+            packed_seq_params = rope_table_params(packed_seq_params)
+        return GPTModel._preprocess(
+            self, input_ids, position_ids, decoder_input=decoder_input,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )  # fmt: skip
 
     def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
         """megatron's loss (``LanguageModule.compute_language_model_loss``, MTP's too), with its
@@ -322,13 +343,7 @@ class HybridModel(LanguageModule):
             position_ids=position_ids,
             decoder_input=decoder_input,
             inference_context=inference_context,
-            # Graphed pieces replay one shape: a rotary table per row length, not per longest
-            # sequence (padding/fixed.py).
-            packed_seq_params=(
-                rope_table_params(packed_seq_params)
-                if self.hybrid_cuda_graphs is not None
-                else packed_seq_params
-            ),
+            packed_seq_params=packed_seq_params,
             padding_mask=padding_mask,
         )
         decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = (

@@ -819,3 +819,29 @@ def test_packed_micro_batches_run_reference_attention_eager(pg):
     attention = report.graphed["decoder.layers.0.layers.0.self_attention"]
     assert attention.captures == 0 and attention.eager_calls == {PACKED_REASON: 2}
     assert report.graphed["decoder.layers.0.layers.1.mlp"].replays == 2
+
+
+@pytest.mark.parametrize("graphed", [True, False], ids=["graphed", "control-ungraphed"])
+def test_both_schedules_size_the_rotary_table_by_the_row(pg, graphed):
+    """The rotary table comes from ``HybridModel._preprocess``, which the plain forward and the
+    EP-overlap plan's pre-process node (megatron-core's ``PreProcessNode``, with the micro-batch's
+    own boundaries) both call: with the package's graphs it is as long as the row plus one
+    whatever the longest sequence, so graphed attention replays one shape in both schedules
+    (the overlap plan's table followed each micro-batch's longest sequence, and attention ran
+    eager from its fifth one). Control: without graphs it follows the longest sequence."""
+    from megatron_hybrid.schedule import enable_cuda_graphs
+
+    model = _build("[*-]", pg, local_impl="fast")
+    if graphed:
+        enable_cuda_graphs(model, capture=StandIn())
+    lengths, longest = [], []
+    for rows in PACKED_ROWS:
+        batch = pack_apart(rows, total=64)
+        longest.append(batch.packed_seq_params.max_seqlen_q)
+        outputs = model._preprocess(
+            input_ids=batch.tensors["input_ids"], position_ids=batch.tensors["position_ids"],
+            decoder_input=None, packed_seq_params=batch.packed_seq_params, padding_mask=None,
+        )  # fmt: skip
+        lengths.append(outputs[1].shape[0])  # the rotary table
+    assert len(set(longest)) == len(PACKED_ROWS)  # every micro-batch another longest
+    assert lengths == ([65] * len(PACKED_ROWS) if graphed else longest)
