@@ -138,6 +138,22 @@ def one_process_groups(world, cuda_reason: str, one_process_reason: str):
 
 
 @pytest.fixture(autouse=True)
+def _no_model_parallel_state_after_test():
+    """megatron's model-parallel state reset after each test that left it set up, so that no
+    test runs under another's layout: a test that sets up TP2 + EP2 itself and keeps it
+    (``test_padding_gpu.py``) made every ``load_hf_model`` of the next file in its lane refuse
+    the layout it found (2 x H200, 2026-11-29). Every rank runs the same tests, and resets at the
+    same point."""
+    yield
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        from megatron_hybrid.process_groups import reset_megatron_state
+
+        reset_megatron_state()
+
+
+@pytest.fixture(autouse=True)
 def _default_stream_after_test():
     """The default CUDA stream current again after each test: CUDA graphs move the process to a
     side stream (``schedule/graph_capture.py``, ``use_side_stream``), which later tests must not
