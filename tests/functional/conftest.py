@@ -9,7 +9,8 @@ test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with m
 CUDA calls emulated (numerics only; timings and NCCL are not exercised), the launcher tests
 with ``MH_CPU_RANKS`` processes standing for GPUs. Every test has a time
 limit and the ranks of a job agree on each test's outcome (``suite_guard.py``); the slowest
-files run last and ``MH_LANE=i/n`` splits the launcher tests into lanes (``suite_plan.py``).
+files run last, ``MH_LANE=i/n`` splits the launcher tests into lanes, and the in-process lanes
+of the suite runner claim files as they go (``suite_plan.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ def pytest_configure(config):
         "launcher test starts (test_training_gpu.py::test_in_process_tests_without_p2p)",
     )  # fmt: skip
     _GUARD = suite_guard.install(config, Path(__file__).parent)
+    _GUARD.runs_here = suite_plan.runs_here
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test of a file another lane claimed (``MH_LANE_BY=claim``) is passed by: not run, not
+    reported (that lane reports it)."""
+    if not suite_plan.runs_here(item):
+        return True
+    return None
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: lanes split what is left

@@ -10,10 +10,11 @@ Side by side, from the start, each within the one budget:
    read them run last and wait for them).
 2. In-process tests: ``torchrun --nproc_per_node N -m pytest -m "not launcher" tests/functional``
    on all N GPUs, rank 0's output on the console, in ``K`` jobs side by side (lanes,
-   ``MH_LANE`` with ``MH_LANE_BY=file``: each job all GPUs and a share of the files, so that
-   more cores compile kernels at once). A test that hangs ends its job (``suite_guard.py``); the
+   ``MH_LANE`` with ``MH_LANE_BY=claim``: each job all GPUs, the files claimed one at a time by
+   the first lane free to take the next, costliest first, so that more cores compile kernels at
+   once and the lanes end together). A test that hangs ends its job (``suite_guard.py``); the
    job then starts again without the tests already finished, so one hang costs one test, not
-   the rest of the suite. The slowest files run last (``suite_plan.py``).
+   the rest of the suite. The files that read the fixture folders come last (``suite_plan.py``).
 3. Launcher tests: ``pytest -m launcher tests/functional`` in ``L`` processes (lanes,
    ``MH_LANE``), each test starting its own torchrun jobs on 1, 2 or 4 of the GPUs. Their jobs
    share the GPUs with the in-process job: they are small models whose time goes into starting
@@ -238,6 +239,17 @@ def run_phase(name, command_for, env, out: Path, deadline: float, max_rounds: in
                 budget_hit=budget_hit, not_run=not_run)  # fmt: skip
 
 
+def shared_not_run(phases: list[dict]) -> None:
+    """Lanes that share their tests (claimed files): each collects every test and runs a share,
+    so a test is not run only if no lane ended it, and it is listed once, under the first lane
+    that collected it."""
+    ended = set().union(*(phase["ends"] for phase in phases))
+    listed: set[str] = set()
+    for phase in phases:
+        phase["not_run"] = [n for n in phase["not_run"] if n not in ended and n not in listed]
+        listed.update(phase["not_run"])
+
+
 def _rank_logs(ranks: Path, phase: dict, lines: int = 60) -> str:
     """The ends of the other ranks' logs (rank 0's is on the console) where the phase failed."""
     failed = any(e["outcome"] == "failed" for e in phase["ends"].values())
@@ -436,9 +448,12 @@ def main(argv=None) -> int:
                     *PYTEST_FLAGS, *args.pytest_args]  # fmt: skip
 
         jobs = []
+        claims = work / "claims"  # the in-process lanes' claimed files (suite_plan.claim)
+        claims.mkdir()
         for lane in range(args.in_process_lanes):
             name = f"in_process{lane}" if args.in_process_lanes > 1 else "in_process"
-            lane_env = {**env, "MH_LANE": f"{lane}/{args.in_process_lanes}", "MH_LANE_BY": "file"}
+            lane_env = {**env, "MH_LANE": f"{lane}/{args.in_process_lanes}",
+                        "MH_LANE_BY": "claim", "MH_LANE_CLAIMS": str(claims)}  # fmt: skip
             prefix = f"[{name}] " if args.in_process_lanes > 1 else ""
             jobs.append((name, in_process_job(name), lane_env, prefix))
         in_process_names = [name for name, *_ in jobs]
@@ -462,6 +477,7 @@ def main(argv=None) -> int:
         if (memory := sampler.stop()) is not None:
             notes.append(memory)
         phases = [results[name] for name, *_ in jobs]
+        shared_not_run([p for p in phases if p["name"] in in_process_names])
     extra = [_rank_logs(ranks / p["name"], p) for p in phases if p["name"] in in_process_names]
     if maker is not None:
         if maker.poll() is None:

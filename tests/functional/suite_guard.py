@@ -195,6 +195,9 @@ class SuiteGuard:
             signal.signal(signal.SIGUSR1, self._raise_timeout)
         self.thread = threading.Thread(target=self._watch, name="suite-guard", daemon=True)
         self.thread.start()
+        #: ``item -> bool``: whether this job runs a test (False: another lane does; it is then
+        #: neither run, recorded nor agreed on). The functional conftest sets it.
+        self.runs_here = lambda item: True
 
     # -- the job's folder for the barrier ---------------------------------------------------
 
@@ -325,6 +328,8 @@ class SuiteGuard:
     def pytest_runtest_protocol(self, item, nextitem):
         if not Path(item.path).resolve().is_relative_to(self.here):
             return (yield)  # a test of another folder in the same session: not ours to guard
+        if not self.runs_here(item):
+            return (yield)  # another lane's: a hook of the conftest passes it by
         marker = item.get_closest_marker("time_limit")
         self.limit_now = float(marker.args[0]) if marker else self.limit
         self.current = Outcome(item.nodeid)

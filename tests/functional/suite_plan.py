@@ -14,12 +14,20 @@
   (a table per GPU count: on one GPU the multi-GPU files skip at once), and a file that needs a
   package the machine lacks (:data:`NEEDS`) costs a second.
   Longest first, each to the lane with the least work so far; a lane keeps the order above.
+* **Claimed files** (``MH_LANE_BY=claim``, the suite runner's in-process lanes): a file's time
+  on a fresh machine varies by half from run to run (the Mamba file took 99 and 176 s on 2 x
+  H200, the Hugging Face file 58 and 91 s), so lanes split by the table ended up to 110 s apart
+  and the budget cut the longest. Here every lane goes through the same list of every file, the
+  costliest first (:func:`claim_order`), and runs a file only if it is the first lane to reach
+  it (:func:`runs_here`): a lane that finishes early takes the next file, and the lanes end
+  within about a file of each other whatever each file takes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 
 #: In-process test files run after the others, in this order (see the module doc).
@@ -134,15 +142,87 @@ def _file(item) -> str:
     return Path(str(item.path)).name
 
 
+def claim_order(items: list) -> None:
+    """Sort ``items`` in place for claimed files: the costliest file first (:func:`file_cost`
+    in the :func:`file_seconds` of the job's ``WORLD_SIZE``), except the files that read the
+    Hugging Face fixture folders, which come last (the folders are made while the other tests
+    run); a file's tests in their own order."""
+    seconds = file_seconds(int(os.environ.get("WORLD_SIZE", "1")))
+    files = list(dict.fromkeys(_file(item) for item in items))
+    rank = {name: (name in FIXTURE_FILES, -file_cost(name, seconds), i)
+            for i, name in enumerate(files)}  # fmt: skip
+    items.sort(key=lambda item: rank[_file(item)])
+
+
+#: In-process files that read the Hugging Face fixture folders (made in the background).
+FIXTURE_FILES = ("test_hf_fp8_gpu.py", "test_hf_gpu.py")
+#: Seconds a rank waits for its lane's first rank to claim a file (or find it claimed).
+CLAIM_WAIT = 120.0
+#: ``file -> runs here`` for this process (each file is claimed once).
+_CLAIMED: dict[str, bool] = {}
+
+
+def claim(folder: Path, name: str, lane: int, rank: int, wait: float = CLAIM_WAIT) -> bool:
+    """Whether lane ``lane`` runs file ``name``: the first lane to claim it in ``folder`` does.
+
+    The lane's rank 0 claims (a file named ``name`` holding the lane's number, linked into
+    place whole, so that no reader sees it half written and no second claim replaces it); every
+    rank then reads the claim, waiting up to ``wait`` seconds for it, so the ranks of a job
+    agree without a collective.
+
+    Raises:
+        TimeoutError: no claim appeared within ``wait`` seconds (the lane's rank 0 is gone).
+    """
+    target = folder / name
+    if rank == 0 and not target.exists():
+        draft = folder / f".{name}.{lane}.{os.getpid()}"
+        draft.write_text(str(lane))
+        try:
+            os.link(draft, target)
+        except FileExistsError:
+            pass  # another lane was first
+        finally:
+            draft.unlink()
+    deadline = time.monotonic() + wait
+    while not target.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no lane claimed {name} in {folder} within {wait:.0f} s (this lane's rank 0 "
+                "did not reach it)"
+            )
+        time.sleep(0.05)
+    return target.read_text() == str(lane)
+
+
+def runs_here(item) -> bool:
+    """Whether this job runs ``item``: always, unless its lanes claim files
+    (``MH_LANE_BY=claim``, ``MH_LANE_CLAIMS`` the folder), where only the lane that claimed the
+    item's file runs it (:func:`claim`, once per file)."""
+    if os.environ.get("MH_LANE_BY") != "claim":
+        return True
+    name = _file(item)
+    if name not in _CLAIMED:
+        lane, _ = parse_lane(os.environ["MH_LANE"])
+        folder = Path(os.environ["MH_LANE_CLAIMS"])
+        _CLAIMED[name] = claim(folder, name, lane, int(os.environ.get("RANK", "0")))
+    return _CLAIMED[name]
+
+
 def keep_lane(config, items: list, default_cost: float) -> None:
     """Deselect the tests of other lanes where ``MH_LANE`` is set: by test (``time_limit``, else
     ``default_cost``), or by file where ``MH_LANE_BY=file`` (:func:`file_cost` in the
-    :func:`file_seconds` of the job's ``WORLD_SIZE``)."""
+    :func:`file_seconds` of the job's ``WORLD_SIZE``); where ``MH_LANE_BY=claim`` every lane
+    keeps every test in :func:`claim_order` and :func:`runs_here` decides as it goes."""
     value = os.environ.get("MH_LANE")
     if not value:
         return
     lane, lanes = parse_lane(value)
     by = os.environ.get("MH_LANE_BY", "test")
+    if by == "claim":
+        if not os.environ.get("MH_LANE_CLAIMS"):
+            raise ValueError("MH_LANE_BY=claim needs MH_LANE_CLAIMS, a folder the lanes share")
+        claim_order(items)
+        return
     if by == "file":
         files = list(dict.fromkeys(_file(item) for item in items))
         seconds = file_seconds(int(os.environ.get("WORLD_SIZE", "1")))
@@ -156,7 +236,7 @@ def keep_lane(config, items: list, default_cost: float) -> None:
             costs.append(float(marker.args[0]) if marker else default_cost)
         lane_of = lanes_of(costs, lanes)
     else:
-        raise ValueError(f"MH_LANE_BY={by!r}: expected 'test' or 'file'")
+        raise ValueError(f"MH_LANE_BY={by!r}: expected 'test', 'file' or 'claim'")
     dropped = [item for item, j in zip(items, lane_of, strict=True) if j != lane]
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -1,6 +1,7 @@
 """The GPU suite's plan (tests/functional/suite_plan.py) on the CPU: the slow files run last,
 and lanes (``MH_LANE=i/n``) split the selected tests so that each runs in exactly one lane, the
-longest spread first: launcher tests one by one, in-process tests file by file."""
+longest spread first: launcher tests one by one, in-process tests file by file, or (claimed
+files) by the first lane free to take the next file."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_a_bad_lane_is_refused_by_name(value):
 def test_a_bad_lane_unit_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("MH_LANE", "0/2")
     monkeypatch.setenv("MH_LANE_BY", "files")
-    with pytest.raises(ValueError, match=r"MH_LANE_BY='files': expected 'test' or 'file'"):
+    with pytest.raises(ValueError, match=r"MH_LANE_BY='files': expected 'test', 'file' or 'claim'"):
         suite_plan.keep_lane(None, [], 120.0)
 
 
@@ -122,7 +123,7 @@ CHECKPOINTS = ["test_checkpoints_gpu_a", "test_checkpoints_gpu_b"]
         ("4", True, [HYBRIDEP, CHECKPOINTS + MAMBA]),
         # Without DeepEP HybridEP's tests skip at once: Mamba alone, the others together.
         ("4", False, [MAMBA, CHECKPOINTS + HYBRIDEP]),
-        # Two GPUs: Mamba 99 s, HybridEP 84 s, checkpoints 32 s.
+        # Two GPUs: Mamba 176 s, HybridEP 84 s, checkpoints 33 s.
         ("2", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
         # One GPU, where HybridEP's tests skip whatever is installed.
         ("1", True, [MAMBA, CHECKPOINTS + HYBRIDEP]),
@@ -172,3 +173,146 @@ def test_a_file_whose_package_is_missing_costs_a_second(monkeypatch):
     assert suite_plan.file_cost("test_z_gpu.py", seconds) == suite_plan.OTHER_FILE_SECONDS
     monkeypatch.setitem(suite_plan.NEEDS, "test_x_gpu.py", "json")
     assert suite_plan.file_cost("test_x_gpu.py", seconds) == 300
+
+
+# ---- claimed files (MH_LANE_BY=claim) -------------------------------------------------------
+
+
+def test_a_claim_goes_to_the_first_lane_and_every_rank_reads_it(tmp_path):
+    assert suite_plan.claim(tmp_path, "test_a.py", lane=0, rank=0) is True
+    assert suite_plan.claim(tmp_path, "test_a.py", lane=1, rank=0) is False  # second: not its
+    assert suite_plan.claim(tmp_path, "test_a.py", lane=1, rank=1) is False
+    assert suite_plan.claim(tmp_path, "test_a.py", lane=0, rank=1) is True
+    assert [p.name for p in tmp_path.iterdir()] == ["test_a.py"]  # no draft left behind
+
+
+def test_a_rank_waits_for_its_first_rank_to_claim(tmp_path):
+    """Rank 1 reaches the file first and reads what its rank 0 claims."""
+    import threading
+    import time
+
+    result = {}
+    waiter = threading.Thread(
+        target=lambda: result.update(
+            ran=suite_plan.claim(tmp_path, "test_a.py", lane=0, rank=1), at=time.monotonic()
+        )
+    )
+    began = time.monotonic()
+    waiter.start()
+    time.sleep(0.3)
+    assert "ran" not in result  # still waiting
+    assert suite_plan.claim(tmp_path, "test_a.py", lane=0, rank=0) is True
+    waiter.join(timeout=30)
+    assert result["ran"] is True and result["at"] - began >= 0.3
+
+
+def test_a_claim_that_never_comes_is_an_error(tmp_path):
+    with pytest.raises(TimeoutError, match="no lane claimed test_a.py .* within 0 s"):
+        suite_plan.claim(tmp_path, "test_a.py", lane=0, rank=1, wait=0.2)
+
+
+def test_claim_order_puts_the_costliest_first_and_the_fixture_files_last(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    names = ["test_hf_gpu.py", "test_lora_gpu.py", "test_fast_path_gpu.py", "test_x_gpu.py",
+             "test_hf_fp8_gpu.py", "test_mamba_torch_gpu.py", "test_lora_gpu.py"]  # fmt: skip
+    items = [SimpleNamespace(path=Path("/suite") / name, index=i) for i, name in enumerate(names)]
+    suite_plan.claim_order(items)
+    # fast path 197 s, Mamba 176 s, LoRA 14 s (its two tests in order), the unknown file 5 s;
+    # then the fixture files by their seconds (the HF folders 58 s, their FP8 versions 44 s).
+    assert [item.index for item in items] == [2, 5, 1, 6, 3, 0, 4]
+
+
+CLAIM_CONFTEST = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(FUNCTIONAL)!r})
+    import pytest
+    import suite_plan
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(config, items):
+        suite_plan.keep_lane(config, items, 120.0)
+
+    @pytest.hookimpl(tryfirst=True)  # as tests/functional/conftest.py
+    def pytest_runtest_protocol(item, nextitem):
+        return None if suite_plan.runs_here(item) else True
+    """)
+
+#: File a's test holds its lane until the other files are claimed: whichever lane takes a, the
+#: other must take b, c and d (the order every lane goes through), whatever the start order.
+CLAIM_FILES = {
+    "test_a.py": """
+        def test_a(log):
+            deadline = time.monotonic() + 60
+            while not all((CLAIMS / f).exists() for f in ("test_b.py", "test_c.py", "test_d.py")):
+                assert time.monotonic() < deadline, "the other lane took no file"
+                time.sleep(0.05)
+            log("test_a")
+        """,
+    "test_b.py": "def test_b1(log): log('test_b1')\n\ndef test_b2(log): log('test_b2')\n",
+    "test_c.py": "def test_c(log): log('test_c')\n",
+    "test_d.py": "def test_d(log): log('test_d')\n",
+}
+CLAIM_COMMON = textwrap.dedent("""
+    import os
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    CLAIMS = Path(os.environ["MH_LANE_CLAIMS"])
+
+    @pytest.fixture
+    def log():
+        def write(name):
+            with open(os.environ["RAN_LOG"], "a") as sink:
+                sink.write(f"{os.environ['MH_LANE']} {name}\\n")
+        return write
+    """)
+
+
+def test_lanes_take_the_next_unclaimed_file_and_run_each_test_once(tmp_path):
+    """Two lanes side by side with claimed files: the lane held by file a's test runs only that
+    file, the other runs every other file; every test runs once."""
+    suite, claims, ran = tmp_path / "suite", tmp_path / "claims", tmp_path / "ran.log"
+    suite.mkdir()
+    claims.mkdir()
+    (suite / "conftest.py").write_text(CLAIM_CONFTEST)
+    for name, body in CLAIM_FILES.items():
+        (suite / name).write_text(CLAIM_COMMON + textwrap.dedent(body))
+    env = {**os.environ, "MH_LANE_BY": "claim", "MH_LANE_CLAIMS": str(claims),
+           "RAN_LOG": str(ran), "WORLD_SIZE": "1", "RANK": "0"}  # fmt: skip
+    lanes = [subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         str(suite)], env={**env, "MH_LANE": f"{i}/2"}, cwd=suite, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(2)]  # fmt: skip
+    outputs = [lane.communicate(timeout=300)[0] for lane in lanes]
+    assert [lane.returncode for lane in lanes] == [0, 0], outputs
+    entries = [line.split() for line in ran.read_text().splitlines()]
+    by_lane = {
+        lane: sorted(name for lane_, name in entries if lane_ == lane) for lane in ("0/2", "1/2")
+    }
+    assert sorted(name for _, name in entries) == [
+        "test_a",
+        "test_b1",
+        "test_b2",
+        "test_c",
+        "test_d",
+    ]
+    assert sorted(by_lane.values()) == [["test_a"], ["test_b1", "test_b2", "test_c", "test_d"]]
+    owner = {p.name: p.read_text() for p in claims.iterdir()}
+    assert sorted(owner) == sorted(CLAIM_FILES)
+
+
+def test_a_test_no_lane_ended_is_not_run_once():
+    """With claimed files every lane collects every test: a test is not run only if no lane
+    ended it, and is listed once (the budget left file c unclaimed; b ran in lane 1)."""
+    import run_suite
+
+    collected = ["a.py::t", "b.py::t", "c.py::t"]
+    phases = [
+        {"name": "in_process0", "ends": {"a.py::t": {}}, "not_run": ["b.py::t", "c.py::t"]},
+        {"name": "in_process1", "ends": {"b.py::t": {}}, "not_run": ["a.py::t", "c.py::t"]},
+        {"name": "in_process2", "ends": {}, "not_run": list(collected)},
+    ]
+    run_suite.shared_not_run(phases)
+    assert [p["not_run"] for p in phases] == [["c.py::t"], [], []]
