@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from megatron_hybrid.modules.fast.permutation import (
     chunk_order,
+    inverse_order,
     permutation_map,
     permute_probs,
     permute_tokens,
@@ -116,7 +117,8 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
             )
             counts, self._chunk_counts = self._chunk_counts, None
             rows = global_input_tokens.shape[0]
-            order, restore = chunk_order(counts, rows), chunk_order(counts.T, rows)
+            order = chunk_order(counts, rows)
+            restore = inverse_order(order)
             self._chunk_orders = (restore, order)
             tokens = reorder_rows(global_input_tokens, order, restore)
             probs = reorder_rows(global_probs, order, restore)

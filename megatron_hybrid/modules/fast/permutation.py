@@ -41,6 +41,7 @@ __all__ = [
     "PermutationMap",
     "chunk_order",
     "gather_sum",
+    "inverse_order",
     "gather_sum_reason",
     "permutation_map",
     "permute_probs",
@@ -220,20 +221,26 @@ def chunk_order(counts: torch.Tensor, rows: int) -> torch.Tensor:
     ``counts [chunks, experts]`` (on the rows' device) holds each chunk's rows: received from
     source rank ``c`` for local expert ``e`` at ``counts[c, e]``, in that order. The result takes
     them by local expert, then by source rank, as megatron's ``sort_chunks_by_idxs`` with
-    ``sort_input_by_local_experts`` does; ``chunk_order(counts.T, rows)`` is its inverse (the
-    experts' output back by source rank, as ``restore_output_by_local_experts``). No host copy:
+    ``sort_input_by_local_experts`` does; its inverse (:func:`inverse_order`, or
+    ``chunk_order(counts.T, rows)``) takes the experts' output back by source rank, as
+    ``restore_output_by_local_experts``. No host copy:
     ``rows`` (their sum, which the all-to-all's output size gives the host) sizes the result.
     """
     chunks, experts = counts.shape
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view(chunks, experts)  # where each chunk begins
     taken = counts.T.reshape(-1)  # the chunks in the order they are taken
-    taken_starts = torch.cumsum(taken, 0) - taken
-    chunk = torch.repeat_interleave(
-        torch.arange(taken.numel(), device=counts.device), taken, output_size=rows
+    # Row j of taken chunk k comes from starts[k] + (j - where chunk k begins in the output).
+    shift = starts.T.reshape(-1) - (torch.cumsum(taken, 0) - taken)
+    return torch.arange(rows, device=counts.device) + torch.repeat_interleave(
+        shift, taken, output_size=rows
     )
-    offset = torch.arange(rows, device=counts.device) - taken_starts[chunk]
-    return starts.T.reshape(-1)[chunk] + offset
+
+
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``order``: ``inverse[order[j]] = j`` (one scatter)."""
+    positions = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, positions)
 
 
 class _Reorder(torch.autograd.Function):
@@ -253,5 +260,5 @@ class _Reorder(torch.autograd.Function):
 
 def reorder_rows(values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``values[order]``, rows moved by a permutation, and ``inverse`` its inverse: a gather
-    forward and backward (:func:`chunk_order` gives both)."""
+    forward and backward (:func:`chunk_order` and :func:`inverse_order`)."""
     return _Reorder.apply(values, order, inverse)

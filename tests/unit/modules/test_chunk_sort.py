@@ -36,7 +36,7 @@ def _sort_indices(ranks: int, local: int):
     ids=["two-ranks", "four-ranks-empty-chunks", "one-chunk", "no-rows"],
 )
 def test_chunk_order_is_megatrons_sort(counts):
-    from megatron_hybrid.modules.fast.permutation import chunk_order, reorder_rows
+    from megatron_hybrid.modules.fast.permutation import chunk_order, inverse_order, reorder_rows
 
     counts = torch.tensor(counts)
     ranks, local = counts.shape
@@ -44,8 +44,9 @@ def test_chunk_order_is_megatrons_sort(counts):
     values = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(0))
     sort, restore = _sort_indices(ranks, local)
 
-    order, inverse = chunk_order(counts, rows), chunk_order(counts.T, rows)
+    order, inverse = chunk_order(counts, rows), inverse_order(chunk_order(counts, rows))
     assert torch.equal(values[order], _megatron_sort(values, counts, sort))
+    assert torch.equal(chunk_order(counts.T, rows), inverse)  # the transposed call: the same
     # The inverse sorts the experts' output back by source rank, as megatron's restore does.
     assert torch.equal(values[order][inverse], values)
     assert torch.equal(values[inverse], _megatron_sort(values, counts.T, restore))
