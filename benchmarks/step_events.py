@@ -10,8 +10,10 @@ counted without a profiler:
 * Python's garbage collector (``gc.callbacks``): collections of the oldest generation, which
   walk every tracked object of the process, and the time of all collections;
 * Triton kernels compiled or loaded from the disk cache (Triton's
-  ``knobs.runtime.jit_post_compile_hook``, Triton >= 3.4): a specialisation met for the first
-  time (an argument's divisibility, an autotuner's new key);
+  ``knobs.runtime.jit_post_compile_hook``, Triton >= 3.4): a specialisation of a ``triton.jit``
+  kernel (fla's, the package's) met for the first time (an argument's divisibility, an
+  autotuner's new key). Inductor compiles its generated kernels without that hook; they come
+  with a TorchDynamo graph, counted next;
 * TorchDynamo graphs compiled (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``) and
   the seconds of the package's compiled pieces (``CompiledPiece``'s ``COMPILE_SECONDS``);
 * the CUDA caching allocator's calls to the driver (``torch.cuda.memory_stats``:

@@ -8,9 +8,9 @@ Without GPUs (or outside torchrun) every test here is skipped with the reason. F
 test logic on a CPU machine, ``MH_FUNCTIONAL_ON_CPU=1`` runs them on gloo with megatron-core's
 CUDA calls emulated (numerics only; timings and NCCL are not exercised), the launcher tests
 with ``MH_CPU_RANKS`` processes standing for GPUs. Every test has a time
-limit and the ranks of a job agree on each test's outcome (``suite_guard.py``); the slowest
-files run last, ``MH_LANE=i/n`` splits the launcher tests into lanes, and the in-process lanes
-of the suite runner claim files as they go (``suite_plan.py``).
+limit and the ranks of a job agree on each test's outcome (``suite_guard.py``); the files that
+compile the most run last, ``MH_LANE=i/n`` splits the launcher tests into lanes, and the suite
+runner's in-process lanes claim files as they go, the costliest first (``suite_plan.py``).
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     """A test of a file another lane claimed (``MH_LANE_BY=claim``) is passed by: not run, not
     reported (that lane reports it)."""
-    if not suite_plan.runs_here(item):
-        return True
+    if Path(item.path).resolve().is_relative_to(Path(__file__).parent.resolve()):
+        if not suite_plan.runs_here(item):
+            return True
     return None
 
 
@@ -345,7 +346,7 @@ _TORCHRUN_VARIABLES = (
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "MH_SYNC_DIR", "MH_TEST_RECORD",
-    "MH_LANE",
+    "MH_LANE", "MH_LANE_BY", "MH_LANE_CLAIMS",
 )  # fmt: skip
 
 

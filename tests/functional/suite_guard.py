@@ -328,8 +328,11 @@ class SuiteGuard:
     def pytest_runtest_protocol(self, item, nextitem):
         if not Path(item.path).resolve().is_relative_to(self.here):
             return (yield)  # a test of another folder in the same session: not ours to guard
+        # Another lane's (claimed files): a hook of the conftest passes it by. A claim that
+        # never comes (this lane's rank 0 gone) raises here, outside any test: torchrun has
+        # ended the job by then anyway, as it does when any worker dies.
         if not self.runs_here(item):
-            return (yield)  # another lane's: a hook of the conftest passes it by
+            return (yield)
         marker = item.get_closest_marker("time_limit")
         self.limit_now = float(marker.args[0]) if marker else self.limit
         self.current = Outcome(item.nodeid)
@@ -351,6 +354,22 @@ class SuiteGuard:
         self.index += 1
         self.current = None
         return result
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        """The session's last fixture teardowns under a test's time limit: where the last test
+        this job ran was not the last it collected (its lane passed by files another lane
+        claimed), pytest tears the session fixtures down here, outside any test (the functional
+        ``world`` fixture destroys the process groups)."""
+        self.limit_now = self.limit
+        with self.lock:
+            self.soft_fired = False
+            self.deadline = time.monotonic() + self.limit
+        try:
+            return (yield)
+        finally:
+            with self.lock:
+                self.deadline = None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item):

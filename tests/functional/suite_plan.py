@@ -15,8 +15,8 @@
   package the machine lacks (:data:`NEEDS`) costs a second.
   Longest first, each to the lane with the least work so far; a lane keeps the order above.
 * **Claimed files** (``MH_LANE_BY=claim``, the suite runner's in-process lanes): a file's time
-  on a fresh machine varies by half from run to run (the Mamba file took 99 and 176 s on 2 x
-  H200, the Hugging Face file 58 and 91 s), so lanes split by the table ended up to 110 s apart
+  on a fresh machine varies by half from run to run (the Mamba file took 92 to 176 s on 2 x
+  H200, the Hugging Face file 58 to 91 s), so lanes split by the table ended up to 110 s apart
   and the budget cut the longest. Here every lane goes through the same list of every file, the
   costliest first (:func:`claim_order`), and runs a file only if it is the first lane to reach
   it (:func:`runs_here`): a lane that finishes early takes the next file, and the lanes end
@@ -65,8 +65,9 @@ FILE_SECONDS_ONE_GPU = {
     "test_ep_overlap_gpu.py": 1, "test_hybridep_gpu.py": 1, "test_padding_gpu.py": 1,
 }  # fmt: skip
 #: The same on two GPUs: per file the slowest of the three cold runs on 2 x H200 (32 cores) of
-#: 2026-11-29 (a budget has to hold a slow run: the Mamba file took 99 s on average of the first
-#: two and 176 s in the third, whose lane the budget then cut at 420 s). The first run was split by
+#: 2026-11-29 (the files' order of claims, and before claims their lanes: the Mamba file took
+#: 99 s on average of the first two and 176 s in the third, whose lane the budget then cut at
+#: 420 s; 92 s in a fourth). The first run was split by
 #: :data:`FILE_SECONDS`, whose HybridEP 100 s, skipped without DeepEP, left one lane at 264 s while
 #: the budget cut the other two at 419 s. ``test_hf_gpu.py``'s figure counts its last tests as on
 #: one GPU (cut off in the first run; its wait for the fixture folders varies);
@@ -168,7 +169,15 @@ def claim(folder: Path, name: str, lane: int, rank: int, wait: float = CLAIM_WAI
     The lane's rank 0 claims (a file named ``name`` holding the lane's number, linked into
     place whole, so that no reader sees it half written and no second claim replaces it); every
     rank then reads the claim, waiting up to ``wait`` seconds for it, so the ranks of a job
-    agree without a collective.
+    agree without a collective. A lane's job started again (after a hung test) finds its own
+    claims and runs what is left of its files.
+
+    Args:
+        folder: the claims, shared by the lanes of one run.
+        name: the test file's name.
+        lane: this job's lane (``MH_LANE``'s ``i``).
+        rank: this process's rank in its job.
+        wait: seconds to wait for the claim to appear.
 
     Raises:
         TimeoutError: no claim appeared within ``wait`` seconds (the lane's rank 0 is gone).
@@ -198,7 +207,7 @@ def runs_here(item) -> bool:
     """Whether this job runs ``item``: always, unless its lanes claim files
     (``MH_LANE_BY=claim``, ``MH_LANE_CLAIMS`` the folder), where only the lane that claimed the
     item's file runs it (:func:`claim`, once per file)."""
-    if os.environ.get("MH_LANE_BY") != "claim":
+    if os.environ.get("MH_LANE_BY") != "claim" or not os.environ.get("MH_LANE"):
         return True
     name = _file(item)
     if name not in _CLAIMED:

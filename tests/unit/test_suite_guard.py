@@ -179,3 +179,72 @@ def test_ranks_agree_and_an_early_failure_ends_the_job(tmp_path):
     assert early["outcome"] == "failed" and early["aborted"] and early["seconds"] < 30, early
     assert "still in the test after 2 s" in early["detail"]
     assert "test_never_reached" not in ends
+
+
+PASSED_BY = textwrap.dedent("""
+    import time
+
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def world():
+        yield
+        time.sleep(600)  # a teardown that hangs (destroying process groups, say)
+
+    def test_runs(world):
+        pass
+
+    def test_elsewhere(world):  # another lane's: passed by, so test_runs was not the last
+        pass
+    """)
+PASSED_BY_CONFTEST = CONFTEST + textwrap.dedent("""
+    import pytest
+
+    def pytest_configure(config):  # replaces the one above: the guard and who runs what
+        global GUARD
+        GUARD = suite_guard.install(config, Path(__file__).parent)
+        GUARD.runs_here = lambda item: item.name != "test_elsewhere"
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(item, nextitem):
+        return True if item.name == "test_elsewhere" else None
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "control-unguarded"])
+def test_the_session_teardown_after_a_passed_by_test_has_the_time_limit(tmp_path, guarded):
+    """Where the last test a job runs is not the last it collected (claimed files), pytest tears
+    the session fixtures down after the tests: a hang there ends the process at the limit, with
+    the guard's message. Control: without the guard's session-end hook the teardown still runs
+    when the limit is long past."""
+    sys.path.insert(0, str(FUNCTIONAL))
+    import suite_guard
+
+    suite, record = tmp_path / "suite", tmp_path / "record.jsonl"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(PASSED_BY_CONFTEST)
+    (suite / "test_guarded.py").write_text(PASSED_BY)
+    if not guarded:  # the guard without its session-end hook, in the child
+        (suite / "conftest.py").write_text(
+            PASSED_BY_CONFTEST + "\ndel suite_guard.SuiteGuard.pytest_sessionfinish\n"
+        )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               str(suite)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update(MH_TEST_RECORD=str(record), OMP_NUM_THREADS="1", MH_TEST_TIMEOUT="3",
+               MH_TEST_GRACE="2")  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=suite)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        assert not guarded, "the session teardown hung past the limit: " + output
+        return
+    assert guarded, "the control ended by itself: " + output
+    assert proc.returncode == suite_guard.ABORT_CODE, output
+    assert "TIMEOUT (between tests)" in output, output
+    assert _ends(record)["test_runs"]["outcome"] == "passed"
+    assert "test_elsewhere" not in _ends(record)  # passed by: neither run nor recorded

@@ -68,11 +68,7 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def _sorts_chunks(self) -> bool:
         """Whether received chunks need sorting by local expert and a gather does it."""
-        return (
-            self.fast_path_reason is not None  # an all-to-all (EP > 1)
-            and self.chunk_sort_reason is None
-            and self.num_local_experts > 1
-        )
+        return self.ep_size > 1 and self.num_local_experts > 1 and self.chunk_sort_reason is None
 
     def preprocess(self, routing_map):
         """megatron's, keeping the chunks' counts on the device for :func:`chunk_order` (megatron
@@ -187,7 +183,7 @@ class FastMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         reasons = [getattr(dispatcher, name, "not megatron's all-to-all")
                    for name in ("fast_path_reason", "permutation_reason")]  # fmt: skip
-        if getattr(dispatcher, "fast_path_reason", None) is not None and self.num_local_experts > 1:
-            reasons.append(getattr(dispatcher, "chunk_sort_reason", None))  # chunks to sort
+        if getattr(dispatcher, "ep_size", 1) > 1 and self.num_local_experts > 1:  # chunks to sort
+            reasons.append(getattr(dispatcher, "chunk_sort_reason", None))
         found = [r for r in dict.fromkeys(reasons) if r is not None]
         return "; ".join(found) if found else None

@@ -24,10 +24,10 @@ experts want them by local expert, then by source rank. megatron-core 0.19.2 sor
 TransformerEngine with ``sort_chunks_by_idxs`` (``transformer/moe/moe_utils.py``): a
 ``torch.split`` into ``ranks x local experts`` pieces and a ``torch.cat`` of them in the new
 order, after the dispatch and again before the combine, for the tokens and the probabilities,
-and their backwards likewise. At 64 pieces that is about 800 host operators per MoE layer and
-micro-batch (a quarter of a step's at EP 2, 2 x H200), and a step at EP > 1 is bound by its
-host. :func:`chunk_order` computes the same order on the device, and :func:`reorder_rows` moves
-the rows with one gather each way.
+and their backwards likewise. At 64 pieces that is hundreds of host operators per MoE layer and
+micro-batch (a profiled step at EP 2 on 2 x H200 ran 54,000 operators with them and 34,000
+without), and a step at EP > 1 is bound by its host. :func:`chunk_order` computes the same
+order on the device, and :func:`reorder_rows` moves the rows with one gather each way.
 """
 
 from __future__ import annotations

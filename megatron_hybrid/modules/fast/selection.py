@@ -326,8 +326,8 @@ def chunk_sort_reason(dispatcher) -> str | None:
     """Why an all-to-all dispatcher sorts the received chunks by local expert with megatron's
     ``sort_chunks_by_idxs`` (a split and a concatenation of ``ranks x local experts`` pieces),
     or None where :func:`~megatron_hybrid.modules.fast.permutation.chunk_order`'s gather
-    computes the same. Where the sort is the identity (one local expert, or no all-to-all) it
-    runs neither.
+    computes the same. It applies at EP > 1 with several local experts; elsewhere there is
+    nothing from other ranks to sort.
     """
     config = dispatcher.config
     if config.moe_permute_fusion:

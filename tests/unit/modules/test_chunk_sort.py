@@ -90,38 +90,48 @@ def _round_trip(dispatcher, hidden, probs, routing_map):
 
 def _ep2_worker(rank, world_size):
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from megatron_hybrid.modules.fast.dispatch import SyncFreeAllToAllDispatcher
     from megatron_hybrid.process_groups import initialize_model_parallel
     from megatron_hybrid.runtime.cpu import enable_cpu_emulation
-    from megatron_hybrid.testing.models import small_config
 
     enable_cpu_emulation()
     pg = initialize_model_parallel(tp=1, pp=1, ep=2, seed=3)
-    config = small_config("E", hidden_size=HIDDEN, num_attention_heads=2, moe_ffn_hidden_size=8,
-                          num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                          expert_model_parallel_size=2)  # fmt: skip
-    local = EXPERTS // world_size
-    args = (local, list(range(rank * local, (rank + 1) * local)))
-    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
-    hidden = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
-    logits = torch.randn(TOKENS, EXPERTS, generator=gen)
-    logits[:, 0] += 4.0  # an uneven load: expert 0 takes every token, expert 7 few
-    top = logits.topk(TOPK, dim=-1).indices
-    routing_map = torch.zeros(TOKENS, EXPERTS, dtype=torch.bool).scatter(1, top, True)
-    probs = logits.softmax(-1) * routing_map
-
     sorts = []
     original = token_dispatcher.sort_chunks_by_idxs
     token_dispatcher.sort_chunks_by_idxs = lambda *a, **k: sorts.append(1) or original(*a, **k)
+    # 4 local experts per rank (chunks to sort), and 1 (nothing to sort: megatron sorts none).
+    return {experts: _ep2_case(rank, world_size, pg, experts, sorts) for experts in (EXPERTS, 2)}
+
+
+def _ep2_case(rank, world_size, pg, experts, sorts):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_hybrid.modules.fast.dispatch import SyncFreeAllToAllDispatcher
+    from megatron_hybrid.testing.models import small_config
+
+    config = small_config("E", hidden_size=HIDDEN, num_attention_heads=2, moe_ffn_hidden_size=8,
+                          num_moe_experts=experts, moe_router_topk=TOPK,
+                          expert_model_parallel_size=2)  # fmt: skip
+    local = experts // world_size
+    args = (local, list(range(rank * local, (rank + 1) * local)))
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
+    hidden = torch.randn(TOKENS, 1, HIDDEN, generator=gen)
+    logits = torch.randn(TOKENS, experts, generator=gen)
+    logits[:, 0] += 4.0  # an uneven load: expert 0 takes every token
+    top = logits.topk(TOPK, dim=-1).indices
+    routing_map = torch.zeros(TOKENS, experts, dtype=torch.bool).scatter(1, top, True)
+    probs = logits.softmax(-1) * routing_map
+
+    sorts.clear()
     ref = MoEAlltoAllTokenDispatcher(*args, config=config, pg_collection=pg)
     expected = _round_trip(ref, hidden, probs, routing_map)
-    megatron_sorts, sorts[:] = len(sorts), []
+    megatron_sorts = len(sorts)
+    sorts.clear()
     fast = SyncFreeAllToAllDispatcher(*args, config=config, pg_collection=pg)
     got = _round_trip(fast, hidden, probs, routing_map)
     return {"reason": fast.chunk_sort_reason, "megatron_sorts": megatron_sorts,
             "fast_sorts": len(sorts), "rows": got["tokens"].shape[0],
+            "left": (fast._chunk_counts, fast._chunk_orders),
             "equal": {k: torch.equal(got[k], expected[k]) for k in expected}}  # fmt: skip
 
 
@@ -132,13 +142,18 @@ def test_sync_free_dispatcher_sorts_chunks_as_megatron_at_ep2():
     from megatron_hybrid.testing.spawn import run_distributed
 
     results = run_distributed(_ep2_worker, 2, timeout=300)
-    for result in results:
-        assert result["reason"] is None
-        assert result["equal"] == {k: True for k in result["equal"]}
-        assert result["fast_sorts"] == 0
-        assert result["megatron_sorts"] == 2  # control: the dispatch's sort and the combine's
+    for by_experts in results:
+        for experts, result in by_experts.items():
+            assert result["reason"] is None
+            assert result["equal"] == {k: True for k in result["equal"]}, experts
+            assert result["fast_sorts"] == 0
+            assert result["left"] == (None, None)  # nothing kept past the combine
+        # Control: megatron sorts after the dispatch and before the combine, with several local
+        # experts only.
+        assert by_experts[EXPERTS]["megatron_sorts"] == 2
+        assert by_experts[2]["megatron_sorts"] == 0
     # Uneven: the rank with expert 0 receives more rows than it sent.
-    assert results[0]["rows"] > TOKENS * TOPK > results[1]["rows"]
+    assert results[0][EXPERTS]["rows"] > TOKENS * TOPK > results[1][EXPERTS]["rows"]
 
 
 def test_chunk_sort_reasons():
