@@ -31,7 +31,13 @@ def test_collections_are_counted_in_the_step_they_happen():
                if hasattr(callback, "__self__"))  # fmt: skip
 
 
-def test_dynamo_graphs_count_compilations_not_calls():
+def test_dynamo_graphs_count_compilations_not_calls(monkeypatch):
+    import torch._dynamo
+
+    # The CPU runtime back-end turns TorchDynamo off for the process (runtime/cpu.py), and an
+    # earlier test in the same process may have activated it.
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+
     def double(x):
         return x * 2 + 1
 
