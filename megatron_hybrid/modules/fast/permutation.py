@@ -41,8 +41,8 @@ __all__ = [
     "PermutationMap",
     "chunk_order",
     "gather_sum",
-    "inverse_order",
     "gather_sum_reason",
+    "inverse_order",
     "permutation_map",
     "permute_probs",
     "permute_tokens",
@@ -223,8 +223,8 @@ def chunk_order(counts: torch.Tensor, rows: int) -> torch.Tensor:
     them by local expert, then by source rank, as megatron's ``sort_chunks_by_idxs`` with
     ``sort_input_by_local_experts`` does; its inverse (:func:`inverse_order`, or
     ``chunk_order(counts.T, rows)``) takes the experts' output back by source rank, as
-    ``restore_output_by_local_experts``. No host copy:
-    ``rows`` (their sum, which the all-to-all's output size gives the host) sizes the result.
+    ``restore_output_by_local_experts``. No host copy: ``rows`` (their sum, which the
+    all-to-all's output size gives the host) sizes the result.
     """
     chunks, experts = counts.shape
     flat = counts.reshape(-1)
