@@ -65,14 +65,13 @@ FILE_SECONDS_ONE_GPU = {
     "test_ep_overlap_gpu.py": 1, "test_hybridep_gpu.py": 1, "test_padding_gpu.py": 1,
 }  # fmt: skip
 #: The same on two GPUs: per file the slowest of the three cold runs on 2 x H200 (32 cores) of
-#: 2026-11-29 (the files' order of claims, and before claims their lanes: the Mamba file took
-#: 99 s on average of the first two and 176 s in the third, whose lane the budget then cut at
-#: 420 s; 92 s in a fourth). The first run was split by
-#: :data:`FILE_SECONDS`, whose HybridEP 100 s, skipped without DeepEP, left one lane at 264 s while
-#: the budget cut the other two at 419 s. ``test_hf_gpu.py``'s figure counts its last tests as on
-#: one GPU (cut off in the first run; its wait for the fixture folders varies);
-#: ``test_packing_gpu.py``'s is the second run's (cut off in the third); ``test_hybridep_gpu.py``
-#: from its first 2-GPU run, with DeepEP.
+#: 2026-11-29, which the order of claims follows (before claims, the lanes' split: the Mamba file
+#: took 99 s on average of the first two runs and 176 s in the third, whose lane the budget cut
+#: at 420 s; 92 s in a fourth). The first run was split by :data:`FILE_SECONDS`, whose HybridEP
+#: 100 s, skipped without DeepEP, left one lane at 264 s while the budget cut the other two at
+#: 419 s. ``test_hf_gpu.py``'s figure counts its last tests as on one GPU (cut off in the first
+#: run; its wait for the fixture folders varies); ``test_packing_gpu.py``'s is the second run's
+#: (cut off in the third); ``test_hybridep_gpu.py`` from its first 2-GPU run, with DeepEP.
 FILE_SECONDS_TWO_GPUS = {
     "test_fast_path_gpu.py": 197, "test_mamba_torch_gpu.py": 176, "test_gdn_gates_gpu.py": 146,
     "test_packing_gpu.py": 91, "test_hybridep_gpu.py": 84, "test_gdn_kernels_gpu.py": 70,
@@ -143,6 +142,14 @@ def _file(item) -> str:
     return Path(str(item.path)).name
 
 
+#: In-process files that read the Hugging Face fixture folders (made in the background).
+FIXTURE_FILES = ("test_hf_fp8_gpu.py", "test_hf_gpu.py")
+#: Seconds a rank waits for its lane's first rank to claim a file (or find it claimed).
+CLAIM_WAIT = 120.0
+#: ``file -> runs here`` for this process (each file is claimed once).
+_CLAIMED: dict[str, bool] = {}
+
+
 def claim_order(items: list) -> None:
     """Sort ``items`` in place for claimed files: the costliest file first (:func:`file_cost`
     in the :func:`file_seconds` of the job's ``WORLD_SIZE``), except the files that read the
@@ -153,14 +160,6 @@ def claim_order(items: list) -> None:
     rank = {name: (name in FIXTURE_FILES, -file_cost(name, seconds), i)
             for i, name in enumerate(files)}  # fmt: skip
     items.sort(key=lambda item: rank[_file(item)])
-
-
-#: In-process files that read the Hugging Face fixture folders (made in the background).
-FIXTURE_FILES = ("test_hf_fp8_gpu.py", "test_hf_gpu.py")
-#: Seconds a rank waits for its lane's first rank to claim a file (or find it claimed).
-CLAIM_WAIT = 120.0
-#: ``file -> runs here`` for this process (each file is claimed once).
-_CLAIMED: dict[str, bool] = {}
 
 
 def claim(folder: Path, name: str, lane: int, rank: int, wait: float = CLAIM_WAIT) -> bool:
