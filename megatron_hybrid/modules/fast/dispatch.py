@@ -54,27 +54,26 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
     ``fast_path_reason`` says why it copies token counts to the host (None: it does not),
     ``permutation_reason`` why it permutes with megatron's ``permute`` (None: with gathers),
     ``chunk_sort_reason`` why it sorts received chunks with megatron's split and concatenation
-    (None: with a gather, where there is something to sort).
+    (None: with a gather, or nothing to sort).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fast_path_reason = sync_free_dispatch_reason(self)
         self.permutation_reason = gather_permutation_reason(self)
-        self.chunk_sort_reason = chunk_sort_reason(self)
+        # Chunks from other ranks to sort: EP > 1 and several local experts.
+        to_sort = self.ep_size > 1 and self.num_local_experts > 1
+        self.chunk_sort_reason = chunk_sort_reason(self) if to_sort else None
+        self._sorts_chunks = to_sort and self.chunk_sort_reason is None
         self._permutation = None
         self._chunk_counts = None  # [ranks, local experts] on the device, until the dispatch
         self._chunk_orders = None  # (restore, sort) from the dispatch to the combine
-
-    def _sorts_chunks(self) -> bool:
-        """Whether received chunks need sorting by local expert and a gather does it."""
-        return self.ep_size > 1 and self.num_local_experts > 1 and self.chunk_sort_reason is None
 
     def preprocess(self, routing_map):
         """megatron's, keeping the chunks' counts on the device for :func:`chunk_order` (megatron
         moves its copy to the host before the all-to-all)."""
         tokens_per_local_expert = super().preprocess(routing_map)
-        if self._sorts_chunks():
+        if self._sorts_chunks:
             self._chunk_counts = self.num_global_tokens_per_local_expert
         return tokens_per_local_expert
 
@@ -106,7 +105,7 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         """Tokens, their counts per local expert and their probabilities, for the experts."""
-        if self._sorts_chunks():
+        if self._sorts_chunks:
             # megatron's steps for expert tensor parallelism 1, its sort replaced by a gather.
             self.tokens_per_expert = self._maybe_dtoh_and_synchronize(
                 "before_permutation_2", self.tokens_per_expert
@@ -131,7 +130,7 @@ class SyncFreeAllToAllDispatcher(MoEAlltoAllTokenDispatcher):
 
     def combine_preprocess(self, hidden_states):
         """Expert outputs in the order the combine expects."""
-        if self._sorts_chunks():
+        if self._sorts_chunks:
             (restore, order), self._chunk_orders = self._chunk_orders, None
             return reorder_rows(hidden_states, restore, order)
         if self.fast_path_reason is not None:
@@ -181,9 +180,7 @@ class FastMoELayer(MoELayer):
         """Why the dispatcher copies token counts to the host, permutes with megatron's atomic
         adds or sorts received chunks by splitting them (None: none of them)."""
         dispatcher = self.token_dispatcher
-        reasons = [getattr(dispatcher, name, "not megatron's all-to-all")
-                   for name in ("fast_path_reason", "permutation_reason")]  # fmt: skip
-        if getattr(dispatcher, "ep_size", 1) > 1 and self.num_local_experts > 1:  # chunks to sort
-            reasons.append(getattr(dispatcher, "chunk_sort_reason", None))
+        names = ("fast_path_reason", "permutation_reason", "chunk_sort_reason")
+        reasons = [getattr(dispatcher, name, "not megatron's all-to-all") for name in names]
         found = [r for r in dict.fromkeys(reasons) if r is not None]
         return "; ".join(found) if found else None

@@ -182,11 +182,13 @@ class _Unpermute(torch.autograd.Function):
 
 
 class _TakeUnique(torch.autograd.Function):
-    """``values[index]`` for an index without repeats; backward: a scatter (no accumulation)."""
+    """``values[index]`` for an index without repeats; backward: a scatter (no accumulation),
+    or, given the ``inverse`` of a permutation ``index``, a gather (no zero-filled buffer)."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, index: torch.Tensor):
-        ctx.save_for_backward(index)
+    def forward(ctx, values: torch.Tensor, index: torch.Tensor, inverse=None):
+        ctx.save_for_backward(index if inverse is None else inverse)
+        ctx.permutation = inverse is not None
         ctx.size = values.shape[0]
         return values.index_select(0, index)
 
@@ -194,8 +196,10 @@ class _TakeUnique(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
+        if ctx.permutation:
+            return grad.index_select(0, index), None, None
         out = grad.new_zeros((ctx.size, *grad.shape[1:]))
-        return out.index_copy_(0, index, grad), None
+        return out.index_copy_(0, index, grad), None, None
 
 
 def permute_probs(probs: torch.Tensor, mapping: PermutationMap) -> torch.Tensor:
@@ -243,22 +247,7 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, positions)
 
 
-class _Reorder(torch.autograd.Function):
-    """``values[order]`` for a permutation ``order``; backward: ``grad[inverse]``."""
-
-    @staticmethod
-    def forward(ctx, values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
-        ctx.save_for_backward(inverse)
-        return values.index_select(0, order)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def reorder_rows(values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``values[order]``, rows moved by a permutation, and ``inverse`` its inverse: a gather
     forward and backward (:func:`chunk_order` and :func:`inverse_order`)."""
-    return _Reorder.apply(values, order, inverse)
+    return _TakeUnique.apply(values, order, inverse)
